@@ -1,0 +1,19 @@
+"""Argument checks shared by every Python wrapper: one helper, so every op words its errors alike."""
+from __future__ import annotations
+
+import torch
+
+
+def expect(cond: bool, op: str, msg: str, exc: type[Exception] = ValueError) -> None:
+    """Raise ``exc("<op>: <msg>")`` when ``cond`` is false."""
+    if not cond:
+        raise exc(f"{op}: {msg}")
+
+
+def per_row(op: str, name: str, value, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A Python number or a ``[batch]`` tensor as a contiguous ``[batch]`` tensor of ``dtype`` on ``device``."""
+    if isinstance(value, torch.Tensor):
+        expect(value.dim() == 1 and value.shape[0] == batch, op,
+               f"{name} must be a number or a [batch={batch}] tensor, got shape {tuple(value.shape)}")
+        return value.to(device=device, dtype=dtype).contiguous()
+    return torch.full((batch,), value, dtype=dtype, device=device)

@@ -1,0 +1,99 @@
+"""Paged KV cache ops: append new K/V rows, gather sequences back out.
+
+Cache layout (vLLM "flash" / FlashInfer NHD): ``k_cache``, ``v_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot ``s = block * block_size + offset``.
+"""
+from __future__ import annotations
+
+import torch
+
+from arkernels import _library  # noqa: F401  (loads the op library)
+from arkernels.ops._checks import expect
+
+_ops = torch.ops.arkernels
+
+
+def paged_kv_append(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
+    """Write ``key``/``value`` rows into the paged caches, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``; may be strided views (last dim contiguous),
+            e.g. slices of a fused qkv projection.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype as ``key``
+            (float32, float16 or bfloat16).
+        slot_mapping: int32 or int64 ``[n]``, ``n <= num_tokens``: token ``t < n`` goes to slot
+            ``slot_mapping[t]``; tokens past ``n`` are ignored (CUDA-graph padding). A negative slot is
+            padding and is skipped. A slot at or past ``num_blocks * block_size`` is never written.
+        check: validate the slots first (one host sync) and raise ``ValueError`` naming the first slot past
+            the cache. ``False`` skips that for hot paths whose slots come from our own allocator.
+    """
+    if check and slot_mapping.numel() > 0 and slot_mapping.dtype in (torch.int32, torch.int64):
+        num_slots = k_cache.shape[0] * k_cache.shape[1] if k_cache.dim() == 4 else 0
+        bad = (slot_mapping >= num_slots).nonzero()
+        if bad.numel() > 0:
+            i = int(bad[0, 0])
+            raise ValueError(
+                f"paged_kv_append: slot_mapping[{i}] = {int(slot_mapping[i])} is outside the cache "
+                f"({num_slots} slots = num_blocks * block_size)"
+            )
+    _ops.paged_kv_append(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_kv_gather(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int | None = None,
+    *,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each sequence's keys and values out of the paged caches.
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: int32 ``[batch, max_blocks_per_seq]``; entry ``[b, i]`` is the cache block holding
+            positions ``i * block_size ...`` of sequence ``b``. Entries past a sequence's length are ignored
+            (they may be -1); an entry within it that is out of range is an error (``check=True``) and is
+            never read.
+        seq_lens: int32 ``[batch]``.
+        max_seq_len: the output length; default ``max(seq_lens)`` (one host sync). Give it to stay sync-free.
+        check: validate the block-table entries within each length (one host sync).
+
+    Returns:
+        ``(key, value)``, each ``[batch, num_kv_heads, max_seq_len, head_dim]`` (transformers' layout),
+        zero beyond each sequence's length.
+    """
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if seq_lens.numel() > 0 else 0
+    if check and block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4 and block_table.numel() > 0:
+        bs = k_cache.shape[1]
+        used = torch.arange(block_table.shape[1], device=block_table.device) * bs < seq_lens.to(
+            block_table.device)[:, None].long()
+        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"paged_kv_gather: block_table[{b}, {i}] = {int(block_table[b, i])} is out of range "
+                f"[0, {k_cache.shape[0]}) within sequence {b}'s length {int(seq_lens[b])}"
+            )
+    return _ops.paged_kv_gather(k_cache, v_cache, block_table, seq_lens, max_seq_len)
+
+
+@torch.library.register_fake("arkernels::paged_kv_append")
+def _(key, value, k_cache, v_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("arkernels::paged_kv_gather")
+def _(k_cache, v_cache, block_table, seq_lens, max_seq_len):
+    shape = (block_table.shape[0], k_cache.shape[2], max_seq_len, k_cache.shape[3])
+    return k_cache.new_empty(shape), v_cache.new_empty(shape)

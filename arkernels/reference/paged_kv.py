@@ -1,0 +1,31 @@
+"""Naive paged KV cache reference: Python loops over tokens, obviously correct, slow on purpose."""
+from __future__ import annotations
+
+import torch
+
+
+def paged_kv_append_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Same contract as ``arkernels.paged_kv_append``: writes token t to slot ``slot_mapping[t]`` (skipping
+    negative slots and slots past the cache)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0 or slot >= num_blocks * block_size:
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[t]
+        v_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def paged_kv_gather_ref(k_cache, v_cache, block_table, seq_lens, max_seq_len=None):
+    """Same contract as ``arkernels.paged_kv_gather``: ``[batch, heads, max_seq_len, head_dim]`` each."""
+    lens = seq_lens.tolist()
+    max_seq_len = max(lens, default=0) if max_seq_len is None else max_seq_len
+    batch, block_size = len(lens), k_cache.shape[1]
+    shape = (batch, k_cache.shape[2], max_seq_len, k_cache.shape[3])
+    k_out = torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device)
+    v_out = torch.zeros(shape, dtype=v_cache.dtype, device=v_cache.device)
+    for b in range(batch):
+        for t in range(lens[b]):
+            blk = int(block_table[b, t // block_size])
+            k_out[b, :, t] = k_cache[blk, t % block_size]
+            v_out[b, :, t] = v_cache[blk, t % block_size]
+    return k_out, v_out

@@ -1,0 +1,46 @@
+// Table of contents: every arkernels op's schema, written once. CPU kernels live in csrc/<stem>_cpu.cpp,
+// CUDA kernels in csrc/<stem>.cu (both register with TORCH_LIBRARY_IMPL); Triton ops register their
+// CUDA (and CPU) implementations from arkernels/ops/<stem>.py; fakes for torch.compile live there too.
+// `Tensor(a!)` marks what an op writes.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(arkernels, m) {
+  // ---- paged_kv: paged KV cache, layout [num_blocks, block_size, num_kv_heads, head_dim] (vLLM/FlashInfer NHD) ----
+  // key/value [num_tokens, num_kv_heads, head_dim] (strided ok) -> caches at slot_mapping[n <= num_tokens]
+  // (int32|int64; slot = block * block_size + offset; slot < 0: padding, skipped; slot past the cache: never written).
+  m.def("paged_kv_append(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  // block_table int32 [batch, max_blocks], seq_lens int32 [batch] -> (key, value) [batch, num_kv_heads, max_seq_len, head_dim],
+  // zero past each sequence's length.
+  m.def("paged_kv_gather(Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, SymInt max_seq_len) -> (Tensor, Tensor)");
+
+  // ---- window_attention: causal (sliding-window) attention over the paged cache, GQA ----
+  // query [batch, Hq, D] (decode: cu_seqlens_q None) or [total_q, Hq, D] with cu_seqlens_q int32 [batch + 1]
+  // (sequence b's queries are its last q_len_b positions); caches [num_blocks, block_size, Hkv, D] (any strides,
+  // last dim contiguous); window 0: full causal, W > 0: keys i-W < j <= i; softcap 0: off.
+  // -> (out like query, lse fp32 [num_queries, Hq]); a query with no visible key gives zeros and lse -inf.
+  m.def("window_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor? cu_seqlens_q, int max_q_len, int window, float scale, float softcap) -> (Tensor, Tensor)");
+
+  // ---- sampling: temperature -> top-k -> top-p -> min-p -> draw, from logits, no full sort ----
+  // logits [batch, vocab] fp32|fp16|bf16 (rows may be strided); temperature fp32 [batch] (0: greedy),
+  // top_k int32 [batch] (0: off), top_p fp32 [batch] (1: off), min_p fp32 [batch] (0: off)
+  // -> filtered, renormalised fp32 probabilities [batch, vocab].
+  m.def("sampling_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor");
+  // seed, step int64 [batch]: each row's random stream is keyed on (seed, step, vocab column), never on the
+  // row's index -> (ids int64 [batch] in [0, vocab), valid bool [batch]: False for a row with no finite logit).
+  m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seed, Tensor step) -> (Tensor, Tensor)");
+
+  // ---- int8_matmul: symmetric int8 quantization and matmul (F.linear convention: a @ b.T) ----
+  // x [M, K] fp32|fp16|bf16 -> (x_int8 [M, K], scale fp32 [M]); per row (per token, or per output channel of a weight).
+  m.def("quantize_rowwise(Tensor x) -> (Tensor, Tensor)");
+  // a int8 [M, K], b int8 [N, K] -> int32 [M, N] exact without scales; with a_scale fp32 [M], b_scale fp32 [N],
+  // bias [N]?: acc * a_scale[m] * b_scale[n] + bias in fp32, cast to out_dtype (default bf16).
+  m.def("int8_matmul(Tensor a, Tensor b, Tensor? a_scale, Tensor? b_scale, Tensor? bias, ScalarType? out_dtype) -> Tensor");
+  // x fp16|bf16 [M, K], w int8 [N, K], w_scale fp32 [N], bias [N]? -> [M, N] in x's dtype; weights dequantised in registers.
+  m.def("w8a16_matmul(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
+}
+
+// `import arkernels._C` loads this library (and so registers the ops); the module itself is empty.
+static struct PyModuleDef arkernels_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&arkernels_module); }

@@ -1,0 +1,255 @@
+"""paged_kv_append / paged_kv_gather against the naive reference: exact (pure data movement)."""
+import pytest
+import torch
+
+import arkernels
+from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
+from arkernels.reference.paged_kv import paged_kv_append_ref, paged_kv_gather_ref
+from conftest import DEVICES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [8, 64, 80, 96, 128, 256]
+BLOCK_SIZES = [1, 8, 16, 32, 13]  # 13: not a power of two
+NUM_KV_HEADS = [1, 3]
+SENTINEL = -7.0  # caches are poisoned with this before every call
+
+
+def _cache(num_blocks, block_size, heads, head_dim, dtype, device):
+    shape = (num_blocks, block_size, heads, head_dim)
+    return (torch.full(shape, SENTINEL, dtype=dtype, device=device),
+            torch.full(shape, SENTINEL, dtype=dtype, device=device))
+
+
+def _slots(num_tokens, num_slots, n, gen):
+    """n distinct random slots, two of them padding (-1)."""
+    slots = torch.randperm(num_slots, generator=gen)[:n].long()
+    if n >= 3:
+        slots[1] = -1
+        slots[n - 1] = -5
+    return slots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_paged_kv_append_grid(device, dtype, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim * 31 + block_size)
+    heads, num_blocks, num_tokens = 3, 7, 19
+    key = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype).to(device)
+    value = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype).to(device)
+    n = min(num_tokens - 2, num_blocks * block_size)  # a short slot_mapping: tokens past n are padding
+    slots = _slots(num_tokens, num_blocks * block_size, n, gen).to(device)
+    for slot_dtype in (torch.int32, torch.int64):
+        k, v = _cache(num_blocks, block_size, heads, head_dim, dtype, device)
+        k_ref, v_ref = k.clone(), v.clone()
+        paged_kv_append(key, value, k, v, slots.to(slot_dtype))
+        paged_kv_append_ref(key, value, k_ref, v_ref, slots)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_kv_append_strided_inputs(device, dtype):
+    """key/value as slices of a fused qkv output: strided rows, contiguous head_dim."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, head_dim, block_size = 11, 2, 80, 16
+    qkv = torch.randn(tokens, 3 * heads + 1, head_dim, generator=gen).to(dtype).to(device)
+    key, value = qkv[:, heads:2 * heads], qkv[:, 2 * heads + 1:]
+    assert not key.is_contiguous()
+    slots = torch.tensor([5, 0, -1, 17, 31, 2, 3, 40, 41, 63, 9], device=device)
+    k, v = _cache(4, block_size, heads, head_dim, dtype, device)
+    k_ref, v_ref = k.clone(), v.clone()
+    paged_kv_append(key, value, k, v, slots)
+    paged_kv_append_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_kv_append_misaligned_takes_scalar_path(device):
+    """A key view starting one element in: not 16-byte aligned, so the scalar path must be exact too."""
+    base = torch.randn(5 * 2 * 64 + 1, dtype=torch.float16, device=device)
+    key = base[1:].view(5, 2, 64)
+    k, v = _cache(2, 4, 2, 64, torch.float16, device)
+    k_ref, v_ref = k.clone(), v.clone()
+    slots = torch.tensor([7, 0, 3, -1, 6], device=device)
+    paged_kv_append(key, key, k, v, slots)
+    paged_kv_append_ref(key, key, k_ref, v_ref, slots)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def _random_table(lens, block_size, num_blocks, gen, pad=-1):
+    need = [-(-n // block_size) for n in lens]
+    width = max(need) + 1
+    ids = torch.randperm(num_blocks, generator=gen)[: sum(need)].tolist()
+    table = torch.full((len(lens), width), pad, dtype=torch.int32)
+    for b, k in enumerate(need):
+        table[b, :k] = torch.tensor(ids[:k], dtype=torch.int32)
+        ids = ids[k:]
+    return table
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_paged_kv_gather_grid(device, dtype, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    heads = 2
+    # ends mid-block, exactly on a block boundary, a single token, and an empty sequence
+    lens = [2 * block_size + 3, 3 * block_size, 1, 0]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).to(dtype).to(device)
+    v = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).to(dtype).to(device)
+    table = _random_table(lens, block_size, num_blocks, gen).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    got = paged_kv_gather(k, v, table, seq_lens)
+    want = paged_kv_gather_ref(k, v, table, seq_lens)
+    assert got[0].shape == (len(lens), heads, max(lens), head_dim)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_kv_gather_strided_cache_and_explicit_length(device):
+    """A cache that is a strided view (dense [B, S, H, D] permuted from [B, H, S, D]), one block per sequence."""
+    dense = torch.randn(3, 2, 10, 64, device=device)  # [B, H, S, D]
+    cache = dense.permute(0, 2, 1, 3)  # [num_blocks=B, block_size=S, H, D], non-contiguous
+    table = torch.arange(3, dtype=torch.int32, device=device)[:, None]
+    lens = torch.tensor([10, 4, 7], dtype=torch.int32, device=device)
+    k, v = paged_kv_gather(cache, cache, table, lens, max_seq_len=10)
+    k_ref, _ = paged_kv_gather_ref(cache, cache, table, lens, 10)
+    assert torch.equal(k, k_ref)
+    assert torch.equal(k[0], dense[0])
+
+
+def test_paged_kv_roundtrip_through_allocator():
+    cache = arkernels.PagedKVCache(num_layers=2, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=8,
+                                   dtype=torch.float32)
+    for sid in (0, 1):
+        cache.add_sequence(sid)
+    slots = cache.reserve([0, 1], [5, 3])
+    key = torch.randn(8, 2, 8)
+    for layer in range(2):
+        cache.append(layer, key * (layer + 1), -key, slots)
+    k, v = cache.gather(1, [0, 1])
+    assert torch.equal(k[0, :, :5], (2 * key[:5]).transpose(0, 1))
+    assert torch.equal(k[1, :, :3], (2 * key[5:]).transpose(0, 1))
+    assert torch.equal(k[1, :, 3:], torch.zeros_like(k[1, :, 3:]))
+
+
+def test_block_allocator_fork_and_copy_on_write():
+    cache = arkernels.PagedKVCache(num_layers=1, num_blocks=6, block_size=4, num_kv_heads=1, head_dim=8,
+                                   dtype=torch.float32)
+    cache.add_sequence(0)
+    slots = cache.reserve([0], [6])  # blocks: one full, one half full
+    key = torch.randn(6, 1, 8)
+    cache.append(0, key, key, slots)
+    cache.fork(0, 1)
+    assert cache.blocks(1) == cache.blocks(0)
+    assert cache.allocator.num_free == 4
+    new = cache.reserve([1], [1])  # the shared half block is copied before the child writes into it
+    assert cache.blocks(1)[0] == cache.blocks(0)[0] and cache.blocks(1)[1] != cache.blocks(0)[1]
+    cache.append(0, torch.ones(1, 1, 8), torch.ones(1, 1, 8), new)
+    k0, _ = cache.gather(0, [0])
+    k1, _ = cache.gather(0, [1])
+    assert torch.equal(k0[0, 0, :6], key[:, 0]) and torch.equal(k1[0, 0, :6], key[:, 0])
+    assert torch.equal(k1[0, 0, 6], torch.ones(8))
+    cache.free_sequence(0)
+    cache.free_sequence(1)
+    assert cache.allocator.num_free == 6
+
+
+def test_out_of_blocks_leaves_sequences_intact():
+    cache = arkernels.PagedKVCache(num_layers=1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=8)
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    cache.reserve([0], [3])
+    before = (cache.blocks(0), cache.seq_len(0), cache.allocator.num_free)
+    with pytest.raises(arkernels.OutOfBlocksError, match="blocks"):
+        cache.reserve([0, 1], [1, 3])
+    assert (cache.blocks(0), cache.seq_len(0), cache.allocator.num_free) == before
+    assert cache.seq_len(1) == 0
+    with pytest.raises(ValueError, match="double free"):
+        cache.allocator.free([2])
+
+
+# ---- bad inputs: each raises, naming the op and argument, and the cache is byte-identical afterwards ----
+def _bad_append_cases():
+    k = torch.zeros(4, 4, 2, 64)
+    key = torch.ones(3, 2, 64)
+    slots = torch.tensor([0, 1, 2])
+    return [
+        ("slot_mapping", dict(slot_mapping=torch.tensor([0, 16, 1])), ValueError),  # past the cache
+        ("slot_mapping", dict(slot_mapping=torch.tensor([0.0, 1.0, 2.0])), RuntimeError),
+        ("slot_mapping", dict(slot_mapping=torch.tensor([0, 1, 2, 3])), RuntimeError),  # longer than key
+        ("must share one dtype", dict(key=key.half()), RuntimeError),
+        ("does not match", dict(key=torch.ones(3, 3, 64), value=torch.ones(3, 3, 64)), RuntimeError),
+        ("key must be 3-D", dict(key=torch.ones(3, 128), value=torch.ones(3, 128)), RuntimeError),
+        ("float32, float16 or bfloat16", dict(key=key.double(), value=key.double(), k_cache=k.double(),
+                                              v_cache=k.double()), RuntimeError),
+        ("contiguous last", dict(key=torch.ones(3, 2, 128)[..., ::2]), RuntimeError),
+    ], dict(key=key, value=key, k_cache=k, v_cache=k.clone(), slot_mapping=slots)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_paged_kv_append_bad_inputs(case):
+    cases, base = _bad_append_cases()
+    match, override, exc = cases[case]
+    args = {**base, **override}
+    snapshot = (args["k_cache"].clone(), args["v_cache"].clone())
+    with pytest.raises(exc, match=f"paged_kv_append: .*{match}"):
+        paged_kv_append(**args)
+    assert torch.equal(args["k_cache"], snapshot[0]) and torch.equal(args["v_cache"], snapshot[1])
+
+
+def test_paged_kv_append_unchecked_never_writes_past_cache():
+    """check=False skips validation, but the kernel still never writes outside the cache."""
+    storage = torch.full((5, 4, 1, 8), SENTINEL)  # one guard block after the 4-block cache
+    k, v = storage[:4], torch.zeros(4, 4, 1, 8)
+    key = torch.ones(2, 1, 8)
+    paged_kv_append(key, key, k, v, torch.tensor([16, 1000]), check=False)
+    assert torch.all(storage == SENTINEL)
+
+
+def test_paged_kv_gather_bad_inputs():
+    k = torch.zeros(4, 4, 2, 64)
+    table = torch.tensor([[0, 9]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"paged_kv_gather: block_table\[0, 1\] = 9"):
+        paged_kv_gather(k, k, table, torch.tensor([6], dtype=torch.int32))
+    # the same bad entry past the sequence's length is ignored
+    k_out, _ = paged_kv_gather(k, k, table, torch.tensor([4], dtype=torch.int32))
+    assert k_out.shape == (1, 2, 4, 64)
+    with pytest.raises(RuntimeError, match="paged_kv_gather: block_table must be Int"):
+        paged_kv_gather(k, k, table.long(), torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="paged_kv_gather: seq_lens has 2 entries"):
+        paged_kv_gather(k, k, table, torch.tensor([4, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="paged_kv_gather: k_cache and v_cache must have one shape"):
+        paged_kv_gather(k, k[:2], table, torch.tensor([4], dtype=torch.int32))
+
+
+def test_paged_kv_opcheck():
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(5, 2, 16, generator=gen)
+    k, v = torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16)
+    slots = torch.tensor([0, 5, -1, 11, 2])
+    torch.library.opcheck(torch.ops.arkernels.paged_kv_append.default, (key, key, k, v, slots))
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    lens = torch.tensor([6, 3], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.arkernels.paged_kv_gather.default, (k, v, table, lens, 6))
+
+
+def test_paged_kv_compile_fullgraph():
+    def step(key, value, k, v, slots, table, lens):
+        paged_kv_append(key, value, k, v, slots, check=False)
+        return paged_kv_gather(k, v, table, lens, 6, check=False)
+
+    key = torch.randn(4, 2, 16)
+    k, v = torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16)
+    slots = torch.tensor([0, 1, 8, 9])
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    lens = torch.tensor([6, 2], dtype=torch.int32)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(key, key, k, v, slots, table, lens)
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    want = step(key, key, k2, v2, slots, table, lens)
+    assert torch.equal(got[0], want[0]) and torch.equal(k, k2)
