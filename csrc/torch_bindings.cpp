@@ -17,10 +17,11 @@ TORCH_LIBRARY(arkernels, m) {
   // ---- window_attention: causal (sliding-window) attention over the paged cache, GQA ----
   // query [batch, Hq, D] (decode: cu_seqlens_q None) or [total_q, Hq, D] with cu_seqlens_q int32 [batch + 1]
   // (sequence b's queries are its last q_len_b positions); caches [num_blocks, block_size, Hkv, D] (any strides,
-  // last dim contiguous); window 0: full causal, W > 0: keys i-W < j <= i; softcap 0: off.
+  // last dim contiguous); kv_start int32 [batch]? (keys j < kv_start[b] are masked: left padding; None: 0);
+  // window 0: full causal, W > 0: keys i-W < j <= i; softcap 0: off.
   // -> (out like query, lse fp32 [num_queries, Hq]); a query with no visible key gives zeros and lse -inf.
   m.def("window_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor? cu_seqlens_q, int max_q_len, int window, float scale, float softcap) -> (Tensor, Tensor)");
+        "Tensor? cu_seqlens_q, Tensor? kv_start, int max_q_len, int window, float scale, float softcap) -> (Tensor, Tensor)");
 
   // ---- sampling: temperature -> top-k -> top-p -> min-p -> draw, from logits, no full sort ----
   // logits [batch, vocab] fp32|fp16|bf16 (rows may be strided); temperature fp32 [batch] (0: greedy),
