@@ -38,7 +38,7 @@ def bench_append(n, dtype, device):
     v = torch.zeros_like(k)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:n]
     if n <= 4096:  # check against the reference before timing
-        k_ref, v_ref = k.cpu(), v.cpu()  # copies (caches start zeroed)
+        k_ref, v_ref = k.clone().cpu(), v.clone().cpu()  # caches start zeroed
         paged_kv_append_ref(key.cpu(), value.cpu(), k_ref, v_ref, slots.cpu())
         arkernels.paged_kv_append(key, value, k, v, slots)
         assert torch.equal(k.cpu(), k_ref) and torch.equal(v.cpu(), v_ref), "append disagrees with reference"
