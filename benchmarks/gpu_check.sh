@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU check: on a CUDA machine with no network (torch, triton, transformers preinstalled), build arkernels from
+# source, run the CUDA tests, run compute-sanitizer memcheck over the CUDA kernels' tests, run every benchmark in
+# its GPU mode, and measure the copy-bandwidth ceiling. Everything lands in one folder:
+#   benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else gpu_check_out)
+# Files written: summary.txt (the figures; read this first) and logs.tar.gz (build log with the -Xptxas -v
+# report, test logs, sanitizer log, benchmark CSV/JSON/PNG). Budget: under 8 minutes on one H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/logs"
+mkdir -p "$LOG"
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
+PY=${PYTHON:-python3}
+say() { echo "$*" | tee -a "$SUMMARY"; }
+step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $LOG/NAME.log, record the exit code
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  say "[$name] rc=$rc in $((SECONDS - t0)) s"
+  tail -n 4 "$LOG/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY" > /dev/null
+  return $rc
+}
+
+say "== arkernels GPU check $(date -u +%FT%TZ) =="
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
+$PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$SUMMARY"
+$PY -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tee -a "$SUMMARY"
+
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+export ARKERNELS_CUDA=1
+if ! step build 360 $PY -m pip install --no-build-isolation --no-deps -v -e .; then
+  say "BUILD FAILED: see logs/build.log"
+else
+  grep -E "ptxas info|spill" "$LOG/build.log" > "$LOG/ptxas.txt"
+  say "ptxas: $(grep -c 'Used' "$LOG/ptxas.txt") kernels, $(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$LOG/ptxas.txt" | wc -l) lines with spills"
+  $PY -c "import arkernels; print('cuda kernels built:', arkernels.cuda_kernels_built()); print(arkernels.kernels_report())" 2>&1 | tee -a "$SUMMARY"
+
+  step tests_cuda 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
+  # memcheck over the hand-written CUDA kernels' tests (a slice: the sanitizer is ~10-100x slower)
+  step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    $PY -m pytest -q -x -m cuda -p no:cacheprovider tests/test_paged_kv.py tests/test_window_attention.py -k "not compile"
+
+  export ARKERNELS_BENCH_OUT="$LOG/bench"
+  for b in paged_kv window_attention sampling int8_matmul decode; do
+    [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
+    step "bench_$b" 120 $PY "benchmarks/bench_$b.py" --out "$LOG/bench"
+  done
+fi
+tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$LOG"
+say "== done in $SECONDS s; logs in $OUT_DIR/logs.tar.gz =="
