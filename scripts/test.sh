@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: set up (scripts/setup.sh), then the whole suite on the CPU (CUDA tests skip without a GPU;
+# Triton kernels run in interpreter mode), then the transformers-facing tests again on transformers 5.17.0
+# (the version on the GPU machine) from a side folder that shadows the pinned 5.24. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
+"$PY" -m pytest -q -p no:cacheprovider "$@" tests
+hf_tests=$(ls tests/test_hf_*.py tests/test_generate.py 2>/dev/null || true)
+if [ -n "$hf_tests" ] && [ $# -eq 0 ]; then
+  if [ ! -d .tf517/transformers ]; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target .tf517 transformers==5.17.0
+  fi
+  echo "[test] transformers-facing tests on transformers 5.17.0"
+  PYTHONPATH=.tf517 "$PY" -m pytest -q -p no:cacheprovider $hf_tests
+fi
