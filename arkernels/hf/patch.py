@@ -1,5 +1,160 @@
-"""Placeholder: being written (HF integration issue)."""
+"""``arkernels.patch(model)``: make a plain ``model.generate()`` run on arkernels, for this model instance only.
+
+Three independent pieces, each undone by the handle:
+- attention: our attention + mask functions registered under ``arkernels.hf.attention.NAME`` and selected on this
+  model's config (``set_attn_implementation``); the registries are global, the selection is per instance.
+- cache: an instance attribute wrapping ``_prepare_cache_for_generation``: where generate would build its default
+  ``DynamicCache``, it gets a ``PagedCache`` sized for the call (prompt + max_new_tokens).
+- sampler: an instance attribute wrapping ``_get_logits_processor``: with ``do_sample=True`` the temperature / top-k /
+  top-p / min-p warpers are replaced by one processor that draws with ``arkernels.sample`` and hands generate a
+  one-hot distribution (so its own multinomial returns exactly our draw). Greedy decoding is left untouched.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+_PATCH_ATTR = "_arkernels_patch"
 
 
-def patch(*a, **k):
-    raise NotImplementedError("patch: not built yet")
+class PatchHandle:
+    """Returned by ``patch``; ``undo()`` restores the model exactly (idempotent)."""
+
+    def __init__(self, model, saved_attn: str | None, attrs: list[str]):
+        self.model = model
+        self._saved_attn = saved_attn
+        self._attrs = attrs
+        self.active = True
+
+    def undo(self) -> None:
+        if not self.active:
+            return
+        model = self.model
+        for name in self._attrs:
+            model.__dict__.pop(name, None)  # the class method shows through again
+        if self._saved_attn is not None:
+            model.set_attn_implementation(self._saved_attn)
+        model.__dict__.pop(_PATCH_ATTR, None)
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+
+def _check_supported(model) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"arkernels.patch: model type {model_type!r} ({type(model).__name__}) is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not hasattr(model, "generate"):
+        raise TypeError(f"arkernels.patch: {type(model).__name__} has no generate(); pass a *ForCausalLM model")
+
+
+def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16):
+    """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
+        attention: select arkernels' attention + mask functions on this model's config.
+        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache. With
+            attention too, the attention kernel reads the paged cache in place; alone, the cache hands dense K/V
+            to whatever attention the model uses.
+        sampler: draw ``do_sample=True`` tokens with ``arkernels.sample``.
+
+    Returns:
+        ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
+    """
+    _check_supported(model)
+    if getattr(model, _PATCH_ATTR, None) is not None:
+        raise RuntimeError("arkernels.patch: this model is already patched; undo() the first handle")
+    saved_attn, attrs = None, []
+    if attention:
+        from arkernels.hf.attention import register
+
+        saved_attn = model.config._attn_implementation
+        model.set_attn_implementation(register())
+    if cache:
+        model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size)
+        attrs.append("_prepare_cache_for_generation")
+    if sampler:
+        model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor)
+        attrs.append("_get_logits_processor")
+    handle = PatchHandle(model, saved_attn, attrs)
+    model.__dict__[_PATCH_ATTR] = handle
+    return handle
+
+
+def _wrap_cache(model, original, block_size: int):
+    from transformers import DynamicCache
+
+    from arkernels.hf.attention import NAME
+    from arkernels.hf.cache import PagedCache
+
+    signature = inspect.signature(original)
+
+    def _prepare_cache_for_generation(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        generation_config, model_kwargs = bound.arguments["generation_config"], bound.arguments["model_kwargs"]
+        original(*args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            return
+        for name in ("cache", "past_key_values"):  # 5.24 renamed the argument
+            made = model_kwargs.get(name)
+            if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False):
+                model_kwargs[name] = PagedCache(
+                    model.config, block_size=block_size, max_length=bound.arguments.get("max_cache_length"),
+                    paged_attention=model.config._attn_implementation == NAME)
+
+    return _prepare_cache_for_generation
+
+
+class ArkernelsSampler:
+    """A logits processor that draws the next token with ``arkernels.sample`` and returns a one-hot score row.
+
+    The draw of a row depends only on (its logits, the parameters, the seed, the step): the seed is taken from
+    torch's global generator when generate starts, so ``torch.manual_seed`` makes runs reproducible.
+    """
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
+        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
+        self.seed, self.step = seed, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from arkernels.ops.sampling import sample
+
+        ids = sample(scores, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                     seed=self.seed, step=self.step)
+        self.step += 1
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, ids.view(-1, 1).to(torch.int64), 0.0)
+        return out
+
+
+def _wrap_logits_processor(original):
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    warpers = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    signature = inspect.signature(original)
+
+    def _get_logits_processor(*args, **kwargs):
+        processors = original(*args, **kwargs)
+        config = signature.bind(*args, **kwargs).arguments["generation_config"]
+        if not config.do_sample:
+            return processors
+        kept = type(processors)(p for p in processors if not isinstance(p, warpers))
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        kept.append(ArkernelsSampler(
+            temperature=1.0 if config.temperature is None else float(config.temperature),
+            top_k=int(config.top_k or 0), top_p=1.0 if config.top_p is None else float(config.top_p),
+            min_p=float(config.min_p or 0.0), seed=seed))
+        return kept
+
+    return _get_logits_processor

@@ -1,0 +1,398 @@
+"""A paged KV cache as a transformers ``Cache`` built from ``CacheLayerMixin`` layers.
+
+Layout (vLLM / FlashInfer NHD): each layer owns K and V pools ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Layers that see the same positions share one block table: all full-attention layers form one group, the sliding
+layers of one window W another (vLLM's hybrid allocator). A group owns a ``BlockAllocator``, the per-row block lists,
+an int32 block table ``[rows, capacity]`` and the rows' lengths.
+
+A sliding group returns to its pool every block that falls wholly out of the window before it reserves new slots, so
+its memory stays bounded by ``W - 1 + new tokens`` per row, as transformers' ``DynamicSlidingWindowLayer`` is; freed
+table entries point at block 0, a scratch block that is never handed out, so a kernel that reads them anyway reads
+memory it owns.
+
+Two ways to drive it:
+- ``model.generate`` (after ``arkernels.patch``): every layer's ``update`` receives ``[B, Hkv, T, D]`` and all rows
+  advance by T; the first layer of a group to see a forward reserves the slots, the others reuse them.
+- ``arkernels.generate``: ``begin_step(rows, q_lens)`` plans one forward over a subset of rows with ragged query
+  lengths (packed prefill ``[1, sum(q_lens)]`` or decode ``[len(rows), 1]``), then the layers follow the plan.
+
+``get_seq_length`` and ``get_mask_sizes`` agree with ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` for the same
+updates: transformers sizes its masks and positions from them.
+"""
+from __future__ import annotations
+
+import torch
+
+from arkernels.hf.attention import PAGED_ATTR
+from arkernels.kv_cache import BlockAllocator
+from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as e:  # pragma: no cover - transformers is an optional dependency
+    raise ImportError("arkernels.hf needs transformers>=5.17: pip install 'arkernels[hf]'") from e
+
+SCRATCH_BLOCK = 0  # reserved in every group, never handed to a row: freed / unused table entries point here
+
+
+def _grow_allocator(old: BlockAllocator, num_blocks: int) -> BlockAllocator:
+    """A bigger ``BlockAllocator`` with the same blocks taken, the same reference counts, through its public API."""
+    new = BlockAllocator(num_blocks)
+    taken = new.allocate(old.num_blocks)  # ids 0 .. old.num_blocks-1, low ids first
+    new.free([b for b in taken if old.refcount(b) == 0])
+    for b in taken:
+        for _ in range(old.refcount(b) - 1):
+            new.fork([b])
+    return new
+
+
+class PagedStep:
+    """What one forward of one group hands to the attention function (attached to the K pool as ``_arkernels_paged``).
+
+    block_table int32 ``[rows, capacity]``; seq_lens int32 ``[rows]`` (lengths after this forward); cu_seqlens_q int32
+    ``[rows+1]`` and max_q_len when a row has more than one query (None for one query per row); kv_start int32
+    ``[rows]`` (keys before it are invisible) or None.
+    """
+
+    __slots__ = ("block_table", "seq_lens", "cu_seqlens_q", "max_q_len", "kv_start", "_dense")
+
+    def __init__(self, block_table, seq_lens, cu_seqlens_q, max_q_len, kv_start, dense):
+        self.block_table, self.seq_lens = block_table, seq_lens
+        self.cu_seqlens_q, self.max_q_len, self.kv_start = cu_seqlens_q, max_q_len, kv_start
+        self._dense = dense
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key, value)`` ``[B, Hkv, S, D]`` as a DynamicCache layer would hand them over (fallback paths)."""
+        return self._dense()
+
+
+class _Group:
+    """Layers that share one block table: the full layers, or the sliding layers of one window."""
+
+    def __init__(self, window: int, block_size: int, max_length: int | None, num_blocks: int | None):
+        self.window, self.block_size = window, block_size
+        self.max_length, self.num_blocks_hint = max_length, num_blocks
+        self.layers: list[PagedLayer] = []
+        self.allocator: BlockAllocator | None = None
+        self.rows: list[list[int | None]] = []  # per row: block ids, None where freed out of the window
+        self.lens: list[int] = []
+        self.table: torch.Tensor | None = None  # int32 [rows, capacity]
+        self.step: PagedStep | None = None
+        self.slots: torch.Tensor | None = None  # int64 [tokens of this forward]
+        self.plan: tuple[list[int], list[int]] | None = None
+        self._forward_len: list[int] = []  # lens before this forward (per row of the plan)
+
+    # ---- allocation ----------------------------------------------------------------------------------------
+    def init(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
+        bs = self.block_size
+        if self.num_blocks_hint is not None:
+            n = self.num_blocks_hint
+        else:
+            span = self.max_length or first_tokens
+            if self.window:
+                span = min(span, self.window - 1 + max(first_tokens, 1)) + bs  # +1 block: a window straddles two
+            n = batch * -(-max(span, 1) // bs) + 1
+        self.allocator = BlockAllocator(n + 1)
+        assert self.allocator.allocate(1) == [SCRATCH_BLOCK]
+        self.rows = [[] for _ in range(batch)]
+        self.lens = [0] * batch
+        cap = -(-max(self.max_length or first_tokens, 1) // bs)
+        self.table = torch.full((batch, cap), SCRATCH_BLOCK, dtype=torch.int32, device=like.device)
+
+    def _ensure_free(self, need: int) -> None:
+        if need <= self.allocator.num_free:
+            return
+        old_n = self.allocator.num_blocks
+        new_n = max(2 * old_n, old_n + need - self.allocator.num_free)
+        self.allocator = _grow_allocator(self.allocator, new_n)
+        for layer in self.layers:
+            layer.grow_pools(new_n)
+
+    def _ensure_width(self, width: int) -> None:
+        if width > self.table.shape[1]:
+            extra = max(width, 2 * self.table.shape[1]) - self.table.shape[1]
+            pad = torch.full((self.table.shape[0], extra), SCRATCH_BLOCK, dtype=torch.int32, device=self.table.device)
+            self.table = torch.cat([self.table, pad], dim=1)
+
+    def advance(self, rows: list[int], q_lens: list[int]) -> None:
+        """Free out-of-window blocks, reserve slots for ``q_lens[i]`` new tokens of each row; one call per forward."""
+        bs, W = self.block_size, self.window
+        dirty = False
+        if W:
+            for r in rows:
+                first_visible = self.lens[r] - W + 1  # the earliest key any query of this forward can see
+                blocks = self.rows[r]
+                done = [i for i in range(min(len(blocks), max(first_visible, 0) // bs)) if blocks[i] is not None]
+                if done:
+                    self.allocator.free([blocks[i] for i in done])
+                    for i in done:
+                        blocks[i] = None
+                    self.table[r, done[0]: done[-1] + 1] = SCRATCH_BLOCK
+        need = sum(-(-(self.lens[r] + n) // bs) - len(self.rows[r]) for r, n in zip(rows, q_lens))
+        self._ensure_free(need)
+        self._ensure_width(max(-(-(self.lens[r] + n) // bs) for r, n in zip(rows, q_lens)))
+        for r, n in zip(rows, q_lens):
+            extra = -(-(self.lens[r] + n) // bs) - len(self.rows[r])
+            if extra > 0:
+                new = self.allocator.allocate(extra)
+                start = len(self.rows[r])
+                self.rows[r] += new
+                self.table[r, start: start + extra] = torch.tensor(new, dtype=torch.int32)
+                dirty = True
+        self._forward_len = [self.lens[r] for r in rows]
+        for r, n in zip(rows, q_lens):
+            self.lens[r] += n
+        self.plan = (rows, q_lens)
+        self.slots = self._slots(rows, q_lens, dirty)
+
+    def _slots(self, rows, q_lens, dirty) -> torch.Tensor:
+        bs = self.block_size
+        dev = self.table.device
+        if all(n == 1 for n in q_lens):
+            pos = torch.tensor(self._forward_len, dtype=torch.int64, device=dev)
+            ridx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            return self.table[ridx, pos // bs].to(torch.int64) * bs + pos % bs
+        slots = []
+        for r, n, start in zip(rows, q_lens, self._forward_len):
+            pos = torch.arange(start, start + n, device=dev)
+            slots.append(self.table[r, pos // bs].to(torch.int64) * bs + pos % bs)
+        return torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=dev)
+
+    def release_row(self, r: int) -> None:
+        """Return all blocks of row ``r`` to the pool (the row's length becomes 0)."""
+        self.allocator.free([b for b in self.rows[r] if b is not None])
+        self.rows[r] = []
+        self.lens[r] = 0
+        self.table[r].fill_(SCRATCH_BLOCK)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return 0 if self.allocator is None else self.allocator.num_blocks - 1 - self.allocator.num_free
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer of ``PagedCache``: K/V pools ``[num_blocks, block_size, Hkv, D]`` addressed by its group's table."""
+
+    is_compileable = False  # generate() would auto-compile the forward otherwise (KNOWLEDGE.md)
+    is_croppable = False
+
+    def __init__(self, group: _Group, cache: "PagedCache"):
+        super().__init__()
+        self.group = group
+        self.cache = cache
+        self.is_sliding = group.window > 0
+        if self.is_sliding:
+            self.sliding_window = group.window
+        self.length = 0  # positions written by this layer (rows advance together in model.generate)
+        self.k_pool: torch.Tensor | None = None
+        self.v_pool: torch.Tensor | None = None
+        group.layers.append(self)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        g = self.group
+        batch, hkv, tokens, dim = key_states.shape
+        if self.cache.plan is not None:  # arkernels.generate: rows are the planned sequences
+            batch = self.cache.num_rows
+        if g.allocator is None:
+            g.init(batch, tokens, key_states)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        shape = (g.allocator.num_blocks, g.block_size, hkv, dim)
+        self.k_pool = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.v_pool = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.is_initialized = True
+
+    def grow_pools(self, num_blocks: int) -> None:
+        if self.k_pool is None:
+            return
+        for name in ("k_pool", "v_pool"):
+            old = getattr(self, name)
+            new = torch.zeros((num_blocks, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``[B, Hkv, T, D]`` new keys/values; returns the pools (paged attention) or dense ``[B, Hkv, S, D]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        g, cache = self.group, self.cache
+        batch, hkv, tokens, dim = key_states.shape
+        if cache.plan is not None:
+            rows, q_lens = cache.plan
+            if g.plan is not cache.plan:
+                g.advance(*cache.plan)
+                g.plan = cache.plan
+                g.step = None
+        else:
+            if self.length == g.lens[0]:  # the first layer of this group to see this forward
+                rows, q_lens = list(range(batch)), [tokens] * batch
+                g.advance(rows, q_lens)
+                g.step = None
+            elif self.length + tokens != g.lens[0]:
+                raise RuntimeError(
+                    f"PagedCache: layer {self.layer_idx} got {tokens} tokens at length {self.length} but its group is "
+                    f"at {g.lens[0]}: every layer must see every forward")
+            rows, q_lens = g.plan
+            self.length += tokens
+        k = key_states.transpose(1, 2).reshape(-1, hkv, dim)
+        v = value_states.transpose(1, 2).reshape(-1, hkv, dim)
+        paged_kv_append(k, v, self.k_pool, self.v_pool, g.slots, check=False)
+        if g.step is None:
+            g.step = self._make_step(rows, q_lens, tokens)
+        if cache.paged_attention:
+            step = g.step
+            k_pool, v_pool = self.k_pool, self.v_pool
+            setattr(k_pool, PAGED_ATTR, PagedStep(step.block_table, step.seq_lens, step.cu_seqlens_q, step.max_q_len,
+                                                 step.kv_start, lambda: self._dense(rows, tokens)))
+            return k_pool, v_pool
+        return self._dense(rows, tokens)
+
+    def _make_step(self, rows, q_lens, tokens) -> PagedStep:
+        g, dev = self.group, self.k_pool.device
+        full = len(rows) == g.table.shape[0] and rows == list(range(len(rows)))
+        table = g.table if full else g.table[torch.tensor(rows, device=dev)]
+        seq_lens = torch.tensor([g.lens[r] for r in rows], dtype=torch.int32, device=dev)
+        cu, max_q = None, None
+        if any(n != 1 for n in q_lens):
+            cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+            cu[1:] = torch.tensor(q_lens).cumsum(0)
+            cu, max_q = cu.to(dev), max(q_lens)
+        kv_start = self.cache.kv_start
+        if kv_start is not None and not full:
+            kv_start = kv_start[torch.tensor(rows, device=kv_start.device)]
+        return PagedStep(table, seq_lens, cu, max_q, kv_start, None)
+
+    def _dense(self, rows, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a DynamicLayer / DynamicSlidingWindowLayer returns from the same update (rows advance together)."""
+        g, bs = self.group, self.group.block_size
+        length = g.lens[rows[0]]
+        start = max(length - tokens - g.window + 1, 0) if g.window else 0
+        first_block = start // bs
+        table = g.table[torch.tensor(rows, device=g.table.device), first_block:].contiguous()
+        lens = torch.full((len(rows),), length - first_block * bs, dtype=torch.int32, device=table.device)
+        k, v = paged_kv_gather(self.k_pool, self.v_pool, table, lens, length - first_block * bs, check=False)
+        skip = start - first_block * bs
+        return k[:, :, skip:], v[:, :, skip:]
+
+    # ---- what transformers asks ------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        W = self.group.window
+        if not W:
+            return self.length + query_length, 0
+        kv_offset = max(self.length - W + 1, 0)
+        kv_length = (W - 1 if self.length >= W else self.length) + query_length
+        return kv_length, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.group.window if self.group.window else -1
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def offload(self):
+        raise NotImplementedError("PagedCache: offloading is not supported")
+
+    def prefetch(self):
+        raise NotImplementedError("PagedCache: offloading is not supported")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PagedCache: crop (assisted/speculative decoding) is not supported")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PagedCache: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PagedCache: num_return_sequences > 1 / beam search is not supported")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PagedCache: batch selection is not supported")
+
+
+def _layer_windows(config) -> list[int]:
+    """Per layer: 0 for full attention, W for a sliding window of W keys (the same rule DynamicCache applies)."""
+    config = config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kw = get_layer_types_and_kwargs(config)
+    except ImportError:  # older 5.x: infer as DynamicCache(config=...) does
+        n = config.num_hidden_layers
+        types = getattr(config, "layer_types", None) or (
+            ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * n)
+        kw = [{"sliding_window": config.sliding_window} if t == "sliding_attention" else {} for t in types]
+    windows = []
+    for i, (t, k) in enumerate(zip(types, kw)):
+        if t == "full_attention":
+            windows.append(0)
+        elif t == "sliding_attention":
+            windows.append(int(k["sliding_window"]))
+        else:
+            raise NotImplementedError(
+                f"PagedCache: layer {i} is a {t!r} layer; supported: full_attention, sliding_attention")
+    return windows
+
+
+class PagedCache(Cache):
+    """Paged K/V for every layer of a decoder, usable as ``past_key_values`` / ``cache`` of a transformers model.
+
+    Args:
+        config: the model config (layer types and windows as ``DynamicCache(config=...)`` reads them).
+        block_size: tokens per block.
+        max_length: the longest a row gets (prompt + new tokens); sizes the pools up front. Without it the pools grow
+            (doubling) when a forward needs more blocks than are free.
+        num_blocks: blocks per group (overrides the sizing from max_length).
+        paged_attention: hand the attention function the pools in place (the attention implementation must be
+            arkernels'); False returns dense ``[B, Hkv, S, D]`` keys that any attention implementation can use.
+    """
+
+    def __init__(self, config, *, block_size: int = 16, max_length: int | None = None, num_blocks: int | None = None,
+                 paged_attention: bool = True):
+        if block_size <= 0:
+            raise ValueError(f"PagedCache: block_size must be > 0, got {block_size}")
+        windows = _layer_windows(config)
+        self.groups: dict[int, _Group] = {}
+        for w in windows:
+            if w not in self.groups:
+                self.groups[w] = _Group(w, block_size, max_length, num_blocks)
+        self.paged_attention = paged_attention
+        self.plan: tuple[list[int], list[int]] | None = None
+        self.num_rows = 0
+        self.kv_start: torch.Tensor | None = None
+        super().__init__(layers=[PagedLayer(self.groups[w], self) for w in windows])
+        for i, layer in enumerate(self.layers):
+            layer.layer_idx = i
+
+    # ---- arkernels.generate's interface ----------------------------------------------------------------
+    def begin_step(self, rows: list[int], q_lens: list[int]) -> None:
+        """Plan the next forward: ``q_lens[i]`` new tokens for row ``rows[i]`` (packed in that order)."""
+        self.plan = (list(rows), list(q_lens))
+
+    def set_rows(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.plan = ([], [])
+
+    def release_row(self, r: int) -> None:
+        for g in self.groups.values():
+            if g.allocator is not None:
+                g.release_row(r)
+
+    def row_length(self, r: int) -> int:
+        g = next(iter(self.groups.values()))
+        return g.lens[r] if g.lens else 0
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------
+    @property
+    def blocks_in_use(self) -> dict[int, int]:
+        """Blocks held by rows, per group (key: window, 0 = full attention)."""
+        return {w: g.blocks_in_use for w, g in self.groups.items()}
+
+    def reset(self) -> None:
+        for g in self.groups.values():
+            for r in range(len(g.rows)):
+                g.release_row(r)
+            g.plan = g.step = None
+        for layer in self.layers:
+            layer.length = 0
+        self.kv_start = None
