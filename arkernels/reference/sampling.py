@@ -1,0 +1,93 @@
+"""Naive sampling reference: one row at a time in float64, a stable sort per filter, obviously correct and
+slow on purpose. Shares no code with the kernels (the random stream is re-derived here from its spec with
+Python integers)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def sampling_probs_ref(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """Same contract as ``arkernels.sampling_probs``; per-row parameters are ``[batch]`` tensors or lists.
+    Returns float64 ``[batch, vocab]``."""
+    batch, vocab = logits.shape
+    out = torch.zeros(batch, vocab, dtype=torch.float64)
+    for b in range(batch):
+        x = logits[b].double().cpu()
+        x = torch.where(torch.isnan(x), -math.inf, x)
+        x = x.clamp(max=torch.finfo(torch.float32).max)  # +inf: the largest float, as documented
+        m = float(x.max())
+        if m == -math.inf:
+            continue  # no finite logit: all zeros
+        T = float(temperature[b])
+        if T == 0:
+            out[b, int(torch.nonzero(x == m)[0])] = 1.0  # lowest index among the maxima
+            continue
+        z = (x - m) / T
+        keep = torch.ones(vocab, dtype=torch.bool)
+        k = int(top_k[b])
+        if 0 < k < vocab:
+            kth = torch.sort(x, descending=True, stable=True).values[k - 1]
+            keep &= x >= kth  # every token tied with the k-th value stays
+        p = float(top_p[b])
+        if p < 1:
+            q = torch.where(keep, torch.exp(z), torch.zeros(()))
+            q = q / q.sum()
+            # mass strictly above token i (a stable descending sort; ties share the mass above their group)
+            s, order = torch.sort(q, descending=True, stable=True)
+            above_sorted = torch.cumsum(s, 0) - s
+            first = torch.searchsorted(-s, -s, right=False)  # first position of each value's tie group
+            above = torch.empty_like(q)
+            above[order] = above_sorted[first]
+            keep &= above < p
+        q = torch.where(keep, torch.exp(z), torch.zeros(()))
+        q = q / q.sum()
+        mp = float(min_p[b])
+        keep &= q >= mp * q.max()
+        q = torch.where(keep, q, torch.zeros(()))
+        out[b] = q / q.sum()
+    return out
+
+
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def uniform_ref(seed: int, step: int, col: int) -> float:
+    """The random stream's spec: U in (0, 1) for (seed, step, vocab column), from 64-bit two's-complement
+    seed and step."""
+    s, t = seed & 0xFFFFFFFFFFFFFFFF, step & 0xFFFFFFFFFFFFFFFF
+    a = _fmix32((s & _M32) ^ 0x243F6A88)
+    a = _fmix32(a ^ (s >> 32))
+    a = _fmix32(a ^ (t & _M32))
+    a = _fmix32(a ^ (t >> 32))
+    h = _fmix32(((col * 0x9E3779B9) + a) & _M32)
+    h = _fmix32(h ^ a)
+    return ((h >> 8) + 0.5) / 2**24
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, seed, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``arkernels.sample`` with explicit seeds: an exponential race
+    ``argmax_i q_i / E_i`` over the reference distribution, ``E_i = -log U_i``."""
+    q = sampling_probs_ref(logits, temperature, top_k, top_p, min_p)
+    batch, vocab = q.shape
+    ids = torch.zeros(batch, dtype=torch.int64)
+    valid = torch.zeros(batch, dtype=torch.bool)
+    for b in range(batch):
+        if q[b].sum() == 0:
+            continue
+        valid[b] = True
+        best, best_i = -math.inf, 0
+        for i in torch.nonzero(q[b] > 0)[:, 0].tolist():
+            score = math.log(float(q[b, i])) - math.log(-math.log(uniform_ref(int(seed[b]), int(step[b]), i)))
+            if score > best:
+                best, best_i = score, i
+        ids[b] = best_i
+    return ids, valid
