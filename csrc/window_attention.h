@@ -1,0 +1,80 @@
+// window_attention: input checks shared by the CPU and CUDA kernels (one copy, so both refuse the same inputs),
+// and the visibility rule written once for host code.
+//
+// Visibility of key j to the query at absolute position i of sequence b (window 0: no window):
+//   max(kv_start[b], 0) <= j <= i  and  (window == 0 or j > i - window).
+// Sequence b's queries are its last q_len_b positions: query t (0 <= t < q_len_b) sits at i = seq_lens[b] - q_len_b + t.
+#pragma once
+
+#include "common.h"
+
+#include <cmath>
+#include <optional>
+
+namespace arkernels {
+
+// query [num_queries, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [batch, max_blocks];
+// seq_lens int32 [batch]; cu_seqlens_q int32 [batch + 1]? (None: decode, num_queries == batch);
+// kv_start int32 [batch]?; max_q_len >= 0; window >= 0; softcap >= 0.
+inline void check_window_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                   const std::optional<at::Tensor>& cu_seqlens_q,
+                                   const std::optional<at::Tensor>& kv_start, int64_t max_q_len, int64_t window,
+                                   double scale, double softcap) {
+  AK_CHECK_DIM("window_attention", query, "query", 3);
+  AK_CHECK_DIM("window_attention", k_cache, "k_cache", 4);
+  AK_CHECK_DIM("window_attention", v_cache, "v_cache", 4);
+  AK_CHECK_DIM("window_attention", block_table, "block_table", 2);
+  AK_CHECK_DIM("window_attention", seq_lens, "seq_lens", 1);
+  AK_CHECK("window_attention", k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape, got ",
+           k_cache.sizes(), " and ", v_cache.sizes());
+  const auto dt = query.scalar_type();
+  AK_CHECK("window_attention", dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+           "query must be float32, float16 or bfloat16, got ", dt);
+  AK_CHECK("window_attention", k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+           "query, k_cache and v_cache must share one dtype, got ", dt, ", ", k_cache.scalar_type(), ", ",
+           v_cache.scalar_type());
+  const int64_t hq = query.size(1), hkv = k_cache.size(2), d = query.size(2);
+  AK_CHECK("window_attention", k_cache.size(3) == d, "head_dim of query (", d, ") and k_cache (", k_cache.size(3),
+           ") differ");
+  AK_CHECK("window_attention", hkv > 0 && hq % hkv == 0, "num_q_heads (", hq,
+           ") must be a whole multiple of num_kv_heads (", hkv, ")");
+  AK_CHECK("window_attention", d >= 1 && d <= 512, "head_dim must be in [1, 512], got ", d);
+  AK_CHECK_DTYPE("window_attention", block_table, "block_table", at::kInt);
+  AK_CHECK_DTYPE("window_attention", seq_lens, "seq_lens", at::kInt);
+  const int64_t batch = seq_lens.size(0);
+  AK_CHECK("window_attention", block_table.size(0) == batch, "block_table has ", block_table.size(0),
+           " rows but seq_lens has ", batch, " entries");
+  if (cu_seqlens_q.has_value()) {
+    const at::Tensor& cu = *cu_seqlens_q;
+    AK_CHECK_DIM("window_attention", cu, "cu_seqlens_q", 1);
+    AK_CHECK_DTYPE("window_attention", cu, "cu_seqlens_q", at::kInt);
+    AK_CHECK("window_attention", cu.size(0) == batch + 1, "cu_seqlens_q must have batch + 1 = ", batch + 1,
+             " entries, got ", cu.size(0));
+    AK_CHECK_SAME_DEVICE("window_attention", cu, "cu_seqlens_q", query, "query");
+  } else {
+    AK_CHECK("window_attention", query.size(0) == batch, "decode (cu_seqlens_q None) takes one query per sequence: ",
+             "query has ", query.size(0), " rows but seq_lens has ", batch, " entries");
+  }
+  if (kv_start.has_value()) {
+    const at::Tensor& ks = *kv_start;
+    AK_CHECK_DIM("window_attention", ks, "kv_start", 1);
+    AK_CHECK_DTYPE("window_attention", ks, "kv_start", at::kInt);
+    AK_CHECK("window_attention", ks.size(0) == batch, "kv_start must have batch = ", batch, " entries, got ",
+             ks.size(0));
+    AK_CHECK_SAME_DEVICE("window_attention", ks, "kv_start", query, "query");
+  }
+  AK_CHECK("window_attention", max_q_len >= 0, "max_q_len must be >= 0, got ", max_q_len);
+  AK_CHECK("window_attention", window >= 0, "window must be >= 0 (0: no window), got ", window);
+  AK_CHECK("window_attention", softcap >= 0.0, "softcap must be >= 0 (0: off), got ", softcap);
+  AK_CHECK("window_attention", std::isfinite(scale), "scale must be finite, got ", scale);
+  AK_CHECK_SAME_DEVICE("window_attention", k_cache, "k_cache", query, "query");
+  AK_CHECK_SAME_DEVICE("window_attention", v_cache, "v_cache", query, "query");
+  AK_CHECK_SAME_DEVICE("window_attention", block_table, "block_table", query, "query");
+  AK_CHECK_SAME_DEVICE("window_attention", seq_lens, "seq_lens", query, "query");
+  AK_CHECK_LAST_CONTIGUOUS("window_attention", query, "query");
+  AK_CHECK_LAST_CONTIGUOUS("window_attention", k_cache, "k_cache");
+  AK_CHECK_LAST_CONTIGUOUS("window_attention", v_cache, "v_cache");
+}
+
+}  // namespace arkernels

@@ -1,0 +1,370 @@
+"""window_attention / window_attention_dense against the naive fp64 reference.
+
+Tolerance (the FlashAttention habit): for fp16/bf16 inputs, max|ours - ref64| <= 2 * max|torch_lowp - ref64| + 1e-5,
+where torch_lowp is PyTorch's own attention (matmul + softmax) on the same low-precision inputs in that dtype with
+the same mask; for fp32 inputs an absolute 2e-5 (fp32 accumulation over <= 256-wide dots and <= 70 keys).
+"""
+import math
+
+import pytest
+import torch
+
+from arkernels.ops.window_attention import window_attention, window_attention_dense
+from arkernels.reference.window_attention import window_attention_dense_ref, window_attention_ref, window_mask_ref
+from conftest import DEVICES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+BLOCK_SIZES = [1, 16, 13]  # 13: not a power of two
+GQA = [(3, 3), (6, 2), (8, 1)]  # (num_q_heads, num_kv_heads): ratios 1, 3, 8
+WINDOWS = [0, 1, 7, 16, 1000]  # 0: full causal; 1000: longer than every sequence
+BATCHES = [1, 3, 7]
+FP32_TOL = 2e-5
+NAN = float("nan")
+
+
+def _lens_for(window, block_size, cap=70):
+    """Ragged lengths: 1, W-1, W, W+1, ending on and across block boundaries, one long."""
+    cands = {1, 2 * block_size, 2 * block_size + 1, 3 * block_size - 1, 41}
+    if 0 < window < cap:
+        cands |= {max(window - 1, 1), window, window + 1}
+    return sorted(n for n in cands if 0 < n <= cap)
+
+
+def _paged(lens, block_size, hkv, d, dtype, device, gen, extra_blocks=2):
+    """Random K/V in a shuffled block pool; unused blocks and slots past each length are NaN (poison)."""
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + extra_blocks
+    k = torch.full((num_blocks, block_size, hkv, d), NAN)
+    v = torch.full((num_blocks, block_size, hkv, d), NAN)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)  # -1 past each sequence
+    for b, n in enumerate(lens):
+        for i in range(need[b]):
+            blk = ids.pop()
+            table[b, i] = blk
+            used = min(block_size, n - i * block_size)
+            k[blk, :used] = torch.randn(used, hkv, d, generator=gen)
+            v[blk, :used] = torch.randn(used, hkv, d, generator=gen)
+    return k.to(dtype).to(device), v.to(dtype).to(device), table.to(device)
+
+
+def _torch_lowp(query, k_cache, v_cache, table, lens, cu, window, scale, softcap, kv_start=None):
+    """PyTorch's own attention in the inputs' dtype with the same mask (the error yardstick)."""
+    dtype, hq = query.dtype, query.shape[1]
+    q_all, k_cache, v_cache = query.cpu(), k_cache.cpu(), v_cache.cpu()
+    group, bs = hq // k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros(query.shape, dtype=dtype)
+    for b, n in enumerate(lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0 or n == 0:
+            continue
+        pos = torch.arange(n)
+        blk = table[b].cpu().long()[pos // bs]
+        k = k_cache[blk, pos % bs].repeat_interleave(group, 1).transpose(0, 1)  # [hq, n, d]
+        v = v_cache[blk, pos % bs].repeat_interleave(group, 1).transpose(0, 1)
+        q = q_all[cu[b]:cu[b + 1]].transpose(0, 1)  # [hq, q_len, d]
+        s = (q @ k.transpose(1, 2)) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        start = 0 if kv_start is None else int(kv_start[b])
+        mask = window_mask_ref(torch.arange(n - q_len, n), n, window, start)
+        s = s.masked_fill(~mask[None], -math.inf)
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        out[cu[b]:cu[b + 1]] = (p @ v).transpose(0, 1)
+    return out
+
+
+def _poison_allocator(*shapes_dtypes, device):
+    """Fill and free blocks the size of the op's outputs, so a kernel that leaves an element unwritten returns
+    NaN instead of fresh zeros (reliable with the CUDA caching allocator; best effort with malloc)."""
+    for shape, dtype in shapes_dtypes:
+        torch.full(shape, NAN, dtype=dtype, device=device)
+
+
+def _check(out, lse, query, k, v, table, lens, cu, window, scale, softcap, kv_start=None):
+    ref, ref_lse = window_attention_ref(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
+                                       scale=scale, softcap=softcap,
+                                       cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32),
+                                       kv_start=kv_start)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()
+    assert lse.shape == query.shape[:2] and lse.dtype == torch.float32
+    out, lse = out.cpu(), lse.cpu()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    err = (out.double() - ref).abs().max().item()
+    if query.dtype == torch.float32:
+        tol = FP32_TOL
+    else:
+        cu_list = list(range(len(lens) + 1)) if cu is None else cu
+        lowp = _torch_lowp(query, k, v, table, lens, cu_list, window, scale, softcap, kv_start)
+        tol = 2 * (lowp.double() - ref).abs().max().item() + 1e-5
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+    empty = torch.isinf(ref_lse)  # queries with no visible key: exact zeros and lse -inf
+    assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all())
+    assert bool((out[empty] == 0).all())
+    assert torch.allclose(lse.double()[~empty], ref_lse[~empty], atol=1e-4, rtol=1e-5)
+
+
+def _pick(seq, *keys):
+    """Cycle a secondary parameter deterministically over the primary grid, so every value is covered."""
+    return seq[sum(keys) % len(seq)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_window_attention_decode_grid(device, dtype, window, block_size):
+    wi, bi, di = WINDOWS.index(window), BLOCK_SIZES.index(block_size), DTYPES.index(dtype)
+    d = _pick(HEAD_DIMS, wi, 2 * bi, di)
+    hq, hkv = _pick(GQA, wi, bi)
+    gen = torch.Generator().manual_seed(1000 * wi + 10 * bi + di)
+    lens = _lens_for(window, block_size)
+    k, v, table = _paged(lens, block_size, hkv, d, dtype, device, gen)
+    query = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(device)
+    scale = d ** -0.5
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, return_lse=True)
+    _check(out, lse, query, k, v, table, lens, None, window, scale, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("gqa", GQA)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_window_attention_prefill_grid(device, dtype, head_dim, gqa, chunked):
+    """Prefill with q_len == seq_len, and chunked prefill (q_len < seq_len) on top of an existing cache."""
+    di, hi, gi = DTYPES.index(dtype), HEAD_DIMS.index(head_dim), GQA.index(gqa)
+    window = _pick(WINDOWS, di, hi, 2 * gi, int(chunked))
+    block_size = _pick(BLOCK_SIZES, hi, gi)
+    batch = _pick(BATCHES, di, gi, int(chunked))
+    gen = torch.Generator().manual_seed(100 * hi + 10 * gi + di + 7 * chunked)
+    cands = _lens_for(window, block_size, cap=40)
+    lens = [cands[(3 * i + 1) % len(cands)] for i in range(batch)]
+    lens[-1] = max(cands)  # the longest last: the grid must not be sized by the first sequence
+    q_lens = [max(1, n // (b + 2)) if chunked else n for b, n in enumerate(lens)]
+    if chunked and batch > 1:
+        q_lens[0] = 0  # a sequence with no new queries
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    hq, hkv = gqa
+    k, v, table = _paged(lens, block_size, hkv, head_dim, dtype, device, gen)
+    query = torch.randn(cu[-1], hq, head_dim, generator=gen).to(dtype).to(device)
+    softcap = 0.0 if (di + hi) % 2 else 3.0
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, softcap=softcap,
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, window, head_dim ** -0.5, softcap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_attention_strided_inputs_and_kv_start(device, dtype):
+    """query a slice of a fused qkv output, the caches strided views, left padding via kv_start, a custom scale."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 4, 2, 80, 16
+    lens = [37, 16, 5, 9]
+    k, v, table = _paged(lens, bs, hkv, d, dtype, device, gen)
+    # the same cache with a padded row stride: [num_blocks, block_size, hkv, d] inside a wider buffer
+    wide = torch.full((k.shape[0], bs, hkv + 1, d), NAN, dtype=dtype, device=device)
+    wide[:, :, 1:] = k
+    k_view = wide[:, :, 1:]
+    assert not k_view.is_contiguous()
+    cu = [0, 6, 7, 10, 19]
+    qkv = torch.randn(cu[-1], hq + 2 * hkv, d, generator=gen).to(dtype).to(device)
+    query = qkv[:, :hq]
+    assert not query.is_contiguous()
+    kv_start = torch.tensor([3, 15, 5, -2], dtype=torch.int32)  # 5 == seq_len: every key masked; -2: none
+    out, lse = window_attention(query, k_view, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=7, scale=0.3, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                                kv_start=kv_start.to(device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, 7, 0.3, 0.0, kv_start=kv_start)
+    assert bool((out[7:10].cpu() == 0).all())  # sequence 2: everything left-padded
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_attention_no_visible_keys(device):
+    """seq_len 0 (decode at position -1) and a query left of kv_start: zeros and lse -inf, never NaN."""
+    gen = torch.Generator().manual_seed(2)
+    k, v, table = _paged([4, 1], 4, 1, 64, torch.float16, device, gen)
+    query = torch.randn(3, 2, 64, generator=gen).half().to(device)
+    lens = torch.tensor([4, 0, 3], dtype=torch.int32, device=device)
+    table = torch.cat([table, table[:1]])
+    out, lse = window_attention(query, k, v, table, lens, kv_start=torch.tensor([9, 0, 0], dtype=torch.int32,
+                                                                                 device=device), return_lse=True)
+    assert bool((out[:2] == 0).all()) and bool(torch.isneginf(lse[:2]).all())
+    assert torch.isfinite(out[2]).all() and torch.isfinite(lse[2]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tq", [1, 5])
+def test_window_attention_dense(device, dtype, tq):
+    """window_attention_dense over transformers' [B, Hkv, S, D] layout: transposed query view, a K/V cache slice
+    with spare capacity (strided), ragged seq_lens, left padding."""
+    gen = torch.Generator().manual_seed(tq)
+    bsz, hq, hkv, d, s, cap = 3, 6, 2, 96, 23, 32
+    store_k = torch.randn(bsz, hkv, cap, d, generator=gen).to(dtype).to(device)
+    store_v = torch.randn(bsz, hkv, cap, d, generator=gen).to(dtype).to(device)
+    key, value = store_k[:, :, :s], store_v[:, :, :s]  # a static cache's filled part: strided
+    q_hf = torch.randn(bsz, hq, tq, d, generator=gen).to(dtype).to(device)
+    query = q_hf.transpose(1, 2)  # [B, Tq, Hq, D], what an HF attention function transposes to
+    seq_lens = torch.tensor([s, s - 4, tq], dtype=torch.int32)
+    kv_start = torch.tensor([0, 6, 0], dtype=torch.int32)
+    for window in (0, 5):
+        out, lse = window_attention_dense(query, key, value, seq_lens=seq_lens.to(device),
+                                          kv_start=kv_start.to(device), window=window, return_lse=True)
+        ref, ref_lse = window_attention_dense_ref(query, key, value, seq_lens=seq_lens, kv_start=kv_start,
+                                                  window=window)
+        assert out.shape == (bsz, tq, hq, d) and lse.shape == (bsz, tq, hq) and out.dtype == dtype
+        err = (out.cpu().double() - ref).abs().max().item()
+        if dtype == torch.float32:
+            tol = FP32_TOL
+        else:  # PyTorch's own error, on the same data seen as a paged cache of one block per sequence
+            lowp = _torch_lowp(query.reshape(bsz * tq, hq, d), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3),
+                               torch.arange(bsz, dtype=torch.int32)[:, None], seq_lens.tolist(),
+                               list(range(0, (bsz + 1) * tq, tq)), window, d ** -0.5, 0.0, kv_start)
+            tol = 2 * (lowp.view(bsz, tq, hq, d).double() - ref).abs().max().item() + 1e-5
+        assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
+        assert torch.allclose(lse.cpu().double(), ref_lse, atol=1e-4)
+
+
+def test_window_attention_dense_does_not_copy_kv(monkeypatch):
+    """The op receives the permuted K/V views themselves (same storage, no copy)."""
+    import arkernels.ops.window_attention as mod
+
+    seen = {}
+    real = mod._ops.window_attention
+
+    class Spy:
+        def __call__(self, q, k, v, *rest):
+            seen["k"], seen["v"] = k, v
+            return real(q, k, v, *rest)
+
+    monkeypatch.setattr(mod, "_ops", type("O", (), {"window_attention": Spy()})())
+    key = torch.randn(2, 2, 9, 64)
+    value = torch.randn(2, 2, 9, 64)
+    window_attention_dense(torch.randn(2, 3, 4, 64), key, value)
+    assert seen["k"].data_ptr() == key.data_ptr() and seen["v"].data_ptr() == value.data_ptr()
+    assert seen["k"].shape == (2, 9, 2, 64)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("tq", [1, 6])
+def test_window_attention_matches_transformers_sdpa(window, tq):
+    """Masks built by transformers' own mask functions (causal / sliding window + left padding), attention by its
+    sdpa_attention_forward: the op with kv_start agrees on every non-padding query (fp32, tight)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    gen = torch.Generator().manual_seed(window + tq)
+    bsz, hq, hkv, d, s = 3, 6, 2, 64, 11
+    pads = [0, 3, 7]
+    attention_mask = torch.ones(bsz, s, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        attention_mask[b, :p] = False  # transformers' batched generate pads on the left
+    fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    mask = sdpa_mask(batch_size=bsz, q_length=tq, kv_length=s, q_offset=s - tq, mask_function=fn,
+                     attention_mask=attention_mask, allow_is_causal_skip=False)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = hq // hkv, True
+    q = torch.randn(bsz, hq, tq, d, generator=gen)
+    key = torch.randn(bsz, hkv, s, d, generator=gen)
+    value = torch.randn(bsz, hkv, s, d, generator=gen)
+    want, _ = sdpa_attention_forward(module, q, key, value, mask, scaling=0.125)
+    got = window_attention_dense(q.transpose(1, 2), key, value, kv_start=torch.tensor(pads, dtype=torch.int32),
+                                 window=window, scale=0.125)
+    assert got.shape == want.shape
+    live = mask[:, 0].any(-1)  # [B, Tq]: queries with at least one visible key
+    torch.testing.assert_close(got[live], want[live], atol=1e-5, rtol=1e-5)
+    assert bool((got[~live] == 0).all())
+
+
+# ---- bad inputs: each raises, naming the op and the argument ----
+def _bad_cases():
+    q = torch.randn(2, 4, 64)
+    k = torch.randn(3, 4, 2, 64)
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    base = dict(query=q, k_cache=k, v_cache=k.clone(), block_table=table, seq_lens=lens)
+    cases = [
+        ("whole multiple", dict(query=torch.randn(2, 3, 64)), RuntimeError),
+        ("head_dim of query", dict(query=torch.randn(2, 4, 32)), RuntimeError),
+        ("float32, float16 or bfloat16", dict(query=q.double(), k_cache=k.double(), v_cache=k.double()),
+         RuntimeError),
+        ("share one dtype", dict(query=q.half()), RuntimeError),
+        ("window must be >= 0", dict(window=-1), RuntimeError),
+        ("softcap must be >= 0", dict(softcap=-1.0), RuntimeError),
+        ("k_cache and v_cache must have one shape", dict(v_cache=k[:2].clone()), RuntimeError),
+        ("seq_lens must be Int", dict(seq_lens=lens.long()), RuntimeError),
+        ("block_table must be Int", dict(block_table=table.long()), RuntimeError),
+        ("block_table has 2 rows but seq_lens has 3", dict(seq_lens=torch.tensor([1, 1, 1], dtype=torch.int32)),
+         RuntimeError),
+        ("query has 2 rows", dict(query=torch.randn(2, 4, 64), block_table=table[:1], seq_lens=lens[:1]),
+         RuntimeError),
+        ("kv_start must have batch", dict(kv_start=torch.zeros(3, dtype=torch.int32)), RuntimeError),
+        ("cu_seqlens_q must have batch \\+ 1", dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
+         RuntimeError),
+        ("cu_seqlens_q gives sequence 1 3 queries",
+         dict(query=torch.randn(5, 4, 64), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32)), ValueError),
+        ("cu_seqlens_q must run from 0", dict(cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError),
+        (r"block_table\[1, 0\] = 7", dict(block_table=torch.tensor([[0], [7]], dtype=torch.int32)), ValueError),
+        (r"seq_lens\[0\] = 5 is outside", dict(seq_lens=torch.tensor([5, 2], dtype=torch.int32)), ValueError),
+        ("contiguous last", dict(query=torch.randn(2, 4, 128)[..., ::2]), RuntimeError),
+        ("query must be 3-D", dict(query=torch.randn(2, 256)), RuntimeError),
+        ("head_dim must be in", dict(query=torch.randn(2, 4, 520), k_cache=torch.randn(3, 4, 2, 520),
+                                     v_cache=torch.randn(3, 4, 2, 520)), RuntimeError),
+    ]
+    return cases, base
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases()[0])))
+def test_window_attention_bad_inputs(case):
+    cases, base = _bad_cases()
+    match, override, exc = cases[case]
+    args = {**base, **override}
+    with pytest.raises(exc, match=f"window_attention: .*{match}"):
+        window_attention(**args)
+
+
+def test_window_attention_unchecked_data_errors_raise_on_cpu():
+    """check=False skips the Python validation; the CPU kernel still refuses bad indices (no host sync there)."""
+    q = torch.randn(2, 4, 64)
+    k = torch.randn(3, 4, 2, 64)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"window_attention: block_table\[1, 0\] = 7"):
+        window_attention(q, k, k, torch.tensor([[0], [7]], dtype=torch.int32), lens, check=False)
+    with pytest.raises(RuntimeError, match="window_attention: max_q_len = 1 is smaller"):
+        window_attention(torch.randn(3, 4, 64), k, k, torch.tensor([[0], [1]], dtype=torch.int32), lens,
+                         cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), max_q_len=1, check=False)
+
+
+def test_window_attention_opcheck():
+    gen = torch.Generator().manual_seed(3)
+    lens = [5, 9]
+    k, v, table = _paged(lens, 4, 2, 16, torch.float32, "cpu", gen)
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)  # opcheck compares outputs with NaN-unaware checks
+    seq = torch.tensor(lens, dtype=torch.int32)
+    op = torch.ops.arkernels.window_attention.default
+    q = torch.randn(2, 4, 16, generator=gen)
+    torch.library.opcheck(op, (q, k, v, table, seq, None, None, 1, 0, 0.25, 0.0))
+    q = torch.randn(7, 4, 16, generator=gen)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    torch.library.opcheck(op, (q, k, v, table, seq, cu, torch.tensor([1, 0], dtype=torch.int32), 4, 3, 0.25, 2.0))
+
+
+def test_window_attention_compile_fullgraph():
+    def step(q, k, v, table, lens, cu, starts):
+        return window_attention(q, k, v, table, lens, window=3, cu_seqlens_q=cu, max_q_len=4, kv_start=starts,
+                                check=False)
+
+    gen = torch.Generator().manual_seed(4)
+    k, v, table = _paged([5, 9], 4, 2, 16, torch.float32, "cpu", gen)
+    args = (torch.randn(7, 4, 16, generator=gen), k, v, table, torch.tensor([5, 9], dtype=torch.int32),
+            torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*args), step(*args))
