@@ -35,11 +35,12 @@ def _params(op, logits, temperature, top_k, top_p, min_p):
     expect(logits.dtype in _FLOATS, op, f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
     batch, dev = logits.shape[0], logits.device
     checks = (
-        ("temperature", temperature, torch.float32, lambda t: (t >= 0).all(), ">= 0"),
-        ("top_k", top_k, torch.int32, lambda t: (t >= 0).all(), ">= 0 (0: off)"),
-        ("top_p", top_p, torch.float32, lambda t: ((t > 0) & (t <= 1)).all(), "in (0, 1] (1: off)"),
-        ("min_p", min_p, torch.float32, lambda t: ((t >= 0) & (t <= 1)).all(), "in [0, 1] (0: off)"),
+        ("temperature", temperature, torch.float32, lambda t: t >= 0, ">= 0"),
+        ("top_k", top_k, torch.int32, lambda t: t >= 0, ">= 0 (0: off)"),
+        ("top_p", top_p, torch.float32, lambda t: (t > 0) & (t <= 1), "in (0, 1] (1: off)"),
+        ("min_p", min_p, torch.float32, lambda t: (t >= 0) & (t <= 1), "in [0, 1] (0: off)"),
     )
+    tensor_checks = not torch.compiler.is_compiling()
     out = []
     for name, value, dtype, ok, rule in checks:
         if isinstance(value, torch.Tensor):
@@ -47,9 +48,13 @@ def _params(op, logits, temperature, top_k, top_p, min_p):
                    f"{name} must be an integer tensor, got {value.dtype}")
         elif dtype == torch.int32:
             expect(isinstance(value, int) and not isinstance(value, bool), op, f"{name} must be an int, got {value!r}")
+        if not isinstance(value, torch.Tensor):
+            expect(bool(ok(value)), op, f"{name} must be {rule}, got {value!r}")
         t = per_row(op, name, value, batch, dtype, dev)
-        if not isinstance(value, torch.Tensor) or t.device.type == "cpu":
-            expect(bool(ok(t)), op, f"{name} must be {rule}, got {value if not isinstance(value, torch.Tensor) else t.tolist()}")
+        if isinstance(value, torch.Tensor) and t.device.type == "cpu" and tensor_checks:
+            bad = (~ok(t)).nonzero()
+            expect(bad.numel() == 0, op, f"{name} must be {rule}, got {name}[{int(bad[0, 0]) if bad.numel() else 0}] = "
+                   f"{t[bad[0, 0]].item() if bad.numel() else None}")
         out.append(t)
     return out
 

@@ -1,0 +1,359 @@
+"""sample / sampling_probs against the float64 reference.
+
+Filters are exact (the kept set must equal the reference's; parameters are placed between float decision
+boundaries so fp32 sums cannot legitimately differ from fp64), probabilities agree to fp32 rounding, and
+draws are checked statistically (chi-square) and for exact CPU == Triton agreement. The Triton kernel runs
+here in interpreter mode on CPU tensors (conftest sets TRITON_INTERPRET=1): small grids.
+"""
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import arkernels
+from arkernels.reference.sampling import sample_ref, sampling_probs_ref
+from arkernels.triton.sampling import sample_triton, sampling_probs_triton
+from conftest import DEVICES
+
+VOCABS = [111, 32003]  # odd small vocab, and a 32k-scale one (not a power of two)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IMPLS = ["op", "triton"]  # the op through its CPU registration; the Triton kernel directly (interpreter)
+TIES = {111: 4.0, 32003: 64.0}  # logits rounded to 1/TIES: many ties, also at the k-th value and the top-p boundary
+CHI2_ALPHA = 1e-3  # significance of the goodness-of-fit test; fixed seeds make it deterministic
+
+
+def _logits(batch, vocab, seed, scale=2.0, ties=None, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, vocab, generator=gen) * scale
+    if ties:
+        x = torch.round(x * ties) / ties
+    return x.to(dtype)
+
+
+def _groups(x, T, k):
+    """fp64 distinct-value groups of one row after temperature and top-k: (values desc, q per group,
+    mass strictly above each group)."""
+    x = x.double()
+    if 0 < k < x.numel():
+        x = x[x >= torch.sort(x, descending=True).values[k - 1]]
+    vals, counts = torch.unique(x, sorted=True, return_counts=True)
+    vals, counts = vals.flip(0), counts.flip(0)
+    q = torch.exp((vals - vals[0]) / T) * counts
+    q = q / q.sum()
+    return vals, q, torch.cumsum(q, 0) - q
+
+
+def _safe_top_p(x, T, k, p0):
+    """A top_p near p0 halfway between two decision boundaries (the masses strictly above consecutive
+    groups), so the kept set is unambiguous in fp32: the margin is half the crossing group's mass."""
+    _, q, above = _groups(x, T, k)
+    i = int(torch.searchsorted(above, torch.tensor(p0, dtype=torch.float64)).clamp(1, len(above) - 1))
+    nxt = above[i] if i < len(above) else torch.tensor(1.0, dtype=torch.float64)
+    return float((above[i - 1] + nxt) / 2)
+
+
+def _safe_min_p(x, T, frac):
+    """A min_p halfway between two consecutive distinct ratios p_i / p_max near the ``frac`` quantile."""
+    vals, _, _ = _groups(x, T, 0)
+    r = torch.exp((vals - vals[0]) / T)
+    i = max(1, min(len(r) - 1, int(frac * len(r))))
+    return float((r[i - 1] + r[i]) / 2)
+
+
+def _row_params(x, vocab):
+    """Per-row mixed parameters: every filter alone, all combined, greedy, and all off."""
+    batch = x.shape[0]
+    T = torch.tensor([1.0, 0.7, 1.3, 0.9, 1.0, 0.0, 2.0, 1.0][:batch])
+    k = torch.tensor([0, 5, 0, 0, 40, 3, 17, vocab][:batch], dtype=torch.int32)
+    p0 = [1.0, 1.0, 0.6, 1.0, 0.8, 0.5, 0.7, 1.0][:batch]
+    m0 = [0.0, 0.0, 0.0, 0.3, 0.05, 0.0, 0.5, 0.0][:batch]
+    p = [(_safe_top_p(x[b].float(), float(T[b]), int(k[b]), p0[b]) if p0[b] < 1 and T[b] > 0 else p0[b])
+         for b in range(batch)]
+    mp = [(_safe_min_p(x[b].float(), float(T[b]), m0[b]) if m0[b] > 0 else 0.0) for b in range(batch)]
+    return T, k, torch.tensor(p), torch.tensor(mp)
+
+
+def _probs(impl, x, T, k, p, mp):
+    if impl == "triton":
+        return sampling_probs_triton(x, T, k, p, mp)
+    return arkernels.sampling_probs(x, temperature=T, top_k=k, top_p=p, min_p=mp)
+
+
+def _sample(impl, x, T, k, p, mp, seed, step):
+    if impl == "triton":
+        return sample_triton(x, T, k, p, mp, seed, step)
+    return arkernels.sample(x, temperature=T, top_k=k, top_p=p, min_p=mp, seed=seed, step=step, return_valid=True)
+
+
+def _check_probs(got, want):
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got > 0, want > 0)  # the kept set is exact
+    # fp32 exp and sums against fp64: a few ulp of each probability
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_sampling_probs_filters_match_reference(impl, vocab):
+    batch = 8 if vocab < 1000 else 5
+    x = _logits(batch, vocab, seed=vocab, ties=TIES[vocab])
+    T, k, p, mp = _row_params(x, vocab)
+    got = _probs(impl, x, T, k, p, mp)
+    want = sampling_probs_ref(x, T, k, p, mp)
+    _check_probs(got, want)
+    # the filters did bite: row 1 keeps the (tied) top 5, row 2 loses mass to top-p
+    assert 5 <= int((got[1] > 0).sum()) < vocab and int((got[2] > 0).sum()) < vocab
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_top_k_keeps_ties_at_kth_value(impl):
+    x = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, -1.0, 3.0, 0.5]])
+    ones = torch.ones(1)
+    got = _probs(impl, x, ones, torch.tensor([3], dtype=torch.int32), ones, torch.zeros(1))
+    assert torch.equal(got[0] > 0, torch.tensor([0, 1, 1, 1, 1, 0, 1, 0], dtype=torch.bool))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_top_p_keeps_crossing_token_and_its_ties(impl):
+    # probabilities 0.4, 0.2, 0.2, 0.1, 0.1: mass above the 0.2 pair is 0.4 < 0.5 -> both kept, even
+    # though the first of them already crosses 0.5; mass above the 0.1 pair is 0.8 -> dropped
+    q = torch.tensor([[0.1, 0.2, 0.4, 0.2, 0.1]])
+    x = torch.log(q)
+    ones = torch.ones(1)
+    got = _probs(impl, x, ones, torch.zeros(1, dtype=torch.int32), torch.tensor([0.5]), torch.zeros(1))
+    assert torch.equal(got[0] > 0, torch.tensor([0, 1, 1, 1, 0], dtype=torch.bool))
+    torch.testing.assert_close(got[0], torch.tensor([0.0, 0.25, 0.5, 0.25, 0.0]))
+    # a tiny top_p still keeps the maximum
+    got = _probs(impl, x, ones, torch.zeros(1, dtype=torch.int32), torch.tensor([1e-6]), torch.zeros(1))
+    assert torch.equal(got[0], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_special_rows(impl):
+    """NaN, +inf and all -inf rows mixed with normal and greedy rows: nothing leaks across rows."""
+    V = 37
+    x = _logits(6, V, seed=3)
+    x[0, 4] = float("nan")
+    x[1, [5, 20]] = float("inf")  # the +inf tokens share the mass
+    x[2] = float("-inf")
+    x[3] = float("nan")
+    x[4, :] = float("-inf")
+    x[4, 30] = -2.0  # a single finite logit
+    T = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])  # row 5: greedy
+    k = torch.tensor([0, 0, 5, 0, 3, 0], dtype=torch.int32)
+    p, mp = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.9, 1.0]), torch.zeros(6)
+    probs = _probs(impl, x, T, k, p, mp)
+    assert not torch.isnan(probs).any()
+    assert probs[0, 4] == 0 and math.isclose(float(probs[0].sum()), 1.0, rel_tol=1e-5)
+    torch.testing.assert_close(probs[1, [5, 20]], torch.tensor([0.5, 0.5]))
+    assert float(probs[1].sum()) == 1.0
+    assert torch.all(probs[2] == 0) and torch.all(probs[3] == 0)
+    assert probs[4, 30] == 1.0
+    assert probs[5, int(torch.argmax(x[5]))] == 1.0
+    ids, valid = _sample(impl, x, T, k, p, mp, torch.arange(6), torch.zeros(6, dtype=torch.int64))
+    assert ids.dtype == torch.int64 and valid.dtype == torch.bool
+    assert valid.tolist() == [True, True, False, False, True, True]
+    assert ids[0] != 4 and int(ids[1]) in (5, 20) and ids[2] == 0 and ids[3] == 0 and ids[4] == 30
+    assert ids[5] == torch.argmax(x[5])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_greedy_picks_lowest_index_among_maxima(impl):
+    x = torch.tensor([[0.0, 2.0, 1.0, 2.0], [float("-inf"), 5.0, 5.0, float("nan")]])
+    z2 = torch.zeros(2)
+    ids, valid = _sample(impl, x, z2, torch.zeros(2, dtype=torch.int32), torch.ones(2), z2,
+                         torch.tensor([1, 2]), torch.tensor([0, 0]))
+    assert ids.tolist() == [1, 1] and valid.all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_low_precision_and_strided_rows(impl, dtype):
+    """fp16/bf16 logits as rows of a padded buffer (row stride > vocab): the same as the reference on the
+    same (upcast) values."""
+    V, pad = 111, 13
+    buf = _logits(4, V + pad, seed=11, ties=8.0, dtype=dtype)
+    x = buf[:, :V]
+    assert not x.is_contiguous() and x.stride(0) == V + pad
+    T = torch.tensor([1.0, 0.8, 1.2, 0.0])
+    k = torch.tensor([0, 10, 0, 0], dtype=torch.int32)
+    p = torch.tensor([1.0, 1.0, _safe_top_p(x[2].float(), 1.2, 0, 0.7), 1.0])
+    mp = torch.tensor([_safe_min_p(x[0].float(), 1.0, 0.3), 0.0, 0.0, 0.0])
+    got = _probs(impl, x, T, k, p, mp)
+    _check_probs(got, sampling_probs_ref(x, T, k, p, mp))
+    seed, step = torch.tensor([5, 6, 7, 8]), torch.tensor([1, 1, 2, 2])
+    ids, _ = _sample(impl, x, T, k, p, mp, seed, step)
+    assert torch.equal(ids, _sample(impl, x.contiguous(), T, k, p, mp, seed, step)[0])
+    assert torch.all(got.gather(1, ids[:, None]) > 0)
+
+
+def test_cpu_and_triton_draw_the_same_tokens_as_the_reference():
+    """Same inputs, same (seed, step): the CPU op, the Triton kernel and the fp64 reference (its own
+    re-derivation of the hash) pick the same token."""
+    V = 111
+    x = _logits(8, V, seed=21, ties=4.0)
+    T, k, p, mp = _row_params(x, V)
+    seed = torch.tensor([0, -1, 2**40 + 3, 7, -(2**62), 11, 12, 13])
+    for step_value in (0, 1, 2**33 + 5):
+        step = torch.full((8,), step_value, dtype=torch.int64)
+        ids_op, valid_op = _sample("op", x, T, k, p, mp, seed, step)
+        ids_tr, valid_tr = _sample("triton", x, T, k, p, mp, seed, step)
+        ids_ref, valid_ref = sample_ref(x, T, k, p, mp, seed, step)
+        assert torch.equal(ids_op, ids_tr) and torch.equal(valid_op, valid_tr)
+        assert torch.equal(ids_op, ids_ref) and torch.equal(valid_op, valid_ref)
+
+
+def test_draws_follow_sampling_probs_chi_square():
+    """4000 draws of one row (4000 seeds) under every filter: never outside the kept set, and a chi-square
+    goodness-of-fit against sampling_probs that a correct sampler passes at alpha = 1e-3."""
+    V, n = 111, 4000
+    row = _logits(1, V, seed=5, scale=1.5)
+    T, k = 0.9, 30
+    p = _safe_top_p(row[0], T, k, 0.85)
+    mp = _safe_min_p(row[0], T, 0.1)
+    probs = arkernels.sampling_probs(row, temperature=T, top_k=k, top_p=p, min_p=mp)[0].double()
+    ids = arkernels.sample(row.expand(n, V), temperature=T, top_k=k, top_p=p, min_p=mp,
+                           seed=torch.arange(n) * 7919, step=3)
+    counts = torch.bincount(ids, minlength=V).double()
+    assert counts[probs == 0].sum() == 0
+    kept = (probs > 0).nonzero()[:, 0]
+    assert len(kept) >= 5
+    assert stats.chisquare(*_pooled(counts[kept], probs[kept])).pvalue > CHI2_ALPHA
+    # the same test rejects a wrong distribution (uniform over the kept set) for these draws
+    assert stats.chisquare(*_pooled(counts[kept], torch.ones(len(kept), dtype=torch.float64))).pvalue < CHI2_ALPHA
+
+
+def _pooled(obs, probs):
+    """(observed, expected) with bins expected under 5 draws pooled into one, expected scaled to the
+    observed total (chi-square's validity condition)."""
+    exp = probs / probs.sum() * obs.sum()
+    small = exp < 5
+    obs_b, exp_b = obs[~small], exp[~small]
+    if small.any():
+        obs_b, exp_b = torch.cat([obs_b, obs[small].sum()[None]]), torch.cat([exp_b, exp[small].sum()[None]])
+    exp_b = exp_b / exp_b.sum() * obs_b.sum()
+    return obs_b.numpy(), exp_b.numpy()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_seeded_draws_are_batch_invariant(impl):
+    """A row alone, in a batch of 5 and in a shuffled batch draws the same token; a new step draws afresh."""
+    V = 111
+    x = _logits(5, V, seed=8, scale=0.5)
+    T, k = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.0]), torch.tensor([0, 0, 50, 0, 9], dtype=torch.int32)
+    p, mp = torch.tensor([1.0, 0.95, 1.0, 0.9, 1.0]), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.01])
+    seed, step = torch.tensor([10, 20, 30, 40, 50]), torch.tensor([4, 4, 5, 5, 6])
+    full, _ = _sample(impl, x, T, k, p, mp, seed, step)
+    perm = torch.tensor([3, 0, 4, 2, 1])
+    shuffled, _ = _sample(impl, x[perm], T[perm], k[perm], p[perm], mp[perm], seed[perm], step[perm])
+    assert torch.equal(shuffled, full[perm])
+    for b in (0, 3):
+        alone, _ = _sample(impl, x[b:b + 1], T[b:b + 1], k[b:b + 1], p[b:b + 1], mp[b:b + 1], seed[b:b + 1],
+                           step[b:b + 1])
+        assert alone[0] == full[b]
+    again, _ = _sample(impl, x, T, k, p, mp, seed, step)
+    assert torch.equal(again, full)
+    draws = {int(_sample(impl, x[:1], T[:1], k[:1], p[:1], mp[:1], seed[:1], torch.tensor([s]))[0][0])
+             for s in range(12)}
+    assert len(draws) >= 4  # 12 steps over a flat 111-token row: fresh draws, not one repeated token
+
+
+def test_unseeded_reproducible_under_manual_seed_and_generator():
+    x = _logits(16, 111, seed=9, scale=0.3)
+    torch.manual_seed(1234)
+    a = arkernels.sample(x, top_p=0.9)
+    torch.manual_seed(1234)
+    b = arkernels.sample(x, top_p=0.9)
+    assert torch.equal(a, b)
+    c = arkernels.sample(x, top_p=0.9)
+    assert not torch.equal(a, c)  # the default generator advanced: 16 rows of a flat row agree by chance ~0
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(arkernels.sample(x, generator=g1), arkernels.sample(x, generator=g2))
+
+
+def test_step_and_params_as_tensors_and_numbers_agree():
+    x = _logits(3, 111, seed=12)
+    a = arkernels.sample(x, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=7, step=3)
+    b = arkernels.sample(x, temperature=torch.full((3,), 0.8), top_k=torch.full((3,), 20),
+                         top_p=torch.full((3,), 0.9), min_p=torch.full((3,), 0.01),
+                         seed=torch.full((3,), 7), step=torch.full((3,), 3))
+    assert torch.equal(a, b) and a.dtype == torch.int64 and torch.all((a >= 0) & (a < 111))
+
+
+BAD_ARGS = [
+    (dict(temperature=-0.5), "sample: temperature must be >= 0"),
+    (dict(temperature=float("nan")), "sample: temperature must be >= 0"),
+    (dict(top_k=-1), "sample: top_k must be >= 0"),
+    (dict(top_k=2.5), "sample: top_k must be an int"),
+    (dict(top_p=0.0), r"sample: top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"sample: top_p must be in \(0, 1\]"),
+    (dict(top_p=torch.tensor([0.5, 1.2])), r"sample: top_p must be in \(0, 1\].*got top_p\[1\]"),
+    (dict(min_p=-0.1), r"sample: min_p must be in \[0, 1\]"),
+    (dict(min_p=torch.tensor([0.5, 1.01])), r"sample: min_p must be in \[0, 1\]"),
+    (dict(top_k=torch.tensor([1, 2, 3])), r"sample: top_k must be a number or a \[batch=2\] tensor"),
+    (dict(seed=1.5), "sample: seed must be an int"),
+    (dict(step=torch.tensor([0.0, 1.0])), "sample: step must be an int"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_ARGS)))
+def test_sample_bad_inputs(case):
+    kwargs, match = BAD_ARGS[case]
+    with pytest.raises(ValueError, match=match):
+        arkernels.sample(torch.zeros(2, 10), **kwargs)
+
+
+def test_bad_logits_and_op_level_checks():
+    with pytest.raises(ValueError, match="sampling_probs: logits must be float32, float16 or bfloat16"):
+        arkernels.sampling_probs(torch.zeros(2, 10, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sample: logits must be a \[batch, vocab\] tensor"):
+        arkernels.sample(torch.zeros(10))
+    ops, x, f = torch.ops.arkernels, torch.zeros(2, 10), torch.ones(2)
+    i32, i64 = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="sample: top_k must be torch.int32"):
+        ops.sample(x, f, i64, f, f, i64, i64)
+    with pytest.raises(RuntimeError, match=r"sampling_probs: temperature must be \[batch=2\]"):
+        ops.sampling_probs(x, torch.ones(3), i32, f, f)
+    with pytest.raises(RuntimeError, match="sample: seed must be torch.int64"):
+        ops.sample(x, f, i32, f, f, i32, i64)
+
+
+def test_sampling_opcheck():
+    x = _logits(3, 50, seed=1)
+    f, T = torch.ones(3), torch.tensor([1.0, 0.0, 0.5])
+    k = torch.tensor([0, 4, 10], dtype=torch.int32)
+    p, mp = torch.tensor([0.9, 1.0, 0.8]), torch.tensor([0.0, 0.1, 0.0])
+    torch.library.opcheck(torch.ops.arkernels.sampling_probs.default, (x, T, k, p, mp))
+    torch.library.opcheck(torch.ops.arkernels.sample.default,
+                          (x, T, k, p, mp, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 1])))
+    del f
+
+
+def test_sampling_compile_fullgraph():
+    def step_fn(logits, seed, step):
+        ids = arkernels.sample(logits, temperature=0.7, top_k=20, top_p=0.9, seed=seed, step=step)
+        return ids, arkernels.sampling_probs(logits, temperature=0.7, top_k=20, top_p=0.9)
+
+    x, seed, step = _logits(4, 111, seed=2), torch.arange(4), torch.full((4,), 3)
+    compiled = torch.compile(step_fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x, seed, step), step_fn(x, seed, step)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_matches_cpu(device):
+    """On a GPU: the Triton kernel against the CPU op on the same inputs (skipped without one)."""
+    V = 32003
+    x = _logits(6, V, seed=4, ties=TIES[V])
+    T, k, p, mp = _row_params(x, V)
+    seed, step = torch.arange(6) * 3 + 1, torch.full((6,), 9)
+    want = arkernels.sampling_probs(x, temperature=T, top_k=k, top_p=p, min_p=mp)
+    got = arkernels.sampling_probs(x.to(device), temperature=T.to(device), top_k=k.to(device),
+                                   top_p=p.to(device), min_p=mp.to(device))
+    assert torch.equal(got.cpu() > 0, want > 0)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-7)
+    ids = arkernels.sample(x.to(device), temperature=T.to(device), top_k=k.to(device), top_p=p.to(device),
+                           min_p=mp.to(device), seed=seed.to(device), step=step.to(device))
+    assert torch.equal(ids.cpu(), arkernels.sample(x, temperature=T, top_k=k, top_p=p, min_p=mp, seed=seed,
+                                                   step=step))
