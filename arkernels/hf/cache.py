@@ -317,6 +317,8 @@ def _layer_windows(config) -> list[int]:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         types, kw = get_layer_types_and_kwargs(config)
+        if isinstance(kw, dict):  # 5.17: one kwargs dict for every layer; 5.24: one per layer
+            kw = [kw] * len(types)
     except ImportError:  # older 5.x: infer as DynamicCache(config=...) does
         n = config.num_hidden_layers
         types = getattr(config, "layer_types", None) or (
