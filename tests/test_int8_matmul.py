@@ -1,0 +1,370 @@
+"""int8 ops against the naive references: quantize_rowwise (per channel / per token), int8_matmul, w8a16_matmul.
+
+Tolerances by kind: the unscaled int8 product is integer math, so exact (torch.equal against float64, which holds
+every product here exactly). Float outputs: one rounding to the output dtype (eps of that dtype, relative; the
+interpreter truncates fp32 -> bf16 instead of rounding, still within one eps) plus fp32 accumulation error,
+bounded by a few fp32 eps times the sum of absolute terms.
+
+The op grid runs through the dispatcher (CPU kernel; the Triton kernel on a GPU). A smaller slice calls the Triton
+launchers directly: on CPU tensors under TRITON_INTERPRET=1 without a GPU, on the GPU otherwise.
+"""
+import pytest
+import torch
+
+import arkernels
+from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
+from arkernels.reference.int8_matmul import (dequantize_rowwise_ref, int8_matmul_ref, quantize_rowwise_ref,
+                                             sqnr_db, w8a16_matmul_ref)
+from arkernels.triton import int8_matmul as tk
+from conftest import DEVICES, HAS_CUDA
+
+# The issue's grid: M spans every shape class (1, <=16, <=64, larger) and its edges; K is never a multiple of
+# every block size (34, 496, 4099); N = 971 is prime.
+MS = [1, 2, 3, 7, 15, 16, 17, 33, 128]
+KS = [16, 32, 34, 96, 496]
+LARGE_K = 4099  # several thousand, odd: the K loop's masked tail
+NS = [8, 971, 4096]
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"  # launchers run on CPU tensors only in interpreter mode
+
+# Explicit tile configs for the direct Triton tests: one per code path (small-M GEMV-like tile, mid, large-M
+# tensor-core tile), sized so the interpreter runs few, large program instances.
+SMALL_TILE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
+MID_TILE = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2)
+LARGE_TILE = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+
+
+def _int8(shape, gen, full_range=True):
+    lo = -128 if full_range else -127
+    return torch.randint(lo, 128, shape, generator=gen, dtype=torch.int8)
+
+
+def _operands(M, K, N, gen):
+    """Random int8 operands whose first rows are all -128: the largest products int8 can make."""
+    a, b = _int8((M, K), gen), _int8((N, K), gen)
+    a[0], b[0] = -128, -128
+    return a, b
+
+
+def _float_close(got, ref, out_dtype, abs_terms):
+    """One rounding to out_dtype (relative eps) + fp32 accumulation (64 fp32 eps of the sum of |terms|)."""
+    tol = torch.finfo(out_dtype).eps * ref.abs() + 64 * torch.finfo(torch.float32).eps * abs_terms + 1e-30
+    err = (got.double().cpu() - ref).abs()
+    assert torch.isfinite(got).all()
+    assert (err <= tol).all(), f"max err {err.max().item():.3e} (tol there {tol.flatten()[err.argmax()].item():.3e})"
+
+
+# ------------------------------------------------------------------------------------------------ int8_matmul
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M", MS)
+def test_int8_matmul_exact_grid(device, M):
+    gen = torch.Generator().manual_seed(M)
+    for K in KS + [LARGE_K]:
+        for N in NS if K != LARGE_K else NS[:2]:  # the large K with N = 4096 adds time, not coverage
+            a, b = _operands(M, K, N, gen)
+            got = int8_matmul(a.to(device), b.to(device))
+            assert got.dtype == torch.int32 and got.shape == (M, N)
+            assert torch.equal(got.cpu().double(), int8_matmul_ref(a, b)), (M, K, N)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_matmul_noncontiguous(device):
+    gen = torch.Generator().manual_seed(1)
+    M, K, N = 17, 96, 971
+    a_wide = _int8((M, 2 * K), gen).to(device)
+    a = a_wide[:, ::2]  # stride along K is 2
+    b = _int8((K, N), gen).to(device).t()  # [N, K] with K-stride N: a transposed weight
+    assert not a.is_contiguous() and not b.is_contiguous()
+    assert torch.equal(int8_matmul(a, b).cpu().double(), int8_matmul_ref(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_matmul_scaled(device, out_dtype, with_bias):
+    gen = torch.Generator().manual_seed(2)
+    for M, K, N in [(1, 496, 971), (7, 34, 8), (33, 496, 130)]:
+        a, b = _operands(M, K, N, gen)
+        # realistic scales (absmax/127 of activations and weights), different per row and column
+        a_scale = torch.rand(M, generator=gen) * 0.05 + 1e-3
+        b_scale = torch.rand(N, generator=gen) * 1e-3 + 1e-5
+        bias = torch.randn(N, generator=gen).to(out_dtype) if with_bias else None
+        d = lambda t: None if t is None else t.to(device)  # noqa: E731
+        got = int8_matmul(d(a), d(b), d(a_scale), d(b_scale), d(bias), out_dtype=out_dtype)
+        assert got.dtype == out_dtype and got.shape == (M, N)
+        ref = int8_matmul_ref(a, b, a_scale, b_scale, bias)
+        abs_terms = int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale, b_scale)
+        _float_close(got, ref, out_dtype, abs_terms)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_int8_matmul_accumulator_beyond_fp16_range(device, out_dtype):
+    """The unscaled product exceeds fp16's 65504: scales must be applied in fp32 before the cast."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = _operands(5, 496, 64, gen)
+    acc = int8_matmul(a.to(device), b.to(device))
+    assert acc.abs().max() > 65504  # the premise: 496 * 128 * 128 at row/col 0
+    a_scale, b_scale = torch.full((5,), 1e-3), torch.full((64,), 2e-3)
+    got = int8_matmul(a.to(device), b.to(device), a_scale.to(device), b_scale.to(device), out_dtype=out_dtype)
+    ref = int8_matmul_ref(a, b, a_scale, b_scale)
+    _float_close(got, ref, out_dtype, int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale, b_scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_matmul_default_out_dtype_and_one_sided_scale(device):
+    gen = torch.Generator().manual_seed(4)
+    a, b = _operands(3, 34, 8, gen)
+    a_scale = torch.rand(3, generator=gen).to(device)
+    got = int8_matmul(a.to(device), b.to(device), a_scale=a_scale)  # b_scale missing: 1
+    assert got.dtype == torch.bfloat16
+    _float_close(got, int8_matmul_ref(a, b, a_scale), torch.bfloat16, int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale))
+    assert int8_matmul(a.to(device), b.to(device), out_dtype=torch.int32).dtype == torch.int32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_matmul_empty(device):
+    a = torch.zeros(0, 16, dtype=torch.int8, device=device)
+    b = torch.ones(8, 16, dtype=torch.int8, device=device)
+    assert int8_matmul(a, b).shape == (0, 8)
+    a, b = torch.ones(3, 0, dtype=torch.int8, device=device), torch.ones(5, 0, dtype=torch.int8, device=device)
+    assert torch.equal(int8_matmul(a, b).cpu(), torch.zeros(3, 5, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------ quantizers
+def _assert_quant_matches(q, scale, x):
+    """Same scale and codes as the reference; on a GPU a code may differ by one only at an exact rounding tie."""
+    q_ref, s_ref = quantize_rowwise_ref(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert torch.equal(scale.cpu(), s_ref)
+    diff = (q.cpu().int() - q_ref.int()).abs()
+    v = x.cpu().double() / s_ref.double()[:, None]
+    near_tie = ((v.abs() - v.abs().floor()) - 0.5).abs() < 1e-5
+    assert diff.max() <= 1 and not (diff.bool() & ~near_tie).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_per_token_matches_reference(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(33, 496, generator=gen) * torch.logspace(-3, 2, 33)[:, None]).to(dtype)
+    x[4] = 0  # an all-zero row: scale 1, zeros, never NaN
+    q, scale = quantize_per_token(x.to(device))
+    _assert_quant_matches(q, scale, x)
+    assert scale[4] == 1 and not q[4].any()
+    assert q.min() >= -127  # symmetric: -128 is never produced
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_rounding_and_shapes(device):
+    # scale = 127 / 127 = 1: the codes are the values rounded half away from zero
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5, 2.4999, -126.5, 0.0]], device=device)
+    q, scale = quantize_per_token(x)
+    assert scale.item() == 1.0
+    assert q.cpu().tolist() == [[127, 1, -1, 2, -3, 2, -127, 0]]
+    x3 = torch.randn(2, 3, 40, device=device)
+    q3, s3 = quantize_per_token(x3)  # [..., K] in, [..., K] and [...] out
+    assert q3.shape == (2, 3, 40) and s3.shape == (2, 3)
+    _assert_quant_matches(q3.reshape(6, 40), s3.reshape(6), x3.reshape(6, 40))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_per_channel_sqnr(device, dtype):
+    """Weight round trip above 40 dB (Gaussian rows, K = 1024: ~42.5 dB expected for int8 per channel)."""
+    gen = torch.Generator().manual_seed(6)
+    w = (torch.randn(256, 1024, generator=gen) * torch.rand(256, 1, generator=gen)).to(dtype)
+    wt = w.to(device).t().contiguous().t()  # a column-major view: non-contiguous input
+    q, scale = quantize_per_channel(wt)
+    assert q.is_contiguous() and q.shape == (256, 1024) and scale.shape == (256,)
+    _assert_quant_matches(q, scale, w)
+    assert sqnr_db(w, dequantize_rowwise_ref(q, scale)) > 40
+
+
+# ------------------------------------------------------------------------------------------------ w8a16_matmul
+def _w8a16_case(M, K, N, dtype, gen, with_bias=True):
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = _int8((N, K), gen, full_range=False)
+    w_scale = torch.rand(N, generator=gen) * 0.02 + 1e-4
+    bias = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    return x, w, w_scale, bias
+
+
+def _check_w8a16(got, x, w, w_scale, bias):
+    ref = w8a16_matmul_ref(x, w, w_scale, bias)
+    abs_terms = w8a16_matmul_ref(x.double().abs(), w.double().abs(), w_scale) + (0 if bias is None else bias.abs().double())
+    assert got.dtype == x.dtype
+    _float_close(got, ref, x.dtype, abs_terms)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_w8a16_matmul_grid(device, dtype):
+    gen = torch.Generator().manual_seed(7)
+    for M in (1, 3, 16, 17, 128):
+        for K, N in ((34, 971), (496, 8), (LARGE_K, 130)):
+            x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias=M % 2 == 1)
+            d = lambda t: None if t is None else t.to(device)  # noqa: E731
+            _check_w8a16(w8a16_matmul(d(x), d(w), d(w_scale), d(bias)), x, w, w_scale, bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_w8a16_matmul_3d_and_noncontiguous(device):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, 2 * 96, generator=gen).to(torch.float16)[..., ::2]  # [2, 5, 96], strided K
+    w = _int8((96, 40), gen, full_range=False).t()  # [40, 96] column-major
+    w_scale = torch.rand(40, generator=gen) * 0.01
+    got = w8a16_matmul(x.to(device), w.to(device), w_scale.to(device))
+    assert got.shape == (2, 5, 40)
+    _check_w8a16(got.reshape(10, 40).cpu(), x.reshape(10, 96), w, w_scale, None)
+
+
+# ------------------------------------------------------------------------------------------------ Triton direct
+TRITON_MATMUL_CASES = [  # (M, K, N, tile): every tile path, K tails and EVEN_K, multi-tile grids, GROUP_M tails
+    (1, 496, 971, SMALL_TILE), (3, 34, 130, SMALL_TILE), (16, 256, 64, SMALL_TILE),
+    (33, 96, 200, MID_TILE), (128, 496, 257, LARGE_TILE), (200, 128, 300, LARGE_TILE),
+]
+
+
+@pytest.mark.parametrize("M,K,N,tile", TRITON_MATMUL_CASES)
+def test_int8_matmul_triton_exact(M, K, N, tile):
+    gen = torch.Generator().manual_seed(M * 7 + K)
+    a, b = _operands(M, K, N, gen)
+    got = tk.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), config=tile)
+    assert got.dtype == torch.int32
+    assert torch.equal(got.cpu().double(), int8_matmul_ref(a, b))
+
+
+def test_int8_matmul_triton_noncontiguous_and_default_config():
+    gen = torch.Generator().manual_seed(9)
+    a = _int8((7, 2 * 96), gen)[:, ::2]
+    b = _int8((96, 100), gen).t()
+    got = tk.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))  # the config of its M class
+    assert torch.equal(got.cpu().double(), int8_matmul_ref(a, b))
+
+
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("tile", [SMALL_TILE, LARGE_TILE])
+def test_int8_matmul_triton_scaled(out_dtype, tile):
+    gen = torch.Generator().manual_seed(10)
+    M, K, N = 9, 496, 130
+    a, b = _operands(M, K, N, gen)
+    a_scale, b_scale = torch.rand(M, generator=gen) * 0.05, torch.rand(N, generator=gen) * 1e-3
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16)
+    d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
+    got = tk.int8_matmul_triton(d(a), d(b), d(a_scale), d(b_scale), d(bias), out_dtype, config=tile)
+    assert got.dtype == out_dtype
+    _float_close(got, int8_matmul_ref(a, b, a_scale, b_scale, bias), out_dtype,
+                 int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale, b_scale) + bias.abs().double())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,N,tile", [(1, 496, 971, SMALL_TILE), (16, 34, 64, SMALL_TILE),
+                                        (40, 256, 130, MID_TILE), (130, 96, 200, LARGE_TILE)])
+def test_w8a16_matmul_triton(dtype, M, K, N, tile):
+    gen = torch.Generator().manual_seed(11)
+    x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias=M != 16)
+    d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
+    _check_w8a16(tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=tile).cpu(), x, w, w_scale, bias)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_rowwise_triton(dtype):
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(6, 2 * 300, generator=gen) * 3).to(dtype)[:, ::2]  # strided rows
+    x[2] = 0
+    q, scale = tk.quantize_rowwise_triton(x.to(TRITON_DEVICE))
+    _assert_quant_matches(q, scale, x)
+    assert scale[2] == 1 and not q[2].any()
+
+
+def test_quantize_rowwise_triton_two_pass_long_rows():
+    """Rows longer than ONE_PASS_MAX_K take the two-pass (absmax, then quantize) path."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, tk.ONE_PASS_MAX_K + 37, generator=gen)
+    x[1, -1] = 50.0  # the absmax sits in the masked tail block
+    q, scale = tk.quantize_rowwise_triton(x.to(TRITON_DEVICE))
+    _assert_quant_matches(q, scale, x)
+    assert q[1, -1] == 127
+
+
+def test_autotune_shape_classes():
+    """Decode never sweeps: every M <= 16 maps to two classes whose configs are small-M tiles; large-M configs
+    satisfy Hopper's int8 wgmma constraints."""
+    assert [tk.m_class(m) for m in (1, 2, 16, 17, 64, 65, 8192)] == [1, 16, 16, 64, 64, tk.LARGE_M, tk.LARGE_M]
+    for mc, configs in tk.CONFIGS_BY_CLASS.items():
+        assert tk._prune_by_class(tk._ALL_CONFIGS, {"M_CLASS": mc}) == configs
+    assert all(c.kwargs["BLOCK_M"] == 16 for c in tk.CONFIGS_BY_CLASS[16])
+    assert all(c.kwargs["BLOCK_M"] % 64 == 0 and c.num_warps % 4 == 0 for c in tk.CONFIGS_BY_CLASS[tk.LARGE_M])
+    assert tk._int8_matmul_tuned.keys == ["M_CLASS", "N", "K"]
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+def _raises(fn, op, arg):
+    with pytest.raises((ValueError, TypeError), match=rf"{op}: .*{arg}"):
+        fn()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_matmul_bad_inputs(device):
+    i8 = lambda *s: torch.zeros(*s, dtype=torch.int8, device=device)  # noqa: E731
+    f32 = lambda *s: torch.ones(*s, device=device)  # noqa: E731
+    a, b = i8(4, 32), i8(8, 32)
+    _raises(lambda: int8_matmul(f32(4, 32), b), "int8_matmul", "a must be int8")
+    _raises(lambda: int8_matmul(a, b.int()), "int8_matmul", "b must be int8")
+    _raises(lambda: int8_matmul(a, i8(8, 33)), "int8_matmul", "K mismatch")
+    _raises(lambda: int8_matmul(i8(2, 4, 32), b), "int8_matmul", "a must be 2-D")
+    _raises(lambda: int8_matmul(a, i8(32)), "int8_matmul", "b must be 2-D")
+    _raises(lambda: int8_matmul(a, b, f32(5), f32(8)), "int8_matmul", r"a_scale must have shape \[M=4\]")
+    _raises(lambda: int8_matmul(a, b, f32(4), f32(8).half()), "int8_matmul", "b_scale must be torch.float32")
+    _raises(lambda: int8_matmul(a, b, f32(4), f32(4, 2)), "int8_matmul", "b_scale must have shape")
+    _raises(lambda: int8_matmul(a, b, f32(4), f32(8), f32(7)), "int8_matmul", "bias must have shape")
+    _raises(lambda: int8_matmul(a, b, f32(4), f32(8), out_dtype=torch.int8), "int8_matmul", "out_dtype")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_w8a16_and_quantize_bad_inputs(device):
+    i8 = lambda *s: torch.zeros(*s, dtype=torch.int8, device=device)  # noqa: E731
+    x, w, s = torch.ones(3, 32, dtype=torch.float16, device=device), i8(8, 32), torch.ones(8, device=device)
+    _raises(lambda: w8a16_matmul(i8(3, 32), w, s), "w8a16_matmul", "x must be float16")
+    _raises(lambda: w8a16_matmul(x, w.half(), s), "w8a16_matmul", "w must be int8")
+    _raises(lambda: w8a16_matmul(x, i8(8, 31), s), "w8a16_matmul", "K mismatch")
+    _raises(lambda: w8a16_matmul(x, w, s.half()), "w8a16_matmul", "w_scale must be torch.float32")
+    _raises(lambda: w8a16_matmul(x, w, s[:7]), "w8a16_matmul", r"w_scale must have shape \[N=8\]")
+    _raises(lambda: w8a16_matmul(x, w, s, s[:3]), "w8a16_matmul", "bias must have shape")
+    _raises(lambda: w8a16_matmul(x, i8(2, 8, 32), s), "w8a16_matmul", "w must be 2-D")
+    _raises(lambda: quantize_per_channel(torch.ones(2, 3, 4, device=device)), "quantize_per_channel", "w must be 2-D")
+    _raises(lambda: quantize_per_token(i8(3, 32)), "quantize_rowwise", "x must be float32")
+
+
+# ------------------------------------------------------------------------------------------------ torch.library
+def test_int8_ops_registered_for_cpu_and_cuda():
+    report = arkernels.kernels_report()
+    for op in ("quantize_rowwise", "int8_matmul", "w8a16_matmul"):
+        assert report[op] == ["CPU", "CUDA"], (op, report[op])
+
+
+def test_int8_opcheck():
+    gen = torch.Generator().manual_seed(14)
+    a, b = _operands(5, 34, 24, gen)
+    a_scale, b_scale, bias = torch.rand(5), torch.rand(24) * 1e-2, torch.randn(24)
+    ops = torch.ops.arkernels
+    torch.library.opcheck(ops.quantize_rowwise.default, (torch.randn(5, 34),))
+    torch.library.opcheck(ops.int8_matmul.default, (a, b, None, None, None, None))
+    torch.library.opcheck(ops.int8_matmul.default, (a, b, a_scale, b_scale, bias, torch.float16))
+    x, w, w_scale, bias = _w8a16_case(5, 34, 24, torch.bfloat16, gen)
+    torch.library.opcheck(ops.w8a16_matmul.default, (x, w, w_scale, bias))
+
+
+def test_int8_compile_fullgraph():
+    gen = torch.Generator().manual_seed(15)
+    w = torch.randn(24, 34, generator=gen)
+    w_q, w_s = quantize_per_channel(w)
+
+    def w8a8(x):
+        x_q, x_s = quantize_per_token(x)
+        return int8_matmul(x_q, w_q, x_s, w_s, out_dtype=torch.float32) + w8a16_matmul(x, w_q, w_s)
+
+    x = torch.randn(2, 3, 34, generator=gen).reshape(6, 34)
+    compiled = torch.compile(w8a8, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), w8a8(x))
