@@ -53,8 +53,9 @@ def _params(op, logits, temperature, top_k, top_p, min_p):
         t = per_row(op, name, value, batch, dtype, dev)
         if isinstance(value, torch.Tensor) and t.device.type == "cpu" and tensor_checks:
             bad = (~ok(t)).nonzero()
-            expect(bad.numel() == 0, op, f"{name} must be {rule}, got {name}[{int(bad[0, 0]) if bad.numel() else 0}] = "
-                   f"{t[bad[0, 0]].item() if bad.numel() else None}")
+            if bad.numel() > 0:
+                i = int(bad[0, 0])
+                expect(False, op, f"{name} must be {rule}, got {name}[{i}] = {t[i].item()}")
         out.append(t)
     return out
 
@@ -122,11 +123,10 @@ def sample(
     if seed is None:
         gdev = generator.device if generator is not None else dev
         seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=gdev, generator=generator)
-    else:
-        expect(not isinstance(seed, (float, bool)) and not (isinstance(seed, torch.Tensor) and seed.is_floating_point()),
-               op, f"seed must be an int or an int64 [batch] tensor, got {seed!r}")
-    expect(not isinstance(step, (float, bool)) and not (isinstance(step, torch.Tensor) and step.is_floating_point()),
-           op, f"step must be an int or an int64 [batch] tensor, got {step!r}")
+    for name, value in (("seed", seed), ("step", step)):
+        if isinstance(value, (float, bool)) or (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            what = value.dtype if isinstance(value, torch.Tensor) else repr(value)  # built only on failure
+            expect(False, op, f"{name} must be an int or an int64 [batch] tensor, got {what}")
     seed = per_row(op, "seed", seed, batch, torch.int64, dev)
     step = per_row(op, "step", step, batch, torch.int64, dev)
     ids, valid = _ops.sample(logits, t, k, p, mp, seed, step)
