@@ -1,5 +1,199 @@
-"""Placeholder: being written (HF integration issue)."""
+"""arkernels' own decode loop over a transformers model: ragged prompts, one paged cache, the fused sampler.
+
+Prefill packs every prompt into one ``[1, sum(prompt_lens)]`` row (no padding waste: each sequence owns exactly
+its blocks), with per-sequence positions and ``cu_seqlens_q`` for the attention kernel; decode runs the still
+active rows as ``[rows, 1]``. A row that emits EOS (or reaches ``max_new_tokens``) leaves the batch and its blocks
+go back to the pool at once. Row ``b``'s draw at step ``t`` depends only on (its logits, the sampling parameters,
+``seed[b]``, ``t``): the same prompt and seed give the same text whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
 
 
-def generate(*a, **k):
-    raise NotImplementedError("generate: not built yet")
+@dataclass
+class GenerateResult:
+    """``tokens[b]``: the new token ids of prompt ``b`` (EOS included when emitted); ``texts[b]`` their decoded text
+    when a tokenizer was given; ``prompt_lens[b]``; timings in seconds; ``decode_tokens``: tokens produced by the
+    decode steps (the first token of each row comes from prefill)."""
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    prompt_lens: list[int]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    finished_by_eos: list[bool] = field(default_factory=list)
+    cache_blocks_in_use: dict[int, int] = field(default_factory=dict)  # per cache group after the call: all 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def _as_prompts(prompts_or_input_ids, tokenizer) -> list[list[int]]:
+    x = prompts_or_input_ids
+    if isinstance(x, str):
+        x = [x]
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 1:
+            x = x[None]
+        if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"generate: input_ids must be an integer [batch, len] or [len] tensor, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        return [row.tolist() for row in x]
+    if not isinstance(x, Sequence) or len(x) == 0:
+        raise ValueError("generate: pass a non-empty list of prompts (str, needs tokenizer) or of token-id lists")
+    if all(isinstance(p, str) for p in x):
+        if tokenizer is None:
+            raise ValueError("generate: text prompts need tokenizer=")
+        return [tokenizer(p)["input_ids"] for p in x]
+    prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in x]
+    for i, p in enumerate(prompts):
+        if len(p) == 0 or not all(isinstance(t, int) for t in p):
+            raise ValueError(f"generate: prompt {i} must be a non-empty list of token ids")
+    return prompts
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | Sequence[int] | torch.Tensor = 0,
+             eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
+             stream: Callable[[int, int], None] | None = None, cuda_graphs: bool = False,
+             block_size: int = 16) -> GenerateResult:
+    """Generate from ragged prompts with a paged cache and the fused sampler.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` of a family ``arkernels.patch`` supports (its attention is switched
+            to arkernels' for the call and restored afterwards).
+        prompts_or_input_ids: a str or list of str (needs ``tokenizer``), a list of token-id lists (ragged), or an
+            integer tensor ``[batch, len]`` / ``[len]`` without padding.
+        max_new_tokens: new tokens per row at most.
+        temperature, top_k, top_p, min_p: sampling (``arkernels.sample``); temperature 0 (default) is greedy.
+        seed: one int for every row or one per row (list / int64 ``[batch]``).
+        eos_token_id: an id or ids that end a row (default: the model's generation config, then the tokenizer's).
+        tokenizer: decodes ``texts`` and encodes text prompts.
+        stream: called as ``stream(row, token_id)`` for every new token, in order.
+        cuda_graphs: capture the decode step in CUDA graphs (not implemented yet: raises).
+        block_size: tokens per cache block.
+
+    Returns:
+        ``GenerateResult`` (``tokens``, ``texts``, timings).
+    """
+    from arkernels.hf.attention import NAME, register
+    from arkernels.hf.cache import PagedCache
+    from arkernels.hf.patch import _check_supported
+    from arkernels.ops.sampling import sample
+
+    if cuda_graphs:
+        raise NotImplementedError("generate: cuda_graphs=True is not implemented yet")
+    _check_supported(model)
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    prompts = _as_prompts(prompts_or_input_ids, tokenizer)
+    B = len(prompts)
+    device = next(model.parameters()).device
+    eos = _eos_ids(model, tokenizer, eos_token_id)
+    seeds = torch.as_tensor(seed, dtype=torch.int64).reshape(-1)
+    if seeds.numel() == 1:
+        seeds = seeds.expand(B)
+    if seeds.numel() != B:
+        raise ValueError(f"generate: seed must be an int or one per prompt ({B}), got {seeds.numel()}")
+    seeds = seeds.to(device)
+    prompt_lens = [len(p) for p in prompts]
+    result = GenerateResult([[] for _ in range(B)], None, prompt_lens, finished_by_eos=[False] * B)
+    if max_new_tokens == 0:
+        return _finish(result, tokenizer)
+
+    saved_attn = model.config._attn_implementation
+    if saved_attn != NAME:
+        model.set_attn_implementation(register())
+    cache_kw = _cache_kwarg(model)
+    cache = PagedCache(model.config, block_size=block_size, max_length=max(prompt_lens) + max_new_tokens)
+    cache.set_rows(B)
+    steps = torch.zeros(B, dtype=torch.int64, device=device)
+    try:
+        # ---- prefill: all prompts packed in one row --------------------------------------------------------
+        t0 = time.perf_counter()
+        rows = list(range(B))
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)[None]
+        pos = torch.cat([torch.arange(n) for n in prompt_lens]).to(device)[None]
+        last = torch.tensor(prompt_lens).cumsum(0).sub(1).to(device)
+        cache.begin_step(rows, prompt_lens)
+        logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=last,
+                       **{cache_kw: cache}).logits[0]
+        active = rows
+        lengths = list(prompt_lens)
+        new = _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p)
+        result.prefill_s = time.perf_counter() - t0
+        # ---- decode --------------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        while True:
+            tokens = new.tolist()
+            still = []
+            for r, tok in zip(active, tokens):
+                result.tokens[r].append(tok)
+                if stream is not None:
+                    stream(r, tok)
+                if tok in eos:
+                    result.finished_by_eos[r] = True
+                if tok in eos or len(result.tokens[r]) >= max_new_tokens:
+                    cache.release_row(r)
+                else:
+                    still.append(r)
+            if not still:
+                break
+            keep = [i for i, r in enumerate(active) if r in set(still)] if len(still) != len(active) else None
+            if keep is not None:
+                new = new[torch.tensor(keep, device=device)]
+            active = still
+            idx = torch.tensor(active, device=device)
+            pos = torch.tensor([lengths[r] for r in active], dtype=torch.int64, device=device)[:, None]
+            for r in active:
+                lengths[r] += 1
+            steps[idx] += 1
+            cache.begin_step(active, [1] * len(active))
+            logits = model(input_ids=new[:, None], position_ids=pos, use_cache=True,
+                           **{cache_kw: cache}).logits[:, -1]
+            new = _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx)
+            result.decode_tokens += len(active)
+        result.decode_s = time.perf_counter() - t0
+    finally:
+        if saved_attn != NAME:
+            model.set_attn_implementation(saved_attn)
+        for r in range(B):  # rows cut short by an exception (finished rows hold nothing: a no-op for them)
+            cache.release_row(r)
+    result.cache_blocks_in_use = cache.blocks_in_use
+    return _finish(result, tokenizer)
+
+
+def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx=None):
+    if idx is None:
+        idx = torch.tensor(active, device=logits.device)
+    return sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds[idx],
+                  step=steps[idx])
+
+
+def _eos_ids(model, tokenizer, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        return set()
+    return {int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id])}
+
+
+def _finish(result: GenerateResult, tokenizer) -> GenerateResult:
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    return result
