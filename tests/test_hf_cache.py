@@ -1,0 +1,86 @@
+"""PagedCache against transformers' DynamicCache over random update sequences: the same K/V handed to attention,
+the same get_seq_length / get_mask_sizes per layer, sliding layers' blocks bounded by the window."""
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from arkernels.hf.attention import PAGED_ATTR
+from arkernels.hf.cache import PagedCache
+from arkernels.hf.tiny import TINY_WINDOW, tiny_model
+
+BATCH, HKV, HEAD_DIM = 3, 2, 16
+BLOCK_SIZES = [4, 5]  # 5: a block size that does not divide anything nicely
+UPDATE_SEQUENCES = [[7, 1, 1, 3, 1, 1, 1, 6, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1], [13, 1, 1, 1, 1]]
+FAMILIES = ["llama", "mistral", "gemma3_text"]  # full only, sliding only, interleaved
+
+
+def _kv(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(BATCH, HKV, tokens + 2, HEAD_DIM, generator=g)[:, :, 1:-1]  # non-contiguous, as q/k/v views are
+    return k, torch.randn(BATCH, HKV, tokens, HEAD_DIM, generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("updates", UPDATE_SEQUENCES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_paged_cache_matches_dynamic(family, block_size, updates, paged):
+    config = tiny_model(family).config
+    ref = DynamicCache(config=config)
+    cache = PagedCache(config, block_size=block_size, paged_attention=paged)  # no max_length: pools must grow
+    assert not cache.is_compileable
+    for step, tokens in enumerate(updates):
+        for layer in range(config.num_hidden_layers):
+            assert cache.get_seq_length(layer) == ref.get_seq_length(layer)
+            for q in (1, tokens):
+                assert cache.get_mask_sizes(q, layer) == ref.get_mask_sizes(q, layer)
+            k, v = _kv(tokens, seed=100 * step + layer)
+            rk, rv = ref.update(k, v, layer)
+            pk, pv = cache.update(k, v, layer)
+            if paged:
+                info = getattr(pk, PAGED_ATTR)
+                assert pk.dim() == 4 and info.seq_lens.tolist() == [cache.get_seq_length(layer)] * BATCH
+                pk, pv = info.dense()
+            assert torch.equal(pk, rk) and torch.equal(pv, rv)  # data movement: exact
+        for window, used in cache.blocks_in_use.items():
+            if window:  # out-of-window blocks went back: W - 1 old keys + this update, one straddled block more
+                assert used <= BATCH * (math.ceil((window - 1 + tokens) / block_size) + 1)
+    assert cache.get_seq_length() == ref.get_seq_length() == sum(updates)
+    cache.reset()
+    assert all(used == 0 for used in cache.blocks_in_use.values())
+
+
+def test_sliding_blocks_return_to_pool():
+    config = tiny_model("mistral").config
+    cache = PagedCache(config, block_size=2, max_length=64)
+    used = []
+    for step in range(40):
+        k, v = _kv(1, step)
+        cache.update(k, v, 0)
+        cache.update(k, v, 1)
+        used.append(cache.blocks_in_use[TINY_WINDOW])
+    # window 5 with blocks of 2: at most 3 blocks per row live, however long the sequence gets
+    assert max(used) <= BATCH * 3 and used[-1] == used[-10]
+
+
+def test_paged_cache_refuses_what_it_cannot_do():
+    config = tiny_model("llama").config
+    cache = PagedCache(config, block_size=4)
+    k, v = _kv(3, 0)
+    cache.update(k, v, 0)
+    for call in (lambda: cache.crop(-1), lambda: cache.reorder_cache(torch.tensor([0, 1, 2])),
+                 lambda: cache.batch_repeat_interleave(2)):
+        with pytest.raises(NotImplementedError, match="PagedCache"):
+            call()
+    with pytest.raises(RuntimeError, match="every layer must see every forward"):
+        cache.update(*_kv(1, 1), 0)  # layer 0 starts a new forward (length 4) ...
+        cache.update(*_kv(2, 1), 1)  # ... layer 1 still at 3 gets 2 tokens: 5 != 4
+    with pytest.raises(ValueError, match="block_size"):
+        PagedCache(config, block_size=0)
+    from transformers import Llama4TextConfig
+
+    with pytest.raises(NotImplementedError, match="chunked_attention"):
+        PagedCache(Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8, layer_types=None,
+                                    no_rope_layers=[1, 1]))
