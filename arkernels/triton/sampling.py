@@ -92,14 +92,14 @@ def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _hash_uniform_torch(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Torch twin of ``_row_key`` + ``_uniform``: seed, step int64 ``[batch]`` -> fp32 ``[batch, vocab]``,
-    bit-identical to the Triton kernel's draws."""
+def _hash_uniform_torch(seed: torch.Tensor, step: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Torch twin of ``_row_key`` + ``_uniform``, bit-identical to the Triton kernel's draws: seed, step int64
+    and cols (vocab columns) broadcast together, e.g. ``[batch, 1]`` against ``[1, vocab]``, or three ``[n]``
+    for a gathered set of (row, column) pairs -> fp32 U in (0, 1)."""
     a = _fmix32_torch((seed & _M32) ^ 0x243F6A88)
     a = _fmix32_torch(a ^ ((seed >> 32) & _M32))
     a = _fmix32_torch(a ^ (step & _M32))
-    a = _fmix32_torch(a ^ ((step >> 32) & _M32))[:, None]
-    cols = torch.arange(vocab, dtype=torch.int64, device=seed.device)[None, :]
+    a = _fmix32_torch(a ^ ((step >> 32) & _M32))
     h = _fmix32_torch((_mul32(cols, 0x9E3779B9) + a) & _M32)
     h = _fmix32_torch(h ^ a)
     return ((h >> 8).to(torch.float32) + 0.5) * 5.9604644775390625e-08
