@@ -20,7 +20,7 @@ import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas live in csrc/torch_bindings.cpp)
 from arkernels.ops._checks import expect, per_row
-from arkernels.triton.sampling import _hash_uniform_torch, sample_triton, sampling_probs_triton
+from arkernels.triton.sampling import _row_key_torch, _uniform_torch, sample_triton, sampling_probs_triton
 
 _ops = torch.ops.arkernels
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -240,7 +240,7 @@ def _sample_cpu(logits, temperature, top_k, top_p, min_p, seed, step):
         # >= -2.86 and a token with z < -20.5 can never win. Hashing only the tokens that can win skips
         # most of the vocabulary (the hash is ~20 int64 ops per element) and changes no draw.
         r, c = (keep[rows] & (z[rows] >= -20.5)).nonzero(as_tuple=True)
-        u = _hash_uniform_torch(seed[rows][r], step[rows][r], c)
+        u = _uniform_torch(_row_key_torch(seed[rows], step[rows])[r], c)
         score = torch.full((rows.numel(), vocab), float("-inf"))
         score[r, c] = z[rows][r, c] - torch.log(-torch.log(u))
         ids[rows] = score.argmax(dim=1)
