@@ -199,7 +199,7 @@ def _quantize_rowwise_cpu(x):
     absmax = xf.abs().amax(dim=1) if x.shape[1] > 0 else xf.new_zeros(x.shape[0])
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
     v = xf / scale[:, None]
-    r = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v))  # half away from zero
+    r = v.abs().add_(0.5).floor_().copysign_(v)  # half away from zero; in-place: 4 passes fewer on big weights
     return r.clamp_(-QMAX, QMAX).to(torch.int8).contiguous(), scale
 
 
