@@ -406,6 +406,7 @@ __global__ void __launch_bounds__(kThreads) window_attention_prefill_kernel(cons
     }
     __syncthreads();
     // S[warp rows] = Q K^T.
+#pragma unroll 1
     for (int nf = 0; nf < BN / 16; ++nf) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
       wmma::fill_fragment(sf, 0.f);
@@ -454,6 +455,7 @@ __global__ void __launch_bounds__(kThreads) window_attention_prefill_kernel(cons
       o_s[r * LDO + idx % D] *= alpha_s[r];
     }
     __syncwarp();
+#pragma unroll 1
     for (int df = 0; df < D / 16; ++df) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
       wmma::load_matrix_sync(of, o_s + warp * 16 * LDO + df * 16, LDO, wmma::mem_row_major);
