@@ -105,6 +105,11 @@ def _check(out, lse, query, k, v, table, lens, cu, window, scale, softcap, kv_st
     assert torch.allclose(lse.double()[~empty], ref_lse[~empty], atol=1e-4, rtol=1e-5)
 
 
+def _skip_unsupported(device, dtype):
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 runs on the CPU kernel only (CUDA: fp16/bf16, refused by test_window_attention_cuda_refuses)")
+
+
 def _pick(seq, *keys):
     """Cycle a secondary parameter deterministically over the primary grid, so every value is covered."""
     return seq[sum(keys) % len(seq)]
@@ -115,6 +120,7 @@ def _pick(seq, *keys):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_window_attention_decode_grid(device, dtype, window, block_size):
+    _skip_unsupported(device, dtype)
     wi, bi, di = WINDOWS.index(window), BLOCK_SIZES.index(block_size), DTYPES.index(dtype)
     d = _pick(HEAD_DIMS, wi, 2 * bi, di)
     hq, hkv = _pick(GQA, wi, bi)
@@ -136,6 +142,7 @@ def test_window_attention_decode_grid(device, dtype, window, block_size):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_window_attention_prefill_grid(device, dtype, head_dim, gqa, chunked):
     """Prefill with q_len == seq_len, and chunked prefill (q_len < seq_len) on top of an existing cache."""
+    _skip_unsupported(device, dtype)
     di, hi, gi = DTYPES.index(dtype), HEAD_DIMS.index(head_dim), GQA.index(gqa)
     window = _pick(WINDOWS, di, hi, 2 * gi, int(chunked))
     block_size = _pick(BLOCK_SIZES, hi, gi)
@@ -165,6 +172,7 @@ def test_window_attention_prefill_grid(device, dtype, head_dim, gqa, chunked):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_window_attention_strided_inputs_and_kv_start(device, dtype):
     """query a slice of a fused qkv output, the caches strided views, left padding via kv_start, a custom scale."""
+    _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, bs = 4, 2, 80, 16
     lens = [37, 16, 5, 9]
@@ -187,6 +195,59 @@ def test_window_attention_strided_inputs_and_kv_start(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 1000])
+def test_window_attention_decode_long_context(device, dtype, window):
+    """Contexts long enough for the CUDA decode kernel to split the KV range (flash-decoding partitions + combine),
+    one of them far past the window; left padding on the other."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [3001, 1500]
+    k, v, table = _paged(lens, 16, 1, 128, dtype, device, gen)
+    query = torch.randn(2, 4, 128, generator=gen).to(dtype).to(device)
+    kv_start = torch.tensor([0, 700], dtype=torch.int32)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, kv_start=kv_start.to(device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, None, window, 128 ** -0.5, 0.0, kv_start=kv_start)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 50])
+def test_window_attention_prefill_long(device, dtype, window):
+    """Several 64-row query tiles and key tiles, some wholly outside the window (skipped on CUDA), GQA 8/2,
+    head_dim 96, chunked on top of a cache (q_len 200 of 301) and one sequence of exactly 64 queries."""
+    _skip_unsupported(device, dtype)
+    gen = torch.Generator().manual_seed(12)
+    lens, q_lens = [301, 64], [200, 64]
+    k, v, table = _paged(lens, 16, 2, 96, dtype, device, gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    query = torch.randn(cu[-1], 8, 96, generator=gen).to(dtype).to(device)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                                return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, window, 96 ** -0.5, 0.0)
+
+
+@pytest.mark.cuda
+def test_window_attention_cuda_refuses():
+    """What the CUDA kernels do not take raises a clear error: fp32, an unsupported head_dim, unaligned cache rows."""
+    k = torch.zeros(2, 4, 1, 64, dtype=torch.float16, device="cuda")
+    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="window_attention: CUDA kernels take float16 or bfloat16"):
+        window_attention(torch.zeros(1, 1, 64, device="cuda"), k.float(), k.float(), table, lens)
+    k48 = torch.zeros(2, 4, 1, 48, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="window_attention: head_dim must be 64, 80, 96, 128 or 256 on CUDA"):
+        window_attention(torch.zeros(1, 1, 48, dtype=torch.float16, device="cuda"), k48, k48, table, lens)
+    flat = torch.zeros(2 * 4 * 64 + 1, dtype=torch.float16, device="cuda")
+    k_odd = flat[1:].view(2, 4, 1, 64)
+    with pytest.raises(RuntimeError, match="window_attention: on CUDA k_cache and v_cache rows must be 16-byte"):
+        window_attention(torch.zeros(1, 1, 64, dtype=torch.float16, device="cuda"), k_odd, k_odd, table, lens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_window_attention_no_visible_keys(device):
     """seq_len 0 (decode at position -1) and a query left of kv_start: zeros and lse -inf, never NaN."""
     gen = torch.Generator().manual_seed(2)
@@ -206,6 +267,7 @@ def test_window_attention_no_visible_keys(device):
 def test_window_attention_dense(device, dtype, tq):
     """window_attention_dense over transformers' [B, Hkv, S, D] layout: transposed query view, a K/V cache slice
     with spare capacity (strided), ragged seq_lens, left padding."""
+    _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(tq)
     bsz, hq, hkv, d, s, cap = 3, 6, 2, 96, 23, 32
     store_k = torch.randn(bsz, hkv, cap, d, generator=gen).to(dtype).to(device)

@@ -1,0 +1,201 @@
+"""Windowed attention over the paged cache: decode GB/s and prefill TFLOP/s against torch SDPA.
+
+Decode bytes are the K/V a kernel must read: min(L, W) keys per sequence (2 x batch x min(L, W) x Hkv x D x
+element size); every method is credited with the same bytes, so the ratio is a time ratio. Prefill FLOPs are the
+useful ones: 4 x Hq x D per visible (query, key) pair (causal, within the window), again the same for every method.
+Baselines, measured in the same run: SDPA on K/V already gathered into transformers' dense layout (full causal; the
+gather itself is NOT timed, which favours the baseline), SDPA with an explicit window mask, and FlexAttention with a
+sliding-window block mask where the installed torch has it (GPU only). Our output is checked against the fp64
+reference (small case) and against the masked SDPA output (every case) before timing.
+GPU goals (issue 3, H200): decode >= 85% of copy bandwidth once batch x context >= 8k tokens, >= 60% at batch 1 with
+an 8k context; flat time past the window; prefill >= SDPA flash for full causal and >= 2x SDPA with a window mask.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import device_name, parser, print_table, timeit, write_results  # noqa: E402
+
+import arkernels  # noqa: E402
+from arkernels.reference.window_attention import window_attention_ref  # noqa: E402
+
+HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def _timing(device) -> dict:
+    """Fewer repetitions on the CPU (the --quick CI mode), the default on a GPU."""
+    return dict(device=device, warmup=1, iters=5) if torch.device(device).type == "cpu" else dict(device=device)
+
+
+def copy_bandwidth(device) -> float:
+    n = (1 << 28) if torch.device(device).type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / timeit(lambda: dst.copy_(src), device=device) / 1e9
+
+
+def paged_problem(batch, ctx, dtype, device, gen):
+    """K/V of `batch` sequences of `ctx` tokens in a shuffled paged pool, plus the same data gathered densely."""
+    per_seq = -(-ctx // BLOCK_SIZE)
+    num_blocks = batch * per_seq
+    k = torch.randn(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM, generator=gen).to(dtype).to(device)
+    v = torch.randn(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM, generator=gen).to(dtype).to(device)
+    table = torch.randperm(num_blocks, generator=gen).int().view(batch, per_seq).to(device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    k_dense, v_dense = arkernels.paged_kv_gather(k, v, table, lens, ctx, check=False)  # [B, Hkv, ctx, D]
+    return k, v, table, lens, k_dense, v_dense
+
+
+def window_mask(q_pos, ctx, window, device):
+    j = torch.arange(ctx, device=device)[None, :]
+    i = q_pos[:, None]
+    m = j <= i
+    if window > 0:
+        m &= j > i - window
+    return m
+
+
+def flex_fn(window, q_len, ctx, device):
+    """A compiled FlexAttention call with a causal sliding-window block mask (bottom-right aligned), or None."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    off = ctx - q_len
+
+    def mask_mod(b, h, q, kv):
+        keep = kv <= q + off
+        if window > 0:
+            keep = keep & (kv > q + off - window)
+        return keep
+
+    block_mask = create_block_mask(mask_mod, None, None, q_len, ctx, device=device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def check_reference(dtype, device):
+    """Decode and prefill against the fp64 reference on a small paged problem, before any timing."""
+    gen = torch.Generator().manual_seed(0)
+    k, v, table, lens, _, _ = paged_problem(2, 77, dtype, device, gen)
+    q = torch.randn(2, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for window in (0, 32):
+        got = arkernels.window_attention(q, k, v, table, lens, window=window)
+        want, _ = window_attention_ref(q, k, v, table, lens, window=window)
+        err = (got.cpu().double() - want).abs().max().item()
+        assert err < tol, f"decode window={window}: error {err:.3g} vs the fp64 reference"
+        qp = torch.randn(2 * 20, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+        cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=device)
+        got = arkernels.window_attention(qp, k, v, table, lens, window=window, cu_seqlens_q=cu)
+        want, _ = window_attention_ref(qp, k, v, table, lens, window=window, cu_seqlens_q=cu)
+        err = (got.cpu().double() - want).abs().max().item()
+        assert err < tol, f"prefill window={window}: error {err:.3g} vs the fp64 reference"
+
+
+def bench_decode(batch, ctx, window, dtype, device, gen):
+    k, v, table, lens, kd, vd = paged_problem(batch, ctx, dtype, device, gen)
+    q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    q4 = q[:, :, None]  # [B, Hq, 1, D]
+    mask = window_mask(torch.tensor([ctx - 1], device=device), ctx, window, device)[None, None]  # [1,1,1,ctx]
+    ours = lambda: arkernels.window_attention(q, k, v, table, lens, window=window, max_q_len=1, check=False)  # noqa
+    sdpa_full = lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)  # noqa: E731
+    sdpa_mask = lambda: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    err = (ours().float() - sdpa_mask()[:, :, 0].float()).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"decode disagrees with SDPA: {err:.3g}"
+    keys = min(ctx, window) if window > 0 else ctx
+    nbytes = 2 * batch * keys * HKV * HEAD_DIM * q.element_size()
+    row = dict(kind="decode", batch=batch, ctx=ctx, window=window, tokens=batch * ctx)
+    row["ours_us"] = timeit(ours, **_timing(device)) * 1e6
+    row["sdpa_full_us"] = timeit(sdpa_full, **_timing(device)) * 1e6
+    row["sdpa_mask_us"] = timeit(sdpa_mask, **_timing(device)) * 1e6
+    flex = flex_fn(window, 1, ctx, device)
+    if flex is not None:
+        try:
+            row["flex_us"] = timeit(lambda: flex(q4, kd, vd), device=device) * 1e6
+        except Exception as e:  # noqa: BLE001 (flex support varies across torch builds)
+            print(f"flex attention unavailable: {type(e).__name__}", file=sys.stderr)
+    row["ours_GBps"] = nbytes / row["ours_us"] / 1e3
+    row["x_vs_sdpa_mask"] = row["sdpa_mask_us"] / row["ours_us"]
+    row["x_vs_sdpa_full"] = row["sdpa_full_us"] / row["ours_us"]
+    return row
+
+
+def bench_prefill(batch, seq, window, dtype, device, gen):
+    k, v, table, lens, kd, vd = paged_problem(batch, seq, dtype, device, gen)
+    q = torch.randn(batch * seq, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    q4 = q.view(batch, seq, HQ, HEAD_DIM).transpose(1, 2)
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+    mask = window_mask(torch.arange(seq, device=device), seq, window, device)[None, None]
+    ours = lambda: arkernels.window_attention(q, k, v, table, lens, window=window, cu_seqlens_q=cu,  # noqa: E731
+                                              max_q_len=seq, check=False)
+    sdpa_full = lambda: F.scaled_dot_product_attention(q4, kd, vd, is_causal=True, enable_gqa=True)  # noqa: E731
+    sdpa_mask = lambda: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    want = sdpa_mask().transpose(1, 2).reshape(batch * seq, HQ, HEAD_DIM)
+    err = (ours().float() - want.float()).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"prefill disagrees with SDPA: {err:.3g}"
+    pairs = sum(min(i + 1, window) if window > 0 else i + 1 for i in range(seq))
+    flops = 4 * batch * HQ * HEAD_DIM * pairs
+    row = dict(kind="prefill", batch=batch, ctx=seq, window=window, tokens=batch * seq)
+    row["ours_us"] = timeit(ours, **_timing(device)) * 1e6
+    row["sdpa_full_us"] = timeit(sdpa_full, **_timing(device)) * 1e6
+    row["sdpa_mask_us"] = timeit(sdpa_mask, **_timing(device)) * 1e6
+    flex = flex_fn(window, seq, seq, device)
+    if flex is not None:
+        try:
+            row["flex_us"] = timeit(lambda: flex(q4, kd, vd), device=device) * 1e6
+        except Exception as e:  # noqa: BLE001
+            print(f"flex attention unavailable: {type(e).__name__}", file=sys.stderr)
+    row["ours_TFLOPs"] = flops / row["ours_us"] / 1e6
+    row["x_vs_sdpa_mask"] = row["sdpa_mask_us"] / row["ours_us"]
+    row["x_vs_sdpa_full"] = row["sdpa_full_us"] / row["ours_us"]
+    return row
+
+
+def main():
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args()
+    device = args.device
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    check_reference(dtype, device)
+    gen = torch.Generator().manual_seed(1)
+    if args.quick:
+        decode = [(b, c, w) for b in (1, 4) for c in (256, 1024) for w in (0, 128)]
+        prefill = [(1, s, w) for s in (64, 128) for w in (0, 32)]
+    else:
+        decode = [(b, c, w) for b in (1, 8, 32) for c in (1024, 8192, 32768) for w in (0, 4096) if b * c <= 262144]
+        prefill = [(1, s, w) for s in (1024, 4096, 8192) for w in (0, 1024)]
+    rows = [bench_decode(b, c, w, dtype, device, gen) for b, c, w in decode]
+    rows += [bench_prefill(b, s, w, dtype, device, gen) for b, s, w in prefill]
+    bw = copy_bandwidth(device)
+    for r in rows:
+        r["device"] = device_name(device)
+        r["dtype"] = str(dtype).replace("torch.", "")
+        if r["kind"] == "decode":
+            r["pct_copy_bw"] = 100 * r["ours_GBps"] / bw
+    dec = [r for r in rows if r["kind"] == "decode"]
+    for r in dec:
+        r["series"] = f"B={r['batch']} W={r['window']}"
+    pre = [r for r in rows if r["kind"] == "prefill"]
+    for r in pre:
+        r["series"] = f"W={r['window']}"
+    write_results(dec, args.out, "window_attention_decode", plot=("ctx", "ours_GBps", "series"),
+                  title=f"decode GB/s, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)}; copy {bw:.0f} GB/s)")
+    write_results(pre, args.out, "window_attention_prefill", plot=("ctx", "ours_TFLOPs", "series"),
+                  title=f"prefill TFLOP/s, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)})")
+    print(f"device {device_name(device)}, dtype {dtype}, copy bandwidth {bw:.1f} GB/s")
+    print_table(dec, ["batch", "ctx", "window", "ours_us", "ours_GBps", "pct_copy_bw", "x_vs_sdpa_mask",
+                      "x_vs_sdpa_full"])
+    print_table(pre, ["batch", "ctx", "window", "ours_us", "ours_TFLOPs", "x_vs_sdpa_mask", "x_vs_sdpa_full"])
+
+
+if __name__ == "__main__":
+    main()
