@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read it
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
 MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop for graphs
 DRAW_BLOCK = 2048  # elements per block in the streaming passes
