@@ -320,6 +320,7 @@ def test_int8_matmul_bad_inputs(device):
     _raises(lambda: int8_matmul(a, b, f32(4), f32(4, 2)), "int8_matmul", "b_scale must have shape")
     _raises(lambda: int8_matmul(a, b, f32(4), f32(8), f32(7)), "int8_matmul", "bias must have shape")
     _raises(lambda: int8_matmul(a, b, f32(4), f32(8), out_dtype=torch.int8), "int8_matmul", "out_dtype")
+    _raises(lambda: int8_matmul(a, b, f32(4).to("meta"), f32(8)), "int8_matmul", "a_scale is on meta")
 
 
 @pytest.mark.parametrize("device", DEVICES)
