@@ -3,8 +3,9 @@
 Shapes: the Llama-8B projections (N x K) 4096x4096 (q/o), 14336x4096 (gate/up), 4096x14336 (down), M from 1
 (decode) to 8192 (prefill). TFLOP/s counts 2*M*N*K; GB/s counts the bytes each implementation must move at least
 (activations, weights, scales, output: an int8 weight is half the bytes of a bf16 one, which is where W8A16's
-decode speed-up comes from). ``ratio_vs_linear`` is the F.linear time (bf16 on a GPU, fp32 on the CPU) over this implementation's time, both
-measured in this run. Every implementation is checked against the float64 reference (a few rows) before timing.
+decode speed-up comes from). ``ratio_vs_linear`` is the F.linear time (bf16 on a GPU, fp32 on the CPU) over
+this implementation's time, both measured in this run. Every implementation is checked against the float64
+reference (a few rows) before timing.
 
 GPU goals (issue 5, H200): w8a16 at M = 1..16 on 14336x4096 >= 1.8x bf16; w8a8 at M = 4096 >= 1.7x bf16.
 On the CPU (``--quick``, CI) the ops run their CPU implementations in fp32; the figures there only show the

@@ -118,7 +118,8 @@ def test_int8_matmul_default_out_dtype_and_one_sided_scale(device):
     a_scale = torch.rand(3, generator=gen).to(device)
     got = int8_matmul(a.to(device), b.to(device), a_scale=a_scale)  # b_scale missing: 1
     assert got.dtype == torch.bfloat16
-    _float_close(got, int8_matmul_ref(a, b, a_scale), torch.bfloat16, int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale))
+    _float_close(got, int8_matmul_ref(a, b, a_scale), torch.bfloat16,
+                 int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale))
     assert int8_matmul(a.to(device), b.to(device), out_dtype=torch.int32).dtype == torch.int32
 
 
@@ -192,7 +193,9 @@ def _w8a16_case(M, K, N, dtype, gen, with_bias=True):
 
 def _check_w8a16(got, x, w, w_scale, bias):
     ref = w8a16_matmul_ref(x, w, w_scale, bias)
-    abs_terms = w8a16_matmul_ref(x.double().abs(), w.double().abs(), w_scale) + (0 if bias is None else bias.abs().double())
+    abs_terms = w8a16_matmul_ref(x.double().abs(), w.double().abs(), w_scale)
+    if bias is not None:
+        abs_terms = abs_terms + bias.abs().double()
     assert got.dtype == x.dtype
     _float_close(got, ref, x.dtype, abs_terms)
 
