@@ -281,6 +281,16 @@ def test_quantize_rowwise_triton(dtype):
     assert scale[2] == 1 and not q[2].any()
 
 
+@pytest.mark.parametrize("K", [8, tk.ONE_PASS_MAX_K + 8])  # the one-pass and the two-pass paths
+def test_quantize_rowwise_triton_rounds_half_away_from_zero(K):
+    ties = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 2.4999, -126.5, 0.0])
+    x = torch.zeros(1, K)
+    x[0, -8:] = ties  # in the last (masked) block of the two-pass path
+    q, scale = tk.quantize_rowwise_triton(x.to(TRITON_DEVICE))
+    assert scale.item() == 1.0
+    assert q[0, -8:].cpu().tolist() == [127, 1, -1, 2, -3, 2, -127, 0] and not q[0, :-8].any()
+
+
 def test_quantize_rowwise_triton_two_pass_long_rows():
     """Rows longer than ONE_PASS_MAX_K take the two-pass (absmax, then quantize) path."""
     gen = torch.Generator().manual_seed(13)
