@@ -376,6 +376,8 @@ def _bad_cases():
         ("cu_seqlens_q must run from 0", dict(cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError),
         (r"block_table\[1, 0\] = 7", dict(block_table=torch.tensor([[0], [7]], dtype=torch.int32)), ValueError),
         (r"seq_lens\[0\] = 5 is outside", dict(seq_lens=torch.tensor([5, 2], dtype=torch.int32)), ValueError),
+        ("max_q_len = 1 is smaller", dict(query=torch.randn(3, 4, 64), max_q_len=1,
+                                          cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError),
         ("contiguous last", dict(query=torch.randn(2, 4, 128)[..., ::2]), RuntimeError),
         ("query must be 3-D", dict(query=torch.randn(2, 256)), RuntimeError),
         ("head_dim must be in", dict(query=torch.randn(2, 4, 520), k_cache=torch.randn(3, 4, 2, 520),

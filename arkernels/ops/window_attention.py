@@ -16,7 +16,7 @@ _ops = torch.ops.arkernels
 _OP = "window_attention"
 
 
-def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
+def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len) -> None:
     """Validate the index tensors' values (one host sync): what the CUDA kernel can only mask, never report."""
     if (block_table.dim() != 2 or seq_lens.dim() != 1 or k_cache.dim() != 4 or seq_lens.dtype != torch.int32
             or block_table.shape[0] != seq_lens.shape[0]):
@@ -49,6 +49,9 @@ def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
             b = int(bad[0, 0])
             raise ValueError(f"{_OP}: cu_seqlens_q gives sequence {b} {int(q_lens[b])} queries but seq_lens[{b}] = "
                              f"{int(lens[b])} (queries are the last q_len positions of a sequence)")
+        if max_q_len is not None and q_lens.numel() > 0:
+            expect(int(q_lens.max()) <= max_q_len, _OP,
+                   f"max_q_len = {max_q_len} is smaller than the largest query count {int(q_lens.max())}")
 
 
 def window_attention(
@@ -83,8 +86,9 @@ def window_attention(
         scale: score scale, default ``head_dim ** -0.5``.
         softcap: ``> 0`` applies ``softcap * tanh(score / softcap)`` after scaling (Gemma 2); 0 is off.
         cu_seqlens_q: int32 ``[batch + 1]`` cumulative query counts (prefill); None for decode.
-        max_q_len: largest ``q_len_b`` (sizes the CUDA prefill grid without a host sync); default computed
-            from ``cu_seqlens_q`` (one sync); 1 for decode.
+        max_q_len: at least the largest ``q_len_b`` (sizes the CUDA prefill grid without a host sync); default
+            computed from ``cu_seqlens_q`` (one sync); ignored for decode. Too small: ``check`` and the CPU kernel
+            raise; with ``check=False`` the CUDA kernel leaves the rows past it unwritten.
         kv_start: int32 ``[batch]``: keys ``j < kv_start[b]`` are masked (left padding); None: 0.
         return_lse: also return the fp32 natural-log sum-exp of the scaled (capped) scores.
         check: validate the index tensors' values first (one host sync) and raise ``ValueError`` on a block id
@@ -97,7 +101,7 @@ def window_attention(
         ``lse`` is fp32 ``[num_queries, num_q_heads]``. A query with no visible key gets zeros and lse -inf.
     """
     if check:
-        _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q)
+        _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len)
     if max_q_len is None:
         if cu_seqlens_q is None:
             max_q_len = 1
