@@ -37,7 +37,8 @@ def test_generate_cli_tiny(monkeypatch, capsys):
 @pytest.mark.model
 @needs_smollm2
 def test_demo_smollm2_subprocess():
-    proc = subprocess.run([sys.executable, "-m", "arkernels", "demo", "--max-new-tokens", "8"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "arkernels", "demo", "--max-new-tokens", "4", "--prompt",
+                           "Once upon a time,"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SmolLM2-135M-Instruct" in proc.stdout and proc.stdout.count(" yes") == 2
@@ -53,15 +54,15 @@ def smollm2():
 @needs_smollm2
 def test_smollm2_greedy_32_tokens_equal_stock(smollm2):
     model, tok = smollm2
-    prompts = [tok(p)["input_ids"] for p in SMOLLM2_PROMPTS]
-    stock = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
-             for p in prompts]
+    rows = [tok(p)["input_ids"] for p in SMOLLM2_PROMPTS]
+    width = min(map(len, rows))
+    ids = torch.tensor([r[:width] for r in rows])  # one rectangular batch, no padding: one stock call for all rows
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False,
+              eos_token_id=None)
+    stock = model.generate(**kw)[:, width:].tolist()
     with arkernels.patch(model):
-        patched = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False,
-                                  eos_token_id=None)[0, len(p):].tolist() for p in prompts]
-    ours = arkernels.generate(model, prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, eos_token_id=[], tokenizer=tok)
+        patched = model.generate(**kw)[:, width:].tolist()
+    ours = arkernels.generate(model, ids, max_new_tokens=SMOLLM2_NEW_TOKENS, eos_token_id=[], tokenizer=tok)
     assert patched == stock
     assert ours.tokens == stock
     assert ours.texts[0].strip()  # readable text, decoded
