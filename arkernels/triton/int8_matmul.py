@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-QMAX = 127.0  # symmetric: the quantizers produce [-127, 127]
+QMAX: tl.constexpr = tl.constexpr(127.0)  # symmetric: the quantizers produce [-127, 127] (constexpr: a kernel global)
 LARGE_M = 1 << 30  # the M class "larger than 64"
 ONE_PASS_MAX_K = 16384  # rows up to this length stay in registers: one read of x instead of two
 
@@ -182,11 +182,13 @@ def _int8_matmul_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    # rows/cols past the edge read row 0 (always valid) instead of masking every load
-    ram = tl.where(rm < M, rm, 0).to(tl.int64)
-    rbn = tl.where(rn < N, rn, 0).to(tl.int64)
-    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :].to(tl.int64) * stride_ak
-    b_ptrs = b_ptr + rbn[None, :] * stride_bn + rk[:, None].to(tl.int64) * stride_bk
+    # int64 only in the tile's scalar base; int32 offsets inside the tile (int64 offset tensors cost 2 registers per
+    # element and spilled kilobytes at 128x128 tiles). Rows/cols past the edge read the tile's first row/col
+    # (always valid) instead of masking every load.
+    lm = tl.where(rm < M, tl.arange(0, BLOCK_M), 0)
+    ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
+    a_ptrs = (a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am) + (lm[:, None] * stride_am + rk[None, :] * stride_ak)
+    b_ptrs = (b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn) + (ln[None, :] * stride_bn + rk[:, None] * stride_bk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -273,10 +275,10 @@ def _w8a16_matmul_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    rxm = tl.where(rm < M, rm, 0).to(tl.int64)
-    rwn = tl.where(rn < N, rn, 0).to(tl.int64)
-    x_ptrs = x_ptr + rxm[:, None] * stride_xm + rk[None, :].to(tl.int64) * stride_xk
-    w_ptrs = w_ptr + rwn[None, :] * stride_wn + rk[:, None].to(tl.int64) * stride_wk
+    lm = tl.where(rm < M, tl.arange(0, BLOCK_M), 0)  # int32 in-tile offsets, int64 tile base: as in int8_matmul
+    ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
+    x_ptrs = (x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm) + (lm[:, None] * stride_xm + rk[None, :] * stride_xk)
+    w_ptrs = (w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn) + (ln[None, :] * stride_wn + rk[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
