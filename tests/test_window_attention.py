@@ -230,6 +230,21 @@ def test_window_attention_prefill_long(device, dtype, window):
     _check(out, lse, query, k, v, table, lens, cu, window, 96 ** -0.5, 0.0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 500])
+def test_window_attention_decode_via_cu_seqlens(device, window):
+    """One query per sequence given as cu_seqlens_q with max_q_len 1 (the HF paged path; on CUDA the prefill
+    kernel takes it), including a sequence with no query, and long contexts."""
+    gen = torch.Generator().manual_seed(13)
+    lens, cu = [2000, 37, 900], [0, 1, 1, 2]
+    k, v, table = _paged(lens, 16, 2, 64, torch.float16, device, gen)
+    query = torch.randn(2, 6, 64, generator=gen).half().to(device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                                max_q_len=1, return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, window, 64 ** -0.5, 0.0)
+
+
 @pytest.mark.cuda
 def test_window_attention_cuda_refuses():
     """What the CUDA kernels do not take raises a clear error: fp32, an unsupported head_dim, unaligned cache rows."""
