@@ -20,7 +20,7 @@ C10_HOST_DEVICE constexpr inline T ceil_div(T a, T b) {
 }  // namespace arkernels
 
 // Every message names the op and the argument, so the user can act on it.
-#define AK_CHECK(op, cond, ...) TORCH_CHECK((cond), op ": ", __VA_ARGS__)
+#define AK_CHECK(op, cond, ...) TORCH_CHECK((cond), op, ": ", __VA_ARGS__)
 
 #define AK_CHECK_DIM(op, t, name, n) \
   AK_CHECK(op, (t).dim() == (n), name " must be ", n, "-D, got ", (t).dim(), "-D ", (t).sizes())
@@ -34,6 +34,40 @@ C10_HOST_DEVICE constexpr inline T ceil_div(T a, T b) {
 
 #define AK_CHECK_LAST_CONTIGUOUS(op, t, name) \
   AK_CHECK(op, (t).size(-1) <= 1 || (t).stride(-1) == 1, name " must have a contiguous last dimension, got strides ", (t).strides())
+
+namespace arkernels {
+
+// k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]: 4-D, one shape, one of fp32/fp16/bf16, last dim
+// contiguous (other strides free), one device. Shared by every op that reads or writes the paged cache.
+inline void check_paged_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  AK_CHECK_DIM(op, k_cache, "k_cache", 4);
+  AK_CHECK_DIM(op, v_cache, "v_cache", 4);
+  AK_CHECK(op, k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape, got ", k_cache.sizes(),
+           " and ", v_cache.sizes());
+  const auto dt = k_cache.scalar_type();
+  AK_CHECK(op, dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+           "k_cache must be float32, float16 or bfloat16, got ", dt);
+  AK_CHECK(op, v_cache.scalar_type() == dt, "k_cache and v_cache must share one dtype, got ", dt, " and ",
+           v_cache.scalar_type());
+  AK_CHECK_SAME_DEVICE(op, v_cache, "v_cache", k_cache, "k_cache");
+  AK_CHECK_LAST_CONTIGUOUS(op, k_cache, "k_cache");
+  AK_CHECK_LAST_CONTIGUOUS(op, v_cache, "v_cache");
+}
+
+// block_table int32 [batch, max_blocks] and seq_lens int32 [batch] on k_cache's device.
+inline void check_block_table(const char* op, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                              const at::Tensor& k_cache) {
+  AK_CHECK_DIM(op, block_table, "block_table", 2);
+  AK_CHECK_DIM(op, seq_lens, "seq_lens", 1);
+  AK_CHECK_DTYPE(op, block_table, "block_table", at::kInt);
+  AK_CHECK_DTYPE(op, seq_lens, "seq_lens", at::kInt);
+  AK_CHECK(op, seq_lens.size(0) == block_table.size(0), "seq_lens has ", seq_lens.size(0),
+           " entries but block_table has ", block_table.size(0), " rows");
+  AK_CHECK_SAME_DEVICE(op, block_table, "block_table", k_cache, "k_cache");
+  AK_CHECK_SAME_DEVICE(op, seq_lens, "seq_lens", k_cache, "k_cache");
+}
+
+}  // namespace arkernels
 
 // fp32, fp16 and bf16: the dtypes every floating kernel in this package claims.
 #define AK_DISPATCH_FLOAT(TYPE, NAME, ...) \

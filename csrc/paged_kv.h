@@ -11,20 +11,15 @@ inline void check_paged_kv_append(const at::Tensor& key, const at::Tensor& value
                                   const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   AK_CHECK_DIM("paged_kv_append", key, "key", 3);
   AK_CHECK_DIM("paged_kv_append", value, "value", 3);
-  AK_CHECK_DIM("paged_kv_append", k_cache, "k_cache", 4);
-  AK_CHECK_DIM("paged_kv_append", v_cache, "v_cache", 4);
+  check_paged_cache("paged_kv_append", k_cache, v_cache);
   AK_CHECK_DIM("paged_kv_append", slot_mapping, "slot_mapping", 1);
   AK_CHECK("paged_kv_append", key.sizes() == value.sizes(), "key and value must have one shape, got ", key.sizes(),
            " and ", value.sizes());
-  AK_CHECK("paged_kv_append", k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape, got ",
-           k_cache.sizes(), " and ", v_cache.sizes());
   AK_CHECK("paged_kv_append", key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
            "key [num_tokens, num_kv_heads, head_dim] = ", key.sizes(),
            " does not match k_cache [num_blocks, block_size, num_kv_heads, head_dim] = ", k_cache.sizes());
   const auto dt = k_cache.scalar_type();
-  AK_CHECK("paged_kv_append", dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-           "k_cache must be float32, float16 or bfloat16, got ", dt);
-  AK_CHECK("paged_kv_append", key.scalar_type() == dt && value.scalar_type() == dt && v_cache.scalar_type() == dt,
+  AK_CHECK("paged_kv_append", key.scalar_type() == dt && value.scalar_type() == dt,
            "key, value, k_cache and v_cache must share one dtype, got ", key.scalar_type(), ", ", value.scalar_type(),
            ", ", dt, ", ", v_cache.scalar_type());
   AK_CHECK("paged_kv_append", slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
@@ -33,12 +28,9 @@ inline void check_paged_kv_append(const at::Tensor& key, const at::Tensor& value
            " entries but key has only ", key.size(0), " tokens");
   AK_CHECK_SAME_DEVICE("paged_kv_append", key, "key", k_cache, "k_cache");
   AK_CHECK_SAME_DEVICE("paged_kv_append", value, "value", k_cache, "k_cache");
-  AK_CHECK_SAME_DEVICE("paged_kv_append", v_cache, "v_cache", k_cache, "k_cache");
   AK_CHECK_SAME_DEVICE("paged_kv_append", slot_mapping, "slot_mapping", k_cache, "k_cache");
   AK_CHECK_LAST_CONTIGUOUS("paged_kv_append", key, "key");
   AK_CHECK_LAST_CONTIGUOUS("paged_kv_append", value, "value");
-  AK_CHECK_LAST_CONTIGUOUS("paged_kv_append", k_cache, "k_cache");
-  AK_CHECK_LAST_CONTIGUOUS("paged_kv_append", v_cache, "v_cache");
   AK_CHECK("paged_kv_append", k_cache.strides() == v_cache.strides(), "k_cache and v_cache must have one layout, got strides ",
            k_cache.strides(), " and ", v_cache.strides());
 }
@@ -47,29 +39,11 @@ inline void check_paged_kv_append(const at::Tensor& key, const at::Tensor& value
 // seq_lens int32 [batch]; max_seq_len >= max(seq_lens) (not checked on device: no host sync).
 inline void check_paged_kv_gather(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, int64_t max_seq_len) {
-  AK_CHECK_DIM("paged_kv_gather", k_cache, "k_cache", 4);
-  AK_CHECK_DIM("paged_kv_gather", v_cache, "v_cache", 4);
-  AK_CHECK_DIM("paged_kv_gather", block_table, "block_table", 2);
-  AK_CHECK_DIM("paged_kv_gather", seq_lens, "seq_lens", 1);
-  AK_CHECK("paged_kv_gather", k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape, got ",
-           k_cache.sizes(), " and ", v_cache.sizes());
-  const auto dt = k_cache.scalar_type();
-  AK_CHECK("paged_kv_gather", dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-           "k_cache must be float32, float16 or bfloat16, got ", dt);
-  AK_CHECK("paged_kv_gather", v_cache.scalar_type() == dt, "k_cache and v_cache must share one dtype, got ", dt, " and ",
-           v_cache.scalar_type());
-  AK_CHECK_DTYPE("paged_kv_gather", block_table, "block_table", at::kInt);
-  AK_CHECK_DTYPE("paged_kv_gather", seq_lens, "seq_lens", at::kInt);
-  AK_CHECK("paged_kv_gather", seq_lens.size(0) == block_table.size(0), "seq_lens has ", seq_lens.size(0),
-           " entries but block_table has ", block_table.size(0), " rows");
+  check_paged_cache("paged_kv_gather", k_cache, v_cache);
+  check_block_table("paged_kv_gather", block_table, seq_lens, k_cache);
   AK_CHECK("paged_kv_gather", max_seq_len >= 0, "max_seq_len must be >= 0, got ", max_seq_len);
   AK_CHECK("paged_kv_gather", max_seq_len <= block_table.size(1) * k_cache.size(1), "max_seq_len ", max_seq_len,
            " exceeds what block_table can address (", block_table.size(1), " blocks of ", k_cache.size(1), ")");
-  AK_CHECK_SAME_DEVICE("paged_kv_gather", v_cache, "v_cache", k_cache, "k_cache");
-  AK_CHECK_SAME_DEVICE("paged_kv_gather", block_table, "block_table", k_cache, "k_cache");
-  AK_CHECK_SAME_DEVICE("paged_kv_gather", seq_lens, "seq_lens", k_cache, "k_cache");
-  AK_CHECK_LAST_CONTIGUOUS("paged_kv_gather", k_cache, "k_cache");
-  AK_CHECK_LAST_CONTIGUOUS("paged_kv_gather", v_cache, "v_cache");
 }
 
 }  // namespace arkernels

@@ -22,12 +22,8 @@ inline void check_window_attention(const at::Tensor& query, const at::Tensor& k_
                                    const std::optional<at::Tensor>& kv_start, int64_t max_q_len, int64_t window,
                                    double scale, double softcap) {
   AK_CHECK_DIM("window_attention", query, "query", 3);
-  AK_CHECK_DIM("window_attention", k_cache, "k_cache", 4);
-  AK_CHECK_DIM("window_attention", v_cache, "v_cache", 4);
-  AK_CHECK_DIM("window_attention", block_table, "block_table", 2);
-  AK_CHECK_DIM("window_attention", seq_lens, "seq_lens", 1);
-  AK_CHECK("window_attention", k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have one shape, got ",
-           k_cache.sizes(), " and ", v_cache.sizes());
+  check_paged_cache("window_attention", k_cache, v_cache);
+  check_block_table("window_attention", block_table, seq_lens, k_cache);
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
            "query must be float32, float16 or bfloat16, got ", dt);
@@ -40,11 +36,7 @@ inline void check_window_attention(const at::Tensor& query, const at::Tensor& k_
   AK_CHECK("window_attention", hkv > 0 && hq % hkv == 0, "num_q_heads (", hq,
            ") must be a whole multiple of num_kv_heads (", hkv, ")");
   AK_CHECK("window_attention", d >= 1 && d <= 512, "head_dim must be in [1, 512], got ", d);
-  AK_CHECK_DTYPE("window_attention", block_table, "block_table", at::kInt);
-  AK_CHECK_DTYPE("window_attention", seq_lens, "seq_lens", at::kInt);
   const int64_t batch = seq_lens.size(0);
-  AK_CHECK("window_attention", block_table.size(0) == batch, "block_table has ", block_table.size(0),
-           " rows but seq_lens has ", batch, " entries");
   if (cu_seqlens_q.has_value()) {
     const at::Tensor& cu = *cu_seqlens_q;
     AK_CHECK_DIM("window_attention", cu, "cu_seqlens_q", 1);
@@ -69,12 +61,7 @@ inline void check_window_attention(const at::Tensor& query, const at::Tensor& k_
   AK_CHECK("window_attention", softcap >= 0.0, "softcap must be >= 0 (0: off), got ", softcap);
   AK_CHECK("window_attention", std::isfinite(scale), "scale must be finite, got ", scale);
   AK_CHECK_SAME_DEVICE("window_attention", k_cache, "k_cache", query, "query");
-  AK_CHECK_SAME_DEVICE("window_attention", v_cache, "v_cache", query, "query");
-  AK_CHECK_SAME_DEVICE("window_attention", block_table, "block_table", query, "query");
-  AK_CHECK_SAME_DEVICE("window_attention", seq_lens, "seq_lens", query, "query");
   AK_CHECK_LAST_CONTIGUOUS("window_attention", query, "query");
-  AK_CHECK_LAST_CONTIGUOUS("window_attention", k_cache, "k_cache");
-  AK_CHECK_LAST_CONTIGUOUS("window_attention", v_cache, "v_cache");
 }
 
 }  // namespace arkernels

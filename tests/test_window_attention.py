@@ -379,7 +379,7 @@ def _bad_cases():
         ("k_cache and v_cache must have one shape", dict(v_cache=k[:2].clone()), RuntimeError),
         ("seq_lens must be Int", dict(seq_lens=lens.long()), RuntimeError),
         ("block_table must be Int", dict(block_table=table.long()), RuntimeError),
-        ("block_table has 2 rows but seq_lens has 3", dict(seq_lens=torch.tensor([1, 1, 1], dtype=torch.int32)),
+        ("seq_lens has 3 entries but block_table has 2 rows", dict(seq_lens=torch.tensor([1, 1, 1], dtype=torch.int32)),
          RuntimeError),
         ("query has 2 rows", dict(query=torch.randn(2, 4, 64), block_table=table[:1], seq_lens=lens[:1]),
          RuntimeError),
