@@ -10,7 +10,10 @@ export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 hf_tests=$(ls tests/test_hf_*.py tests/test_generate.py 2>/dev/null || true)
 if [ -n "$hf_tests" ] && [ $# -eq 0 ]; then
   if [ ! -d .tf517/transformers ]; then
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target .tf517 transformers==5.17.0
+    # 5.17 needs huggingface-hub 1.x (and its httpx), where 5.24 has 2.x: they go into the side folder too
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target .tf517 transformers==5.17.0 \
+      "huggingface-hub>=1.5,<2"
+    "$PY" -m pip install -q --disable-pip-version-check --target .tf517 httpx
   fi
   echo "[test] transformers-facing tests on transformers 5.17.0"
   PYTHONPATH=.tf517 "$PY" -m pytest -q -p no:cacheprovider $hf_tests

@@ -20,16 +20,12 @@ What flows between them:
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from arkernels.ops.window_attention import window_attention, window_attention_dense
 
 NAME = "arkernels"  # no "flash", "/", ":" or "paged|": transformers treats those names specially
 PAGED_ATTR = "_arkernels_paged"
-# our own cache builds the index tensors: skip the op's host-synchronising validation on the per-layer hot path
-_NO_CHECK = {"check": False} if "check" in inspect.signature(window_attention).parameters else {}
 
 
 def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -108,7 +104,7 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     kv_start = step.kv_start if attention_mask is None else attention_mask[0]
     out = window_attention(q, key, value, step.block_table, step.seq_lens, window=window, scale=scaling,
                            softcap=cap, cu_seqlens_q=step.cu_seqlens_q, max_q_len=step.max_q_len,
-                           kv_start=kv_start, **_NO_CHECK)
+                           kv_start=kv_start, check=False)  # our cache built the indices: no host-sync validation
     return out.view(B, Tq, Hq, D), None
 
 
