@@ -23,11 +23,11 @@
 // Keys in a block whose id is out of range are masked and never read (check=False callers); offsets are int64.
 //
 // Resource use (nvcc 13.0 -Xptxas -v; registers sm_80 fp16/bf16, sm_90 fp16/bf16; no spills in any of the 44):
-//   decode  D=64: 72/72, 72/72 regs, 11.6 KB static smem    prefill D=64: 80/80, 64/64 regs, 71.2 KB dynamic smem
+//   decode  D=64: 72/80, 72/72 regs, 11.6 KB static smem    prefill D=64: 80/80, 64/64 regs, 71.2 KB dynamic smem
 //   decode  D=80: 64/72, 72/72 regs, 14.1 KB                prefill D=80: 80/80, 72/64 regs, 81.2 KB
 //   decode  D=96: 64/72, 72/72 regs, 16.6 KB                prefill D=96: 72/80, 70/64 regs, 91.2 KB
-//   decode D=128: 72/72, 72/72 regs, 21.6 KB                prefill D=128: 72/80, 56/64 regs, 111.2 KB
-//   decode D=256: 94/110, 96/96 regs, 41.6 KB               prefill D=256: 80/72, 63/56 regs, 145.8 KB (BN = 32)
+//   decode D=128: 72/80, 72/72 regs, 21.6 KB                prefill D=128: 72/80, 56/64 regs, 111.2 KB
+//   decode D=256: 96/118, 96/96 regs, 41.6 KB               prefill D=256: 80/72, 63/56 regs, 145.8 KB (BN = 32)
 //   combine: 32 regs, no smem. (The "#pragma unroll 1" on the prefill fragment loops removed an 8-byte spill of
 //   prefill fp16 D=128 on sm_80.) Compile time of this file: about 2 minutes on 2 cores for sm_80 + sm_90.
 #include <ATen/core/Tensor.h>
@@ -123,6 +123,37 @@ __device__ __forceinline__ int64_t key_offset(const Params& p, int64_t b, int64_
   return blk * s0 + (j % p.block_size) * s1 + h * s2;
 }
 
+// Stage keys [j0, j0 + N) of KV head kvh into shared tiles k_dst / v_dst (row stride ld elements), the K/V tile load
+// of both kernels: thread t < N computes key j0 + t's row offsets (-1 outside [lo, hi] or under an invalid block id,
+// kept in koff_s / voff_s for the caller's masking), then all threads copy 16-byte chunks (zeros for -1 rows).
+// Requires N <= kThreads; the caller synchronises before (previous tile consumed) and after (tile ready).
+template <typename T, int D, int N>
+__device__ __forceinline__ void stage_kv_tile(const Params& p, int64_t b, int kvh, int64_t j0, int64_t lo, int64_t hi,
+                                              int64_t* koff_s, int64_t* voff_s, T* k_dst, T* v_dst, int ld, int tid) {
+  static_assert(N <= kThreads, "one thread per key computes the offsets");
+  constexpr int kChunks = D / 8;
+  if (tid < N) {
+    const int64_t j = j0 + tid;
+    const bool in = j >= lo && j <= hi;
+    koff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.k0, p.s.k1, p.s.k2) : -1;
+    voff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.v0, p.s.v1, p.s.v2) : -1;
+  }
+  __syncthreads();
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  for (int idx = tid; idx < N * kChunks; idx += kThreads) {
+    const int k = idx / kChunks, c = idx % kChunks;
+    const int64_t ko = koff_s[k], vo = voff_s[k];
+    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+    if (ko >= 0) {
+      kv = *reinterpret_cast<const uint4*>(kc + ko + c * 8);
+      vv = *reinterpret_cast<const uint4*>(vc + vo + c * 8);
+    }
+    *reinterpret_cast<uint4*>(k_dst + k * ld + c * 8) = kv;
+    *reinterpret_cast<uint4*>(v_dst + k * ld + c * 8) = vv;
+  }
+}
+
 // Copy one query row (D elements) into shared memory as fp32 (decode) -- vectorised when aligned.
 template <typename T, int D>
 __device__ __forceinline__ void load_q_f32(const Params& p, const T* src, float* dst, int tid, int nthreads) {
@@ -180,29 +211,10 @@ __global__ void __launch_bounds__(kThreads) window_attention_decode_kernel(const
 #pragma unroll
     for (int x = 0; x < 8; ++x) acc[r][x] = 0.f;
 
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
   const int grp = tid / 8, gl = tid % 8;  // 16 groups of 8 lanes for the scores
   for (int64_t t0 = s_lo; t0 <= s_hi; t0 += kDecodeTileKeys) {
     __syncthreads();  // the previous tile is fully consumed (and q_s / m_s are ready on the first pass)
-    if (tid < kDecodeTileKeys) {
-      const int64_t j = t0 + tid;
-      const bool in = j <= s_hi;
-      koff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.k0, p.s.k1, p.s.k2) : -1;
-      voff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.v0, p.s.v1, p.s.v2) : -1;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kThreads) {
-      const int k = idx / kChunks, c = idx % kChunks;
-      const int64_t ko = koff_s[k], vo = voff_s[k];
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (ko >= 0) {
-        kv = *reinterpret_cast<const uint4*>(kc + ko + c * 8);
-        vv = *reinterpret_cast<const uint4*>(vc + vo + c * 8);
-      }
-      *reinterpret_cast<uint4*>(k_tile + k * D + c * 8) = kv;
-      *reinterpret_cast<uint4*>(v_tile + k * D + c * 8) = vv;
-    }
+    stage_kv_tile<T, D, kDecodeTileKeys>(p, b, kvh, t0, s_lo, s_hi, koff_s, voff_s, k_tile, v_tile, D, tid);
     __syncthreads();
     // Scores: pair (head, key) per 8-lane group.
     for (int pr = grp; pr < hc * kDecodeTileKeys; pr += kThreads / 8) {
@@ -388,29 +400,10 @@ __global__ void __launch_bounds__(kThreads) window_attention_prefill_kernel(cons
   const bool row_live = t0 + row < q_len;
   float m = neg_inf(), l = 0.f;
 
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
   const int64_t tile_first = klo >= 0 ? klo / BN * BN : 0;
   for (int64_t j0 = tile_first; j0 <= khi; j0 += BN) {
     __syncthreads();  // previous K/V tile consumed (and Q/O initialised on the first pass)
-    if (tid < BN) {
-      const int64_t j = j0 + tid;
-      const bool in = j >= klo && j <= khi;
-      koff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.k0, p.s.k1, p.s.k2) : -1;
-      voff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.v0, p.s.v1, p.s.v2) : -1;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < BN * kChunks; idx += kThreads) {
-      const int k = idx / kChunks, c = idx % kChunks;
-      const int64_t ko = koff_s[k], vo = voff_s[k];
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (ko >= 0) {
-        kv = *reinterpret_cast<const uint4*>(kc + ko + c * 8);
-        vv = *reinterpret_cast<const uint4*>(vc + vo + c * 8);
-      }
-      *reinterpret_cast<uint4*>(k_s + k * LDK + c * 8) = kv;
-      *reinterpret_cast<uint4*>(v_s + k * LDK + c * 8) = vv;
-    }
+    stage_kv_tile<T, D, BN>(p, b, kvh, j0, klo, khi, koff_s, voff_s, k_s, v_s, LDK, tid);
     __syncthreads();
     // S[warp rows] = Q K^T.
 #pragma unroll 1
