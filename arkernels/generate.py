@@ -5,6 +5,10 @@ its blocks), with per-sequence positions and ``cu_seqlens_q`` for the attention 
 active rows as ``[rows, 1]``. A row that emits EOS (or reaches ``max_new_tokens``) leaves the batch and its blocks
 go back to the pool at once. Row ``b``'s draw at step ``t`` depends only on (its logits, the sampling parameters,
 ``seed[b]``, ``t``): the same prompt and seed give the same text whatever else is in the batch.
+
+``cuda_graphs=True`` runs decode as a static step (``_StaticDecode``): the active rows are padded up to a batch-size
+bucket (1, 2, 4, 8, ... capped at the batch) and every input of the step lives in one preallocated buffer per bucket,
+filled by one copy before the step; on a GPU the step is captured in a CUDA graph once per bucket and replayed.
 """
 from __future__ import annotations
 
@@ -83,7 +87,10 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
         eos_token_id: an id or ids that end a row (default: the model's generation config, then the tokenizer's).
         tokenizer: decodes ``texts`` and encodes text prompts.
         stream: called as ``stream(row, token_id)`` for every new token, in order.
-        cuda_graphs: capture the decode step in CUDA graphs (not implemented yet: raises).
+        cuda_graphs: run decode as a static step over preallocated buffers, padded to a batch-size bucket; on a
+            CUDA model each bucket's step is captured in a CUDA graph on first use and replayed (the first step of
+            a bucket runs 2 eager warm-ups before the capture). On any other device the same static step runs
+            eagerly, without capture (token-identical to the default path; the CPU tests check that).
         block_size: tokens per cache block.
 
     Returns:
@@ -94,8 +101,6 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     from arkernels.hf.patch import _check_supported
     from arkernels.ops.sampling import sample
 
-    if cuda_graphs:
-        raise NotImplementedError("generate: cuda_graphs=True is not implemented yet")
     _check_supported(model)
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -121,6 +126,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     cache = PagedCache(model.config, block_size=block_size, max_length=max(prompt_lens) + max_new_tokens)
     cache.set_rows(B)
     steps = torch.zeros(B, dtype=torch.int64, device=device)
+    static = None
     try:
         # ---- prefill: all prompts packed in one row --------------------------------------------------------
         t0 = time.perf_counter()
@@ -152,6 +158,23 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
                     still.append(r)
             if not still:
                 break
+            if cuda_graphs:
+                if static is None:
+                    static = _StaticDecode(model, cache, cache_kw, B, seeds.tolist(),
+                                           lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k,
+                                                                    top_p, min_p, ...),
+                                           capture=device.type == "cuda")
+                n = len(still)
+                if n != len(active):
+                    going = set(still)
+                    tokens = [tok for r, tok in zip(active, tokens) if r in going]
+                active = still
+                new = static.step(active, tokens, [lengths[r] for r in active],
+                                  [len(result.tokens[r]) for r in active])
+                for r in active:
+                    lengths[r] += 1
+                result.decode_tokens += n
+                continue
             keep = [i for i, r in enumerate(active) if r in set(still)] if len(still) != len(active) else None
             if keep is not None:
                 new = new[torch.tensor(keep, device=device)]
@@ -177,6 +200,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
 
 
 def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx=None):
+    """Greedy argmax or the fused sampler; ``idx=...`` (Ellipsis): ``seeds``/``steps`` are already per row."""
     if isinstance(temperature, (int, float)) and temperature == 0:
         # greedy: the sampler's rule (lowest index among the max logits) is torch.argmax's; skipping the sampler's
         # parameter set-up saves ~1 ms per step on the CPU
@@ -185,6 +209,90 @@ def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p
         idx = torch.tensor(active, device=logits.device)
     return sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds[idx],
                   step=steps[idx])
+
+
+def _bucket(n: int, batch: int) -> int:
+    """The batch-size bucket of ``n`` active rows: the next power of two, capped at the batch."""
+    return min(1 << (n - 1).bit_length(), batch)
+
+
+_WARMUP = 2  # eager runs of a bucket's step on a side stream before its capture (allocator + Triton JIT warm)
+
+
+class _StaticDecode:
+    """The one-token decode step over fixed buffers, per batch-size bucket; on CUDA captured once and replayed.
+
+    Per bucket ``b`` one int64 buffer ``[6 + groups, b]`` on the model's device holds every per-step input, one row
+    each: input ids, position ids, seq_lens after the step, cache row index, sampling seed, sampling step, then the
+    new token's slot in each cache group. Columns past the active count are padding: id 0, position 0, seq_len 0
+    (the attention kernel outputs zeros), row 0, slot -1 (nothing written). The host fills the buffer with one
+    ``copy_`` from a CPU tensor, outside the graph; the captured region (``_forward``) reads only these buffers, the
+    cache's block tables and pools, and the weights: no ``.tolist()``/``.item()``, no tensor from host data.
+
+    Re-running a step is harmless (the same K/V to the same slots, attention only reads), which is what lets the
+    warm-up runs and the replay of a freshly captured graph compute the same step. A graph is stale once the cache
+    reallocates a table or pool (``PagedCache.generation``): the graphs are then dropped and recaptured.
+    """
+
+    def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], draw, capture: bool):
+        self.model, self.cache, self.cache_kw = model, cache, cache_kw
+        self.batch, self.seeds, self.draw, self.capture = batch, seeds, draw, capture
+        self.device = next(model.parameters()).device
+        self.num_groups = len(cache.groups)
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket -> int64 [6 + groups, bucket]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, token ids [b])
+        self.pool = None  # one CUDA graph memory pool shared by every bucket (captured largest first)
+        self.generation = cache.generation
+
+    def step(self, rows: list[int], ids: list[int], positions: list[int], steps: list[int]) -> torch.Tensor:
+        """One token for each of ``rows`` (cache rows), fed ``ids`` at ``positions``; returns int64 ``[len(rows)]``."""
+        n = len(rows)
+        b = _bucket(n, self.batch)
+        slots = self.cache.begin_static_step(rows)
+        pad = [0] * (b - n)
+        data = (ids + pad + positions + pad + [p + 1 for p in positions] + pad + rows + pad
+                + [self.seeds[r] for r in rows] + pad + steps + pad)
+        for s in slots:
+            data += s + [-1] * (b - n)
+        buf = self.buffers.get(b)
+        if buf is None:
+            buf = self.buffers[b] = torch.empty((6 + self.num_groups, b), dtype=torch.int64, device=self.device)
+        buf.copy_(torch.tensor(data, dtype=torch.int64).view(buf.shape))
+        out = self._replay(b) if self.capture else self._forward(b)
+        return out[:n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The static step of bucket ``b`` (what a CUDA graph captures): int64 token ids ``[b]``."""
+        buf = self.buffers[b]
+        self.cache.set_static_step(buf[3], buf[2].to(torch.int32), [buf[6 + i] for i in range(self.num_groups)])
+        logits = self.model(input_ids=buf[0][:, None], position_ids=buf[1][:, None], use_cache=True,
+                            **{self.cache_kw: self.cache}).logits[:, -1]
+        return self.draw(logits, buf[4], buf[5])
+
+    def _replay(self, b: int) -> torch.Tensor:
+        if self.cache.generation != self.generation:  # a table or pool moved: every captured graph is stale
+            self.graphs.clear()
+            self.generation = self.cache.generation
+        entry = self.graphs.get(b)
+        if entry is None:
+            entry = self.graphs[b] = self._capture(b)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(b)
+        return graph, out
 
 
 def _eos_ids(model, tokenizer, eos_token_id) -> set[int]:

@@ -15,6 +15,12 @@ Two ways to drive it:
   advance by T; the first layer of a group to see a forward reserves the slots, the others reuse them.
 - ``arkernels.generate``: ``begin_step(rows, q_lens)`` plans one forward over a subset of rows with ragged query
   lengths (packed prefill ``[1, sum(q_lens)]`` or decode ``[len(rows), 1]``), then the layers follow the plan.
+- ``arkernels.generate(cuda_graphs=True)``, static decode: ``begin_static_step(rows)`` does the host half of a
+  one-token step (frees / reserves blocks, returns each row's slot per group) outside any graph;
+  ``set_static_step(row_index, seq_lens, slots)`` is the device half, tensor ops only (graph-safe): every layer then
+  appends at ``slots`` and attends through ``block_table.index_select(0, row_index)``, for a padded batch whose
+  extra rows have slot -1 (nothing written) and seq_len 0 (the kernel outputs zeros). The block tables and pools
+  must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
 
 ``get_seq_length`` and ``get_mask_sizes`` agree with ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` for the same
 updates: transformers sizes its masks and positions from them.
@@ -66,6 +72,10 @@ class PagedStep:
         return self._dense()
 
 
+def _no_dense():
+    raise RuntimeError("PagedCache: a static decode step has no dense fallback (it expects attention_mask=None)")
+
+
 class _Group:
     """Layers that share one block table: the full layers, or the sliding layers of one window."""
 
@@ -81,6 +91,8 @@ class _Group:
         self.slots: torch.Tensor | None = None  # int64 [tokens of this forward]
         self.plan: tuple[list[int], list[int]] | None = None
         self._forward_len: list[int] = []  # lens before this forward (per row of the plan)
+        self.generation = 0  # +1 whenever the table or the pools are reallocated
+        self.static: tuple[torch.Tensor, PagedStep] | None = None  # (slots [bucket], step) of a static decode step
 
     # ---- allocation ----------------------------------------------------------------------------------------
     def init(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
@@ -107,15 +119,18 @@ class _Group:
         self.allocator = _grow_allocator(self.allocator, new_n)
         for layer in self.layers:
             layer.grow_pools(new_n)
+        self.generation += 1
 
     def _ensure_width(self, width: int) -> None:
         if width > self.table.shape[1]:
             extra = max(width, 2 * self.table.shape[1]) - self.table.shape[1]
             pad = torch.full((self.table.shape[0], extra), SCRATCH_BLOCK, dtype=torch.int32, device=self.table.device)
             self.table = torch.cat([self.table, pad], dim=1)
+            self.generation += 1
 
-    def advance(self, rows: list[int], q_lens: list[int]) -> None:
-        """Free out-of-window blocks, reserve slots for ``q_lens[i]`` new tokens of each row; one call per forward."""
+    def advance(self, rows: list[int], q_lens: list[int], make_slots: bool = True) -> None:
+        """Free out-of-window blocks, reserve slots for ``q_lens[i]`` new tokens of each row; one call per forward.
+        ``make_slots=False`` (static decode) leaves ``self.slots`` unset: the caller computes them on the host."""
         bs, W = self.block_size, self.window
         dirty = False
         if W:
@@ -143,7 +158,7 @@ class _Group:
         for r, n in zip(rows, q_lens):
             self.lens[r] += n
         self.plan = (rows, q_lens)
-        self.slots = self._slots(rows, q_lens, dirty)
+        self.slots = self._slots(rows, q_lens, dirty) if make_slots else None
 
     def _slots(self, rows, q_lens, dirty) -> torch.Tensor:
         bs = self.block_size
@@ -216,6 +231,13 @@ class PagedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         g, cache = self.group, self.cache
         batch, hkv, tokens, dim = key_states.shape
+        if g.static is not None:  # static decode: tensor ops only, nothing read from the host
+            slots, step = g.static
+            paged_kv_append(key_states.transpose(1, 2).reshape(-1, hkv, dim),
+                            value_states.transpose(1, 2).reshape(-1, hkv, dim), self.k_pool, self.v_pool, slots,
+                            check=False)
+            setattr(self.k_pool, PAGED_ATTR, step)
+            return self.k_pool, self.v_pool
         if cache.plan is not None:
             rows, q_lens = cache.plan
             if g.plan is not cache.plan:
@@ -371,6 +393,42 @@ class PagedCache(Cache):
         """Plan the next forward: ``q_lens[i]`` new tokens for row ``rows[i]`` (packed in that order)."""
         self.plan = (list(rows), list(q_lens))
 
+    def begin_static_step(self, rows: list[int]) -> list[list[int]]:
+        """Host half of a static one-token decode step for ``rows`` (outside any CUDA graph): frees out-of-window
+        blocks, reserves one slot per row. Returns, per group (in ``self.groups`` order), the slot of each row."""
+        out = []
+        ones = [1] * len(rows)
+        for g in self.groups.values():
+            g.advance(rows, ones, make_slots=False)
+            bs, blocks = g.block_size, g.rows
+            out.append([blocks[r][p // bs] * bs + p % bs for r, p in zip(rows, g._forward_len)])
+        return out
+
+    def set_static_step(self, row_index: torch.Tensor, seq_lens: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        """Device half of a static decode step: tensor ops only, so it can run inside a CUDA graph capture.
+
+        Args:
+            row_index: int64 ``[bucket]``: the cache row of each batch row (padding rows: any valid row).
+            seq_lens: int32 ``[bucket]``: lengths after this step; 0 for padding rows (the kernel outputs zeros).
+            slots: per group, int64 ``[bucket]``: where each batch row's new K/V go; -1 for padding (skipped).
+        """
+        if not self.paged_attention:
+            raise RuntimeError("PagedCache: a static decode step needs paged_attention=True")
+        kv_start = None if self.kv_start is None else self.kv_start.index_select(0, row_index)
+        for g, s in zip(self.groups.values(), slots):
+            g.static = (s, PagedStep(g.table.index_select(0, row_index), seq_lens, None, None, kv_start,
+                                     _no_dense))
+
+    def end_static(self) -> None:
+        """Back to the planned (dynamic) path."""
+        for g in self.groups.values():
+            g.static = None
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a block table or a pool is reallocated (CUDA graphs captured before are stale)."""
+        return sum(g.generation for g in self.groups.values())
+
     def set_rows(self, num_rows: int) -> None:
         self.num_rows = num_rows
         self.plan = ([], [])
@@ -394,7 +452,7 @@ class PagedCache(Cache):
         for g in self.groups.values():
             for r in range(len(g.rows)):
                 g.release_row(r)
-            g.plan = g.step = None
+            g.plan = g.step = g.static = None
         for layer in self.layers:
             layer.length = 0
         self.kv_start = None
