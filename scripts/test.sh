@@ -15,6 +15,6 @@ if [ -n "$hf_tests" ] && [ $# -eq 0 ]; then
       "huggingface-hub>=1.5,<2"
     "$PY" -m pip install -q --disable-pip-version-check --target .tf517 httpx
   fi
-  echo "[test] transformers-facing tests on transformers 5.17.0"
+  echo "[test] transformers-facing tests on transformers $(PYTHONPATH=.tf517 "$PY" -c 'import transformers; print(transformers.__version__)')"
   PYTHONPATH=.tf517 "$PY" -m pytest -q -p no:cacheprovider $hf_tests
 fi
