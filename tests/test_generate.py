@@ -1,10 +1,19 @@
 """arkernels.generate: ragged prompts equal stock greedy per prompt, batch invariance under seeds, EOS handling,
-block release, streaming, bad arguments."""
+block release, streaming, bad arguments; the static decode step of cuda_graphs=True (eager on the CPU: token-identical
+to the default path, graph-safe op trace) and its CUDA-graph capture (GPU only)."""
+import sys
+from collections import defaultdict
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 import arkernels
-from arkernels.hf.tiny import FAMILIES, tiny_model
+from arkernels.hf.cache import SCRATCH_BLOCK, PagedLayer
+from arkernels.hf.tiny import FAMILIES, TINY_WINDOW, tiny_model
+
+GEN = sys.modules["arkernels.generate"]  # the module (arkernels.generate is the function)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23, 24, 25], [7]]  # ragged, longer than window 5
 NEW_TOKENS = 10
@@ -71,5 +80,140 @@ def test_generate_bad_arguments():
         arkernels.generate(model, [[1, 2], [3]], seed=[1, 2, 3])
     with pytest.raises(ValueError, match="generate: max_new_tokens"):
         arkernels.generate(model, [[1, 2]], max_new_tokens=-1)
-    with pytest.raises(NotImplementedError, match="cuda_graphs"):
-        arkernels.generate(model, [[1, 2]], cuda_graphs=True)
+    with pytest.raises(ValueError, match="generate: seed"):  # checked before the static path is set up
+        arkernels.generate(model, [[1, 2], [3]], seed=[1, 2, 3], cuda_graphs=True)
+
+
+# ---- cuda_graphs=True: the static decode step ---------------------------------------------------------------------
+STATIC_PROMPTS = PROMPTS + [[9, 8, 7, 6, 5]]  # 5 rows: buckets 5 (the cap, not a power of two), 4 (padded), 2, 1
+STATIC_NEW_TOKENS = 12  # > TINY_WINDOW + block_size: sliding groups free blocks during decode
+STATIC_BLOCK = 4
+STATIC_CASES = [(f, 0.0) for f in ("llama", "mistral", "qwen3", "gemma3_text")] + [("qwen3", 1.3), ("gemma3_text", 0.8)]
+# Ops that read device memory on the host, or bake host data into the step as a constant: a CUDA graph capture
+# fails on the first kind and silently replays stale values with the second.
+POISON = 7.0  # finite: a correct kernel gives masked keys weight 0, and 0 * 7 = 0
+HOST_OPS = ("aten.item", "aten._local_scalar_dense", "aten.lift_fresh", "aten.is_nonzero", "aten.equal",
+            "aten.nonzero", "aten.masked_select", "aten.resolve_conj", "aten.resolve_neg")  # resolve_*: .tolist()
+
+
+def _staggered_eos(free) -> list[int]:
+    """EOS ids that end rows 0, 2 and 4 of an EOS-free run at steps 2, 5 and 8 at the latest: the batch shrinks
+    through several buckets, some padded."""
+    return [free.tokens[r][s] for r, s in ((0, 2), (2, 5), (4, 8))]
+
+
+class _OpTrace(TorchDispatchMode):
+    """Every op of a region with its non-tensor arguments (tensors as shape + dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        desc = tree_map(lambda a: (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        self.ops.append((str(func), repr(desc)))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def static_steps(monkeypatch):
+    """Records each static step: bucket, active rows, its op trace, its buffer's address, the cache's blocks in use."""
+    calls = []
+    forward, step = GEN._StaticDecode._forward, GEN._StaticDecode.step
+
+    def traced_forward(self, b):
+        with _OpTrace() as trace:
+            out = forward(self, b)
+        calls[-1].update(bucket=b, trace=trace.ops, cache=self.cache, buffer=self.buffers[b].data_ptr(), out_shape=tuple(out.shape),
+                         blocks=dict(self.cache.blocks_in_use), generation=self.cache.generation)
+        return out
+
+    def counted_step(self, rows, *args):
+        calls.append(dict(rows=list(rows)))
+        return step(self, rows, *args)
+
+    monkeypatch.setattr(GEN._StaticDecode, "_forward", traced_forward)
+    monkeypatch.setattr(GEN._StaticDecode, "step", counted_step)
+    return calls
+
+
+@pytest.mark.parametrize("family,temperature", STATIC_CASES)
+def test_generate_static_decode_matches_dynamic(family, temperature, static_steps):
+    model = tiny_model(family)
+    kw = dict(max_new_tokens=STATIC_NEW_TOKENS, temperature=temperature, top_p=0.9, seed=[3, 1, 4, 1, 5],
+              block_size=STATIC_BLOCK)
+    eos = _staggered_eos(arkernels.generate(model, STATIC_PROMPTS, eos_token_id=[], **kw))
+    ref = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, **kw)
+    res = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, cuda_graphs=True, **kw)
+    assert res.tokens == ref.tokens
+    assert res.finished_by_eos == ref.finished_by_eos
+    assert res.decode_tokens == ref.decode_tokens == sum(len(t) for t in ref.tokens) - len(STATIC_PROMPTS)
+    assert all(v == 0 for v in res.cache_blocks_in_use.values())  # every block back in the pool
+    assert model.config._attn_implementation == "sdpa"
+    assert len(static_steps) == max(len(t) for t in ref.tokens) - 1  # one static step per decode step
+    for c in static_steps:
+        n = len(c["rows"])
+        assert c["bucket"] == min(1 << (n - 1).bit_length(), len(STATIC_PROMPTS)) and c["out_shape"] == (c["bucket"],)
+
+
+def test_generate_static_decode_is_graph_safe(static_steps, monkeypatch):
+    """What a capture needs, checked on the CPU: no host reads and no host constants inside the step, the same op
+    sequence with the same scalar arguments at every step of a bucket (a replay re-runs exactly those), one fixed
+    buffer per bucket, and tables/pools that never move; sliding groups stay bounded by their window; padding rows
+    write nothing (the pools are poisoned with a finite sentinel: the pad token's K/V may well be zeros)."""
+    init = PagedLayer.lazy_initialization
+
+    def poisoned(self, key_states, value_states):
+        init(self, key_states, value_states)
+        self.k_pool.fill_(POISON)
+        self.v_pool.fill_(POISON)
+
+    monkeypatch.setattr(PagedLayer, "lazy_initialization", poisoned)
+    model = tiny_model("gemma3_text")  # one full and one sliding group
+    kw = dict(max_new_tokens=STATIC_NEW_TOKENS, temperature=1.5, top_p=0.9, seed=[3, 1, 4, 1, 5],
+              block_size=STATIC_BLOCK, cuda_graphs=True)
+    eos = _staggered_eos(arkernels.generate(model, STATIC_PROMPTS, eos_token_id=[], **kw))
+    static_steps.clear()
+    res = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, **kw)
+    by_bucket = defaultdict(list)
+    for c in static_steps:
+        by_bucket[c["bucket"]].append(c)
+    assert len(by_bucket) >= 3 and any(len(c["rows"]) < c["bucket"] for c in static_steps)  # padded buckets ran
+    for b, calls in by_bucket.items():
+        ops = calls[0]["trace"]
+        assert ops and not [op for op, _ in ops if op.startswith(HOST_OPS)]
+        assert any(op.startswith("arkernels.window_attention") for op, _ in ops)
+        assert all(c["trace"] == ops for c in calls), f"bucket {b}: the step's ops changed between steps"
+        assert len({c["buffer"] for c in calls}) == 1
+    assert {c["generation"] for c in static_steps} == {0}
+    per_row = -(-(TINY_WINDOW - 1 + 1) // STATIC_BLOCK) + 1  # blocks a row's window spans at most
+    assert max(c["blocks"][TINY_WINDOW] for c in static_steps) <= len(STATIC_PROMPTS) * per_row
+    assert all(v == 0 for v in res.cache_blocks_in_use.values())
+    for layer in static_steps[-1]["cache"].layers:  # padding rows (slot -1) wrote nothing, not even scratch
+        assert (layer.k_pool[SCRATCH_BLOCK] == POISON).all() and (layer.v_pool[SCRATCH_BLOCK] == POISON).all()
+
+
+def test_generate_static_bucket():
+    assert [GEN._bucket(n, 5) for n in range(1, 6)] == [1, 2, 4, 4, 5]
+    assert [GEN._bucket(n, 64) for n in (1, 3, 8, 9, 33, 64)] == [1, 4, 8, 16, 64, 64]
+
+
+@pytest.mark.cuda
+def test_generate_cuda_graphs_capture_and_replay(monkeypatch):
+    model = tiny_model("gemma3_text").cuda()
+    captured = []
+    capture = GEN._StaticDecode._capture
+
+    def counted(self, b):
+        captured.append(b)
+        return capture(self, b)
+
+    monkeypatch.setattr(GEN._StaticDecode, "_capture", counted)
+    kw = dict(max_new_tokens=STATIC_NEW_TOKENS, temperature=0.8, seed=[3, 1, 4, 1, 5], block_size=STATIC_BLOCK)
+    eos = _staggered_eos(arkernels.generate(model, STATIC_PROMPTS, eos_token_id=[], **kw))
+    ref = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, **kw)
+    res = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, cuda_graphs=True, **kw)
+    assert res.tokens == ref.tokens
+    assert len(captured) == len(set(captured)) >= 2  # one capture per bucket, replayed after
+    assert all(v == 0 for v in res.cache_blocks_in_use.values())
