@@ -5,7 +5,9 @@ Methods (greedy, the same prompts):
 - ``static+compile``: ``cache_implementation="static"`` + ``torch.compile`` (GPU, or ``--compile`` on the CPU: its
   compile time on 2 cores is minutes).
 - ``patched``: ``arkernels.patch(model)`` + the same ``model.generate``.
-- ``arkernels``: ``arkernels.generate`` (``cuda_graphs`` is not implemented yet, so no graphs even on a GPU).
+- ``arkernels``: ``arkernels.generate`` (eager decode steps).
+- ``arkernels+graphs``: ``arkernels.generate(cuda_graphs=True)``: on a GPU each batch-size bucket's decode step is
+  captured in a CUDA graph and replayed; on the CPU the same static step runs eagerly (its host overhead, no graphs).
 
 Decode time = time(prompt + N new tokens) - time(prompt + 1 token); decode tokens/s = batch * (N - 1) / decode time.
 Achieved bandwidth = (model bytes + KV bytes read per step at the mean context) / decode step time: the bytes a decode
@@ -50,8 +52,9 @@ def _stock(model, ids, n, **kw):
                           do_sample=False, eos_token_id=None, pad_token_id=0, **kw)[:, ids.shape[1]:]
 
 
-def _ours(model, ids, n):
-    return torch.tensor(arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[]).tokens)
+def _ours(model, ids, n, cuda_graphs=False):
+    return torch.tensor(arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[],
+                                           cuda_graphs=cuda_graphs).tokens)
 
 
 def _time(fn, device, repeats):
@@ -84,6 +87,8 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
                                       compile_config=None)
             elif method == "patched":
                 fn = lambda n: _stock(model, ids, n)  # noqa: E731  (runs inside the patch below)
+            elif method == "arkernels+graphs":
+                fn = lambda n: _ours(model, ids, n, cuda_graphs=True)  # noqa: E731
             else:
                 fn = lambda n: _ours(model, ids, n)  # noqa: E731
             handle = arkernels.patch(model) if method == "patched" else None
@@ -118,7 +123,7 @@ def main():
     args = p.parse_args()
     device = args.device
     gpu = torch.device(device).type == "cuda"
-    methods = ["stock"] + (["static+compile"] if gpu or args.compile else []) + ["patched", "arkernels"]
+    methods = ["stock"] + (["static+compile"] if gpu or args.compile else []) + ["patched", "arkernels", "arkernels+graphs"]
     rows = []
     if args.quick:  # CI: a tiny random Llama, seconds on the CPU
         batches = [1, 4]
