@@ -287,6 +287,9 @@ class _StaticDecode:
             for _ in range(_WARMUP):
                 self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        # one pool for every bucket: safe because graphs never run concurrently and are replayed in capture order
+        # (the batch only shrinks, so buckets are first used, captured and replayed largest first), and the one
+        # value that outlives a replay, its token ids ``out``, stays referenced by ``self.graphs``
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -123,7 +123,8 @@ def main():
     args = p.parse_args()
     device = args.device
     gpu = torch.device(device).type == "cuda"
-    methods = ["stock"] + (["static+compile"] if gpu or args.compile else []) + ["patched", "arkernels", "arkernels+graphs"]
+    methods = (["stock"] + (["static+compile"] if gpu or args.compile else [])
+               + ["patched", "arkernels", "arkernels+graphs"])
     rows = []
     if args.quick:  # CI: a tiny random Llama, seconds on the CPU
         batches = [1, 4]

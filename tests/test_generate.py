@@ -125,8 +125,8 @@ def static_steps(monkeypatch):
     def traced_forward(self, b):
         with _OpTrace() as trace:
             out = forward(self, b)
-        calls[-1].update(bucket=b, trace=trace.ops, cache=self.cache, buffer=self.buffers[b].data_ptr(), out_shape=tuple(out.shape),
-                         blocks=dict(self.cache.blocks_in_use), generation=self.cache.generation)
+        calls[-1].update(bucket=b, trace=trace.ops, cache=self.cache, buffer=self.buffers[b].data_ptr(),
+                         out_shape=tuple(out.shape), blocks=dict(self.cache.blocks_in_use), generation=self.cache.generation)
         return out
 
     def counted_step(self, rows, *args):
