@@ -56,7 +56,7 @@ __global__ void paged_kv_gather_kernel(const Unit* __restrict__ k_cache, const U
                                        Unit* __restrict__ k_out, Unit* __restrict__ v_out, int64_t max_seq_len,
                                        int64_t max_blocks, int64_t num_blocks, int64_t block_size, int heads,
                                        int units, int rows_per_cta, int64_t cache_s0, int64_t cache_s1,
-                                       int64_t cache_s2) {
+                                       int64_t cache_s2, int64_t vcache_s0, int64_t vcache_s1, int64_t vcache_s2) {
   const int64_t b = blockIdx.y;
   const int64_t len = seq_lens[b];
   const int work = rows_per_cta * heads * units;
@@ -73,9 +73,9 @@ __global__ void paged_kv_gather_kernel(const Unit* __restrict__ k_cache, const U
       v_out[dst] = Unit{};
       continue;
     }
-    const int64_t src = blk * cache_s0 + (t % block_size) * cache_s1 + h * cache_s2 + u;
-    k_out[dst] = k_cache[src];
-    v_out[dst] = v_cache[src];
+    const int64_t off = t % block_size;
+    k_out[dst] = k_cache[blk * cache_s0 + off * cache_s1 + h * cache_s2 + u];
+    v_out[dst] = v_cache[blk * vcache_s0 + off * vcache_s1 + h * vcache_s2 + u];
   }
 }
 
@@ -156,12 +156,11 @@ std::tuple<at::Tensor, at::Tensor> paged_kv_gather_cuda(const at::Tensor& k_cach
   const int64_t es = k_cache.element_size();
   const int64_t row_bytes = head_dim * es;
   bool vec = row_bytes % 16 == 0 && aligned16(k_cache.data_ptr()) && aligned16(v_cache.data_ptr());
+  // k and v carry their own strides: the CPU kernel (and window_attention) accept caches of different layouts, e.g.
+  // key.permute(0, 2, 1, 3) of a transformers cache and a value cache that was never transposed the same way.
   for (int d = 0; d < 3; ++d) {
-    vec = vec && (k_cache.stride(d) * es) % 16 == 0 && k_cache.stride(d) == v_cache.stride(d);
+    vec = vec && (k_cache.stride(d) * es) % 16 == 0 && (v_cache.stride(d) * es) % 16 == 0;
   }
-  // The scalar path reads k and v with k's strides too, so it needs them equal as well.
-  AK_CHECK("paged_kv_gather", k_cache.strides() == v_cache.strides(),
-           "k_cache and v_cache must have one layout, got strides ", k_cache.strides(), " and ", v_cache.strides());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_unit(vec, es, [&](auto unit) {
     using Unit = decltype(unit);
@@ -173,7 +172,8 @@ std::tuple<at::Tensor, at::Tensor> paged_kv_gather_cuda(const at::Tensor& k_cach
         static_cast<const Unit*>(k_cache.data_ptr()), static_cast<const Unit*>(v_cache.data_ptr()),
         table.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), static_cast<Unit*>(k_out.data_ptr()),
         static_cast<Unit*>(v_out.data_ptr()), max_seq_len, block_table.size(1), k_cache.size(0), k_cache.size(1),
-        static_cast<int>(heads), units, rows, k_cache.stride(0) / k, k_cache.stride(1) / k, k_cache.stride(2) / k);
+        static_cast<int>(heads), units, rows, k_cache.stride(0) / k, k_cache.stride(1) / k, k_cache.stride(2) / k,
+        v_cache.stride(0) / k, v_cache.stride(1) / k, v_cache.stride(2) / k);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {k_out, v_out};

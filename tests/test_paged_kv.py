@@ -122,6 +122,26 @@ def test_paged_kv_gather_strided_cache_and_explicit_length(device):
     assert torch.equal(k[0], dense[0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_kv_gather_k_and_v_of_different_layouts(device, dtype):
+    """k_cache contiguous, v_cache a permuted view (different strides): each is read with its own strides. The CUDA
+    gather once refused this (and read v with k's strides) while the CPU kernel accepted it."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, heads, head_dim = 13, 3, 80
+    lens = [2 * block_size + 3, 1, 0]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    k = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).to(dtype).to(device)
+    v_dense = torch.randn(num_blocks, heads, block_size, head_dim, generator=gen).to(dtype).to(device)
+    v = v_dense.permute(0, 2, 1, 3)  # [num_blocks, block_size, heads, head_dim], strides differ from k's
+    assert k.stride() != v.stride()
+    table = _random_table(lens, block_size, num_blocks, gen).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    got = paged_kv_gather(k, v, table, seq_lens)
+    want = paged_kv_gather_ref(k, v, table, seq_lens)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_paged_kv_roundtrip_through_allocator():
     cache = arkernels.PagedKVCache(num_layers=2, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=8,
                                    dtype=torch.float32)
