@@ -15,21 +15,25 @@
 //   num_splits comes from shapes only (batch, heads, table width, window, SM count): no host sync, graph-capturable.
 //   With num_splits > 1 each split writes fp32 (out, lse) partials and window_attention_combine_kernel merges them.
 // Prefill (cu_seqlens_q given): window_attention_prefill_kernel, FlashAttention-2 style with WMMA tensor cores
-//   (16x16x16, fp16/bf16 in, fp32 accumulate). Grid (ceil(max_q_len / 64), Hq, batch), 128 threads; each warp owns
-//   16 query rows. Key tiles of BN (64, or 32 for D = 256) are loaded into shared memory; only tiles intersecting
+//   (16x16x16, fp16/bf16 in, fp32 accumulate). Grid (max(1, ceil(max_q_len / 64)), Hq, batch), 128 threads; a CTA
+//   strides over its sequence's 64-row query blocks (once with a right max_q_len; a too-small max_q_len costs time,
+//   never unwritten rows); each warp owns 16 query rows. Key tiles of BN (64, or 32 for D = 256, and for D = 128 on
+//   99 KB-per-block GPUs) are loaded into shared memory; only tiles intersecting
 //   [min visible key of the block's first row, last row's position] are visited, so tiles wholly outside the causal
 //   window are skipped. S = Q K^T (WMMA) -> shared fp32; mask/scale/softcap/online softmax per row in fp32 (2 lanes
 //   per row); P (fp16/bf16) . V (WMMA) accumulates into an fp32 O tile in shared memory, rescaled per row.
 // Keys in a block whose id is out of range are masked and never read (check=False callers); offsets are int64.
 //
-// Resource use (nvcc 13.0 -Xptxas -v; registers sm_80 fp16/bf16, sm_90 fp16/bf16; no spills in any of the 44):
-//   decode  D=64: 72/80, 72/72 regs, 11.6 KB static smem    prefill D=64: 80/80, 64/64 regs, 71.2 KB dynamic smem
-//   decode  D=80: 64/72, 72/72 regs, 14.1 KB                prefill D=80: 80/80, 72/64 regs, 81.2 KB
-//   decode  D=96: 64/72, 72/72 regs, 16.6 KB                prefill D=96: 72/80, 70/64 regs, 91.2 KB
-//   decode D=128: 72/80, 72/72 regs, 21.6 KB                prefill D=128: 72/80, 56/64 regs, 111.2 KB
-//   decode D=256: 96/118, 96/96 regs, 41.6 KB               prefill D=256: 80/72, 63/56 regs, 145.8 KB (BN = 32)
-//   combine: 32 regs, no smem. (The "#pragma unroll 1" on the prefill fragment loops removed an 8-byte spill of
-//   prefill fp16 D=128 on sm_80.) Compile time of this file: about 2 minutes on 2 cores for sm_80 + sm_90.
+// Resource use (nvcc 13.0 -Xptxas -v; registers sm_80 fp16/bf16, sm_90 fp16/bf16; no spills in any of the 48):
+//   decode  D=64: 72/80, 72/72 regs, 11.6 KB static smem    prefill D=64: 104/124, 106/127 regs, 71.2 KB dynamic smem
+//   decode  D=80: 72/72, 72/72 regs, 14.1 KB                prefill D=80: 107/128, 108/128 regs, 81.2 KB
+//   decode  D=96: 72/72, 72/72 regs, 16.6 KB                prefill D=96: 109/128, 110/128 regs, 91.2 KB
+//   decode D=128: 72/80, 72/72 regs, 21.6 KB                prefill D=128: 128/128, 128/128 regs, 111.2 KB
+//   decode D=256: 96/118, 96/96 regs, 41.6 KB               prefill D=128, BN=32: 128/124, 126/128 regs, 81.8 KB
+//   combine: 32 regs, no smem.                              prefill D=256: 128/128, 128/128 regs, 145.8 KB (BN = 32)
+//   Prefill is __launch_bounds__(128, 4): at most 128 registers, which never limits occupancy (shared memory allows
+//   at most 3 CTAs per SM), and without the min-blocks hint ptxas kept 64-80 registers and spilled 4-12 bytes in
+//   6 of the 24 prefill kernels once the query-block loop was added. Compile time: about 2 minutes on 2 cores.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -43,6 +47,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 
@@ -326,10 +331,16 @@ __global__ void __launch_bounds__(kThreads) window_attention_combine_kernel(cons
 }
 
 // ------------------------------------------------------------------------------------------------ prefill
+// Key tile width by head_dim: D = 256 takes 32-key tiles to stay under sm_80's 163 KB. A GPU whose per-block opt-in
+// limit is lower (sm_86/sm_89/sm_120: 99 KB) cannot take the 111.2 KB of D = 128 with BN = 64: the host then launches
+// the BN = 32 variant (81.8 KB); D = 256 (145.8 KB even with BN = 32) is refused there with a clear error.
 template <int D>
+constexpr int kPrefillKeys = D <= 128 ? 64 : 32;
+
+template <int D, int BN_>
 struct PrefillTile {
   static constexpr int BM = kPrefillRows;
-  static constexpr int BN = D <= 128 ? 64 : 32;  // D = 256: smaller key tiles keep shared memory under 163 KB
+  static constexpr int BN = BN_;
   static constexpr int LDQ = D + 8, LDK = D + 8, LDS = BN + 4, LDP = BN + 8, LDO = D + 4;  // skewed rows
   static constexpr size_t q_bytes = size_t(BM) * LDQ * 2, k_bytes = size_t(BN) * LDK * 2;
   static constexpr size_t s_bytes = size_t(BM) * LDS * 4, p_bytes = size_t(BM) * LDP * 2;
@@ -340,10 +351,16 @@ struct PrefillTile {
   static constexpr size_t smem = off_alpha + BM * 4;
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) window_attention_prefill_kernel(const Params p) {
+// Sequence b's query count from cu_seqlens_q, clamped to the rows of query (check=False callers); int32 by source.
+__device__ __forceinline__ int prefill_q_len(const Params& p, int64_t b) {
+  const int64_t first = p.cu_seqlens_q[b];
+  return static_cast<int>(max64(min64(p.cu_seqlens_q[b + 1], p.rows) - first, 0));
+}
+
+template <typename T, int D, int BN_>
+__global__ void __launch_bounds__(kThreads, 4) window_attention_prefill_kernel(const Params p) {
   using namespace nvcuda;
-  using Tile = PrefillTile<D>;
+  using Tile = PrefillTile<D, BN_>;
   constexpr int BM = Tile::BM, BN = Tile::BN, LDQ = Tile::LDQ, LDK = Tile::LDK, LDS = Tile::LDS, LDP = Tile::LDP,
                 LDO = Tile::LDO;
   constexpr int kChunks = D / 8;
@@ -361,122 +378,129 @@ __global__ void __launch_bounds__(kThreads) window_attention_prefill_kernel(cons
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int h = blockIdx.y, kvh = h / p.group;
   const int64_t b = blockIdx.z;
-  const int64_t len = min64(p.seq_lens[b], p.max_blocks * p.block_size);
-  const int64_t first = p.cu_seqlens_q[b];
-  const int64_t q_len = max64(min64(p.cu_seqlens_q[b + 1], p.rows) - first, 0);
-  const int64_t t0 = int64_t(blockIdx.x) * BM;  // first query (within the sequence) of this CTA
-  if (first < 0 || t0 >= q_len) return;
-  const int64_t pos0 = len - q_len;  // position of query t is pos0 + t
-  const int64_t kstart = p.kv_start ? max64(p.kv_start[b], 0) : 0;
+  if (p.cu_seqlens_q[b] < 0) return;
 
-  // Q tile (rows past q_len: zeros), and O = 0.
-  const T* q = static_cast<const T*>(p.query);
-  for (int idx = tid; idx < BM * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int64_t t = t0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (t < q_len) {
-      const T* src = q + (first + t) * p.s.q0 + h * p.s.q1 + c * 8;
-      if (p.q_vec) {
-        v = *reinterpret_cast<const uint4*>(src);
-      } else {
-        T* vp = reinterpret_cast<T*>(&v);
+  // max_q_len only sizes the grid (no host sync): a CTA takes query blocks blockIdx.x, blockIdx.x + gridDim.x, ...
+  // so a max_q_len below a sequence's real q_len (check=False) still writes every one of its rows (once they were
+  // left as uninitialised memory from at::empty). With a right max_q_len each CTA runs this loop once.
+  for (int64_t t0 = int64_t(blockIdx.x) * BM; t0 < prefill_q_len(p, b); t0 += int64_t(gridDim.x) * BM) {
+    __syncthreads();  // the previous query block's O tile is written out before it is zeroed again
+    // Re-read per query block (L1 hits) rather than kept live across it: fewer registers, no spills.
+    const int first = p.cu_seqlens_q[b];
+    const int q_len = prefill_q_len(p, b);
+    const int len = static_cast<int>(min64(p.seq_lens[b], p.max_blocks * p.block_size));  // <= seq_lens[b]
+    const int kstart = p.kv_start ? max(p.kv_start[b], 0) : 0;
+    const int64_t pos0 = int64_t(len) - q_len;  // position of query t is pos0 + t
+
+    // Q tile (rows past q_len: zeros), and O = 0.
+    const T* q = static_cast<const T*>(p.query);
+    for (int idx = tid; idx < BM * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int64_t t = t0 + r;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (t < q_len) {
+        const T* src = q + (first + t) * p.s.q0 + h * p.s.q1 + c * 8;
+        if (p.q_vec) {
+          v = *reinterpret_cast<const uint4*>(src);
+        } else {
+          T* vp = reinterpret_cast<T*>(&v);
 #pragma unroll
-        for (int x = 0; x < 8; ++x) vp[x] = src[x];
+          for (int x = 0; x < 8; ++x) vp[x] = src[x];
+        }
       }
+      *reinterpret_cast<uint4*>(q_s + r * LDQ + c * 8) = v;
     }
-    *reinterpret_cast<uint4*>(q_s + r * LDQ + c * 8) = v;
-  }
-  for (int idx = tid; idx < BM * D; idx += kThreads) o_s[(idx / D) * LDO + idx % D] = 0.f;
+    for (int idx = tid; idx < BM * D; idx += kThreads) o_s[(idx / D) * LDO + idx % D] = 0.f;
 
-  // Keys this CTA can see: [klo, khi] (tiles outside are skipped).
-  const int64_t t_last = min64(t0 + BM, q_len) - 1;
-  const int64_t khi = min64(pos0 + t_last, len - 1);
-  int64_t klo = kstart;
-  if (p.window > 0) klo = max64(klo, pos0 + t0 - p.window + 1);
-  // Softmax state of the 2 lanes per row: row = warp * 16 + lane / 2, columns half = lane % 2.
-  const int row = warp * 16 + lane / 2, half = lane % 2;
-  const int64_t qi = pos0 + t0 + row;  // this row's position
-  const bool row_live = t0 + row < q_len;
-  float m = neg_inf(), l = 0.f;
+    // Keys this CTA can see: [klo, khi] (tiles outside are skipped).
+    const int64_t t_last = min64(t0 + BM, q_len) - 1;
+    const int64_t khi = min64(pos0 + t_last, len - 1);
+    int64_t klo = kstart;
+    if (p.window > 0) klo = max64(klo, pos0 + t0 - p.window + 1);
+    // Softmax state of the 2 lanes per row: row = warp * 16 + lane / 2, columns half = lane % 2.
+    const int row = warp * 16 + lane / 2, half = lane % 2;
+    const int64_t qi = pos0 + t0 + row;  // this row's position
+    const bool row_live = t0 + row < q_len;
+    float m = neg_inf(), l = 0.f;
 
-  const int64_t tile_first = klo >= 0 ? klo / BN * BN : 0;
-  for (int64_t j0 = tile_first; j0 <= khi; j0 += BN) {
-    __syncthreads();  // previous K/V tile consumed (and Q/O initialised on the first pass)
-    stage_kv_tile<T, D, BN>(p, b, kvh, j0, klo, khi, koff_s, voff_s, k_s, v_s, LDK, tid);
-    __syncthreads();
-    // S[warp rows] = Q K^T.
+    const int64_t tile_first = klo >= 0 ? klo / BN * BN : 0;
+    for (int64_t j0 = tile_first; j0 <= khi; j0 += BN) {
+      __syncthreads();  // previous K/V tile consumed (and Q/O initialised on the first pass)
+      stage_kv_tile<T, D, BN>(p, b, kvh, j0, klo, khi, koff_s, voff_s, k_s, v_s, LDK, tid);
+      __syncthreads();
+      // S[warp rows] = Q K^T.
 #pragma unroll 1
-    for (int nf = 0; nf < BN / 16; ++nf) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
-      wmma::fill_fragment(sf, 0.f);
-      for (int kf = 0; kf < D / 16; ++kf) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
-        wmma::load_matrix_sync(af, q_s + warp * 16 * LDQ + kf * 16, LDQ);
-        wmma::load_matrix_sync(bf, k_s + nf * 16 * LDK + kf * 16, LDK);  // B[d][key] = K[key][d]
-        wmma::mma_sync(sf, af, bf, sf);
+      for (int nf = 0; nf < BN / 16; ++nf) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
+        wmma::fill_fragment(sf, 0.f);
+        for (int kf = 0; kf < D / 16; ++kf) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
+          wmma::load_matrix_sync(af, q_s + warp * 16 * LDQ + kf * 16, LDQ);
+          wmma::load_matrix_sync(bf, k_s + nf * 16 * LDK + kf * 16, LDK);  // B[d][key] = K[key][d]
+          wmma::mma_sync(sf, af, bf, sf);
+        }
+        wmma::store_matrix_sync(s_s + warp * 16 * LDS + nf * 16, sf, LDS, wmma::mem_row_major);
       }
-      wmma::store_matrix_sync(s_s + warp * 16 * LDS + nf * 16, sf, LDS, wmma::mem_row_major);
-    }
-    __syncwarp();
-    // Mask, scale, softcap, online softmax; P -> shared (fp16/bf16), alpha per row.
-    {
-      float* srow = s_s + row * LDS;
-      float mx = neg_inf();
-      for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-        const int64_t j = j0 + c;
-        const bool vis = row_live && koff_s[c] >= 0 && j <= qi && (p.window == 0 || j > qi - p.window);
-        const float s = vis ? cap_score(srow[c] * p.scale, p.softcap) : neg_inf();
-        srow[c] = s;
-        mx = fmaxf(mx, s);
+      __syncwarp();
+      // Mask, scale, softcap, online softmax; P -> shared (fp16/bf16), alpha per row.
+      {
+        float* srow = s_s + row * LDS;
+        float mx = neg_inf();
+        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+          const int64_t j = j0 + c;
+          const bool vis = row_live && koff_s[c] >= 0 && j <= qi && (p.window == 0 || j > qi - p.window);
+          const float s = vis ? cap_score(srow[c] * p.scale, p.softcap) : neg_inf();
+          srow[c] = s;
+          mx = fmaxf(mx, s);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        const float m_new = fmaxf(m, mx);
+        float sum = 0.f;
+        T* prow = p_s + row * LDP;
+        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+          const float s = srow[c];
+          const float pr = s == neg_inf() ? 0.f : __expf(s - m_new);
+          const T pt = Conv<T>::from_float(pr);
+          prow[c] = pt;
+          sum += Conv<T>::to_float(pt);  // the sum of the probabilities actually multiplied into V
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        const float alpha = m == neg_inf() ? 0.f : __expf(m - m_new);
+        l = l * alpha + sum;
+        m = m_new;
+        if (half == 0) alpha_s[row] = alpha;
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      const float m_new = fmaxf(m, mx);
-      float sum = 0.f;
-      T* prow = p_s + row * LDP;
-      for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-        const float s = srow[c];
-        const float pr = s == neg_inf() ? 0.f : __expf(s - m_new);
-        const T pt = Conv<T>::from_float(pr);
-        prow[c] = pt;
-        sum += Conv<T>::to_float(pt);  // the sum of the probabilities actually multiplied into V
+      __syncwarp();
+      // O[warp rows] = O * alpha + P V.
+      for (int idx = lane; idx < 16 * D; idx += 32) {
+        const int r = warp * 16 + idx / D;
+        o_s[r * LDO + idx % D] *= alpha_s[r];
       }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      const float alpha = m == neg_inf() ? 0.f : __expf(m - m_new);
-      l = l * alpha + sum;
-      m = m_new;
-      if (half == 0) alpha_s[row] = alpha;
-    }
-    __syncwarp();
-    // O[warp rows] = O * alpha + P V.
-    for (int idx = lane; idx < 16 * D; idx += 32) {
-      const int r = warp * 16 + idx / D;
-      o_s[r * LDO + idx % D] *= alpha_s[r];
-    }
-    __syncwarp();
+      __syncwarp();
 #pragma unroll 1
-    for (int df = 0; df < D / 16; ++df) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
-      wmma::load_matrix_sync(of, o_s + warp * 16 * LDO + df * 16, LDO, wmma::mem_row_major);
-      for (int kf = 0; kf < BN / 16; ++kf) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
-        wmma::load_matrix_sync(af, p_s + warp * 16 * LDP + kf * 16, LDP);
-        wmma::load_matrix_sync(bf, v_s + kf * 16 * LDK + df * 16, LDK);
-        wmma::mma_sync(of, af, bf, of);
+      for (int df = 0; df < D / 16; ++df) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
+        wmma::load_matrix_sync(of, o_s + warp * 16 * LDO + df * 16, LDO, wmma::mem_row_major);
+        for (int kf = 0; kf < BN / 16; ++kf) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
+          wmma::load_matrix_sync(af, p_s + warp * 16 * LDP + kf * 16, LDP);
+          wmma::load_matrix_sync(bf, v_s + kf * 16 * LDK + df * 16, LDK);
+          wmma::mma_sync(of, af, bf, of);
+        }
+        wmma::store_matrix_sync(o_s + warp * 16 * LDO + df * 16, of, LDO, wmma::mem_row_major);
       }
-      wmma::store_matrix_sync(o_s + warp * 16 * LDO + df * 16, of, LDO, wmma::mem_row_major);
     }
-  }
-  __syncthreads();  // O initialised by every thread when no key tile was visited
-  // Write this warp's rows: O / l, lse (zeros and -inf for a row with no visible key).
-  if (row_live) {
-    const int64_t oh = (first + t0 + row) * p.hq + h;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    T* o = static_cast<T*>(p.out) + oh * D;
-    for (int x = half; x < D; x += 2) o[x] = Conv<T>::from_float(o_s[row * LDO + x] * inv);
-    if (half == 0) p.lse[oh] = l > 0.f ? m + __logf(l) : neg_inf();
+    __syncthreads();  // O initialised by every thread when no key tile was visited
+    // Write this warp's rows: O / l, lse (zeros and -inf for a row with no visible key).
+    if (row_live) {
+      const int64_t oh = (first + t0 + row) * p.hq + h;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* o = static_cast<T*>(p.out) + oh * D;
+      for (int x = half; x < D; x += 2) o[x] = Conv<T>::from_float(o_s[row * LDO + x] * inv);
+      if (half == 0) p.lse[oh] = l > 0.f ? m + __logf(l) : neg_inf();
+    }
   }
 }
 
@@ -490,6 +514,23 @@ int sm_count(int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   if (device < 64) cached[device] = n;
   return n;
+}
+
+// Largest dynamic shared memory one block may opt in to (sm_80/sm_87: 163 KB, sm_86/sm_89/sm_120: 99 KB, sm_90: 227
+// KB). ARKERNELS_MAX_SMEM_PER_BLOCK (bytes) lowers it: a test knob that makes a large GPU take the small-GPU tiles.
+int64_t smem_optin(int device) {
+  static int cached[64] = {0};
+  int n = device < 64 ? cached[device] : 0;
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (device < 64) cached[device] = n;
+  }
+  int64_t limit = n;
+  if (const char* env = std::getenv("ARKERNELS_MAX_SMEM_PER_BLOCK")) {
+    const long long cap = std::atoll(env);
+    if (cap > 0) limit = std::min<int64_t>(limit, cap);
+  }
+  return limit;
 }
 
 // Split-KV count from shapes only: enough CTAs for two waves, at least 4 tiles (128 keys) per split.
@@ -593,6 +634,10 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cuda(const at::Tensor& query
           p.part_out = part_out.data_ptr<float>();
           p.part_lse = part_lse.data_ptr<float>();
         }
+        // gridDim.y <= 65535; the combine grid (one CTA per (row, head)) <= 2^31 - 1.
+        AK_CHECK("window_attention", hkv * p.head_chunks <= 65535 && rows * hq <= INT32_MAX,
+                 "decode grid too large on CUDA: num_kv_heads * ceil(group / 8) = ", hkv * p.head_chunks,
+                 " (at most 65535), batch * num_q_heads = ", rows * hq, " (at most 2^31 - 1)");
         const dim3 grid(p.num_splits, static_cast<unsigned>(hkv * p.head_chunks), static_cast<unsigned>(batch));
         window_attention_decode_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -602,18 +647,36 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cuda(const at::Tensor& query
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       } else {
-        if (max_q_len == 0) return;  // no queries in any sequence (rows == 0 was handled above)
         p.head_chunks = 1;
         p.num_splits = 1;
-        using Tile = PrefillTile<D>;
-        auto kernel = window_attention_prefill_kernel<T, D>;
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(Tile::smem)));
-        const int64_t qblocks = ceil_div<int64_t>(max_q_len, kPrefillRows);
-        AK_CHECK("window_attention", qblocks <= INT32_MAX && hq <= 65535, "max_q_len / num_q_heads too large");
+        AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
+        // At least one query block even for max_q_len 0: the kernel strides over each sequence's real q_len, so a
+        // max_q_len that is too small (check=False) costs time, never leaves rows of `out` unwritten.
+        const int64_t qblocks =
+            std::min<int64_t>(std::max<int64_t>(1, ceil_div<int64_t>(max_q_len, kPrefillRows)), INT32_MAX);
         const dim3 grid(static_cast<unsigned>(qblocks), static_cast<unsigned>(hq), static_cast<unsigned>(batch));
-        kernel<<<grid, kThreads, Tile::smem, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        auto run = [&](auto bn) {
+          constexpr int BN = decltype(bn)::value;
+          constexpr size_t smem = PrefillTile<D, BN>::smem;
+          auto kernel = window_attention_prefill_kernel<T, D, BN>;
+          C10_CUDA_CHECK(
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+          kernel<<<grid, kThreads, smem, stream>>>(p);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        // Shared memory per block: the default tiles where the device allows them (sm_80, sm_90), else (99 KB
+        // devices) 32-key tiles for D = 128; once D = 128 asked for 111.2 KB there and failed in cudaFuncSetAttribute.
+        constexpr int kBN = kPrefillKeys<D>;
+        constexpr size_t least = D == 128 ? PrefillTile<D, 32>::smem : PrefillTile<D, kBN>::smem;
+        const int64_t optin = smem_optin(query.get_device());
+        AK_CHECK("window_attention", static_cast<int64_t>(least) <= optin, "prefill with head_dim ", D, " needs ",
+                 least, " bytes of shared memory per block but this GPU allows ", optin,
+                 " (head_dim 256 needs a GPU with >= 163 KB per block: sm_80, sm_90)");
+        if (static_cast<int64_t>(PrefillTile<D, kBN>::smem) <= optin) {
+          run(std::integral_constant<int, kBN>{});
+        } else if constexpr (D == 128) {
+          run(std::integral_constant<int, 32>{});
+        }
       }
     });
   };

@@ -262,6 +262,49 @@ def test_window_attention_cuda_refuses():
         window_attention(torch.zeros(1, 1, 64, dtype=torch.float16, device="cuda"), k_odd, k_odd, table, lens)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_q_len", [0, 1, 64])
+def test_window_attention_cuda_prefill_max_q_len_too_small(max_q_len):
+    """check=False with a max_q_len below the real query counts (200 and 70 rows): max_q_len only sizes the grid,
+    each CTA strides over the sequence's real query blocks, so every row is written and right. (Once the rows past
+    max_q_len were left as uninitialised memory: the poisoned allocator would return them as NaN.)"""
+    gen = torch.Generator().manual_seed(21)
+    lens, q_lens = [301, 70], [200, 70]
+    k, v, table = _paged(lens, 16, 2, 64, torch.float16, "cuda", gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    query = torch.randn(cu[-1], 4, 64, generator=gen).half().cuda()
+    _poison_allocator((query.shape, torch.float16), (query.shape[:2], torch.float32), device="cuda")
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                window=50, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+                                max_q_len=max_q_len, return_lse=True, check=False)
+    _check(out, lse, query, k, v, table, lens, cu, 50, 64 ** -0.5, 0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_window_attention_cuda_prefill_on_a_99kb_gpu(monkeypatch, dtype):
+    """A GPU with 99 KB of shared memory per block (sm_86/sm_89, emulated with ARKERNELS_MAX_SMEM_PER_BLOCK):
+    head_dim 128 takes the 32-key tiles (81.8 KB instead of 111.2 KB, which once failed in cudaFuncSetAttribute)
+    and stays right; head_dim 256 needs 145.8 KB and is refused with a message naming the op and the sizes."""
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(99 * 1024))
+    gen = torch.Generator().manual_seed(22)
+    lens, q_lens = [150, 37], [150, 20]
+    k, v, table = _paged(lens, 16, 2, 128, dtype, "cuda", gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    query = torch.randn(cu[-1], 6, 128, generator=gen).to(dtype).cuda()
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device="cuda")
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                window=40, softcap=3.0,
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, 40, 128 ** -0.5, 3.0)
+    k256 = torch.zeros(2, 16, 1, 256, dtype=dtype, device="cuda")
+    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs 149248 bytes of shared"):
+        window_attention(torch.zeros(2, 1, 256, dtype=dtype, device="cuda"), k256, k256,
+                         torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+                         torch.full((1,), 2, dtype=torch.int32, device="cuda"),
+                         cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device="cuda"))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_window_attention_no_visible_keys(device):
     """seq_len 0 (decode at position -1) and a query left of kv_start: zeros and lse -inf, never NaN."""
