@@ -88,7 +88,7 @@ def window_attention(
         cu_seqlens_q: int32 ``[batch + 1]`` cumulative query counts (prefill); None for decode.
         max_q_len: at least the largest ``q_len_b`` (sizes the CUDA prefill grid without a host sync); default
             computed from ``cu_seqlens_q`` (one sync); ignored for decode. Too small: ``check`` and the CPU kernel
-            raise; with ``check=False`` the CUDA kernel leaves the rows past it unwritten.
+            raise; with ``check=False`` the CUDA kernel still computes every row (extra passes over the grid).
         kv_start: int32 ``[batch]``: keys ``j < kv_start[b]`` are masked (left padding); None: 0.
         return_lse: also return the fp32 natural-log sum-exp of the scaled (capped) scores.
         check: validate the index tensors' values first (one host sync) and raise ``ValueError`` on a block id
