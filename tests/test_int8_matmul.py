@@ -271,6 +271,55 @@ def test_w8a16_matmul_triton(dtype, M, K, N, tile):
     _check_w8a16(tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=tile).cpu(), x, w, w_scale, bias)
 
 
+def _strided_vectors(M, N, gen, device):
+    """Scale and bias vectors that are not unit-stride, made as views on ``device`` (a copy to another device
+    would make them contiguous): a column of a [M, 3] table, one per-tensor scale expanded to [N] (stride 0), every
+    other element of a [2N] bias. The Triton kernels read these vectors at unit stride."""
+    a_scale = (torch.rand(M, 3, generator=gen) * 0.05 + 1e-3).to(device)[:, 1]
+    b_scale = torch.tensor(2e-3, device=device).expand(N)
+    bias = torch.randn(2 * N, generator=gen).to(device)[::2]
+    assert a_scale.stride(0) == 3 and b_scale.stride(0) == 0 and bias.stride(0) == 2
+    return a_scale, b_scale, bias
+
+
+def _check_scaled(got, a, b, a_scale, b_scale, bias):
+    a_scale, b_scale, bias = a_scale.cpu(), b_scale.cpu(), bias.cpu()
+    _float_close(got, int8_matmul_ref(a, b, a_scale, b_scale, bias), got.dtype,
+                 int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale, b_scale) + bias.abs().double())
+
+
+@pytest.mark.parametrize("tile", [SMALL_TILE, LARGE_TILE])
+def test_int8_matmul_triton_strided_scales_and_bias(tile):
+    gen = torch.Generator().manual_seed(16)
+    M, K, N = 9, 96, 130
+    a, b = _operands(M, K, N, gen)
+    a_scale, b_scale, bias = _strided_vectors(M, N, gen, TRITON_DEVICE)
+    got = tk.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), a_scale, b_scale, bias, torch.float32,
+                                config=tile)
+    _check_scaled(got, a, b, a_scale, b_scale, bias)
+
+
+def test_w8a16_matmul_triton_strided_scale_and_bias():
+    gen = torch.Generator().manual_seed(17)
+    x, w, _, _ = _w8a16_case(5, 96, 130, torch.float32, gen)
+    _, w_scale, bias = _strided_vectors(1, 130, gen, TRITON_DEVICE)
+    got = tk.w8a16_matmul_triton(x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), w_scale, bias, config=SMALL_TILE)
+    _check_w8a16(got.cpu(), x, w, w_scale.cpu(), bias.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_ops_strided_scales_and_bias(device):
+    """Through the ops (the Triton kernels on a GPU): non-unit-stride scale and bias vectors."""
+    gen = torch.Generator().manual_seed(18)
+    M, K, N = 7, 96, 130
+    a, b = _operands(M, K, N, gen)
+    a_scale, b_scale, bias = _strided_vectors(M, N, gen, device)
+    _check_scaled(int8_matmul(a.to(device), b.to(device), a_scale, b_scale, bias, out_dtype=torch.float32),
+                  a, b, a_scale, b_scale, bias)
+    x, w, _, _ = _w8a16_case(M, K, N, torch.float32, gen)
+    _check_w8a16(w8a16_matmul(x.to(device), w.to(device), b_scale, bias).cpu(), x, w, b_scale.cpu(), bias.cpu())
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_quantize_rowwise_triton(dtype):
     gen = torch.Generator().manual_seed(12)

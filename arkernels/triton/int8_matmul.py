@@ -244,12 +244,13 @@ def int8_matmul_triton(a, b, a_scale=None, b_scale=None, bias=None, out_dtype=No
     c = torch.empty((M, N), dtype=out_dtype if epilogue else torch.int32, device=a.device)
     if M == 0 or N == 0:
         return c
-    dummy = c  # never read: the HAS_* flags compile the loads out
-    args = (a, b, c, a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
-            bias if bias is not None else dummy, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            c.stride(0), c.stride(1))
     flags = dict(HAS_A_SCALE=a_scale is not None, HAS_B_SCALE=b_scale is not None, HAS_BIAS=bias is not None,
                  EPILOGUE=epilogue)
+    # The kernel reads scales and bias at unit stride: a strided or expanded (stride 0) vector is made contiguous
+    # here (a no-op for the usual contiguous one), or it would read the wrong elements or past its storage.
+    # None -> c, never read: the HAS_* flags compile those loads out.
+    vecs = [c if t is None else t.contiguous() for t in (a_scale, b_scale, bias)]
+    args = (a, b, c, *vecs, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     _launch(_int8_matmul_tuned, _int8_matmul_kernel, M, N, args, flags, config)
     return c
 
@@ -313,7 +314,8 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None):
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    args = (x, w, w_scale, bias if bias is not None else w_scale, out, M, N, K, x.stride(0), x.stride(1),
+    w_scale = w_scale.contiguous()  # read at unit stride, as are the bias and the scales of int8_matmul
+    args = (x, w, w_scale, w_scale if bias is None else bias.contiguous(), out, M, N, K, x.stride(0), x.stride(1),
             w.stride(0), w.stride(1), out.stride(0), out.stride(1))
     flags = dict(HAS_BIAS=bias is not None, DOT_FP32=x.dtype == torch.float32 or interpreting())
     _launch(_w8a16_matmul_tuned, _w8a16_matmul_kernel, M, N, args, flags, config)
