@@ -58,15 +58,18 @@ def _quantize_rowwise_kernel(
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * K
     cols = tl.arange(0, BLOCK_K)
+    # int64 column offsets into x: col * stride_xk passes 2^31 for a column-major view of > 2^31 elements (e.g. a
+    # transposed 152k x 16k weight); free when stride_xk == 1 (the pointer add widens to 64 bits anyway)
+    cols64 = cols.to(tl.int64)
     if ONE_PASS:
         mask = cols < K
-        x = tl.load(x_row + cols * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols64 * stride_xk, mask=mask, other=0.0).to(tl.float32)
         absmax = tl.max(tl.abs(x), axis=0)
     else:
         run = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + cols) < K
-            xk = tl.load(x_row + (k0 + cols) * stride_xk, mask=m, other=0.0).to(tl.float32)
+            xk = tl.load(x_row + (k0 + cols64) * stride_xk, mask=m, other=0.0).to(tl.float32)
             run = tl.maximum(run, tl.abs(xk))
         absmax = tl.max(run, axis=0)
     # all-zero row: scale 1 so q = 0 and q * scale = 0, never 0/0. div_rn: IEEE division, as the reference does.
@@ -80,7 +83,7 @@ def _quantize_rowwise_kernel(
     else:
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + cols) < K
-            xk = tl.load(x_row + (k0 + cols) * stride_xk, mask=m, other=0.0).to(tl.float32)
+            xk = tl.load(x_row + (k0 + cols64) * stride_xk, mask=m, other=0.0).to(tl.float32)
             v = tl.math.div_rn(xk, scale)
             r = tl.where(v >= 0.0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
             r = tl.minimum(tl.maximum(r, -QMAX), QMAX)
