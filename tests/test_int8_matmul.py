@@ -361,6 +361,16 @@ def test_autotune_shape_classes():
     assert tk._int8_matmul_tuned.keys == ["M_CLASS", "N", "K"]
 
 
+def test_autotune_fp32_w8a16_gets_shallow_k_tiles():
+    """fp32 x on a GPU runs an FMA dot: only its own shallow-K tiles are tuned (the tensor-core tiles spill, exceed
+    shared memory and take minutes of ptxas on sm_90); bf16/fp16 x never sees them."""
+    tuned = tk._w8a16_matmul_tuned.configs
+    for mc in (1, 16, 64, tk.LARGE_M):
+        fp32 = tk._prune_by_class(tuned, {"M_CLASS": mc}, HAS_BIAS=True, DOT_FP32=True)
+        assert fp32 == tk.FP32_DOT_CONFIGS_BY_CLASS[mc] and all(c.kwargs["BLOCK_K"] <= 32 for c in fp32)
+        assert tk._prune_by_class(tuned, {"M_CLASS": mc}, HAS_BIAS=True, DOT_FP32=False) == tk.CONFIGS_BY_CLASS[mc]
+
+
 # ------------------------------------------------------------------------------------------------ bad inputs
 def _raises(fn, op, arg):
     with pytest.raises((ValueError, TypeError), match=rf"{op}: .*{arg}"):

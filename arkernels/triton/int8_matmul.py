@@ -130,6 +130,12 @@ _LARGE_M = [_cfg(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
 ]]
 CONFIGS_BY_CLASS = {1: _SMALL_M, 16: _SMALL_M, 64: _MID_M, LARGE_M: _LARGE_M}
 _ALL_CONFIGS = _SMALL_M + _MID_M + _LARGE_M
+# w8a16 with fp32 x (DOT_FP32 on a GPU: an exact FMA dot, no tensor cores) gets its own shallow-K tiles. With the
+# tiles above, triton 3.6 for sm_90 spills 3-90 KB per thread, 3 configs exceed 227 KB of shared memory, and ptxas
+# needs 2-80 s per config (minutes of autotuning on the first call); these compile in < 1 s with no spills.
+_FP32_SMALL_M = [_cfg(16, 64, 32, 4, 2, 1), _cfg(16, 32, 32, 4, 3, 1)]
+_FP32_LARGER_M = [_cfg(32, 64, 32, 4, 2), _cfg(64, 64, 16, 4, 2)]
+FP32_DOT_CONFIGS_BY_CLASS = {1: _FP32_SMALL_M, 16: _FP32_SMALL_M, 64: _FP32_LARGER_M, LARGE_M: _FP32_LARGER_M}
 
 # One fixed config per class in the interpreter: big blocks (each program instance costs ~0.5 ms there).
 INTERPRET_CONFIGS = {
@@ -142,7 +148,8 @@ INTERPRET_CONFIGS = {
 
 def _prune_by_class(configs, named_args, **kwargs):
     mc = named_args.get("M_CLASS", kwargs.get("M_CLASS"))
-    ids = {id(c) for c in CONFIGS_BY_CLASS[mc]}
+    table = FP32_DOT_CONFIGS_BY_CLASS if kwargs.get("DOT_FP32", False) else CONFIGS_BY_CLASS
+    ids = {id(c) for c in table[mc]}
     return [c for c in configs if id(c) in ids]
 
 
@@ -305,7 +312,7 @@ def _w8a16_matmul_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-_w8a16_matmul_tuned = triton.autotune(configs=_ALL_CONFIGS, key=["M_CLASS", "N", "K"],
+_w8a16_matmul_tuned = triton.autotune(configs=_ALL_CONFIGS + _FP32_SMALL_M + _FP32_LARGER_M, key=["M_CLASS", "N", "K"],
                                       prune_configs_by={"early_config_prune": _prune_by_class})(_w8a16_matmul_kernel)
 
 
