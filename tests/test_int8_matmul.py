@@ -441,3 +441,17 @@ def test_int8_compile_fullgraph():
     x = torch.randn(2, 3, 34, generator=gen).reshape(6, 34)
     compiled = torch.compile(w8a8, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), w8a8(x))
+
+
+def test_autotune_switch(monkeypatch):
+    """ARKERNELS_AUTOTUNE=0 turns the GPU sweeps off (the GPU check's test step); the interpreter never sweeps."""
+    from arkernels.triton import int8_matmul as tk
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("ARKERNELS_AUTOTUNE", "1")
+    assert tk.autotuning()
+    monkeypatch.setenv("ARKERNELS_AUTOTUNE", "0")
+    assert not tk.autotuning()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ARKERNELS_AUTOTUNE", "1")
+    assert not tk.autotuning()
