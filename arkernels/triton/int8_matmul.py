@@ -178,6 +178,27 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return pid_m, pid_n
 
 
+@triton.jit
+def _tile_pointers(a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output rows ``rm``, columns ``rn``, K lanes ``rk`` and the first K-tile pointers into
+    ``a [M, K]`` (``[BLOCK_M, BLOCK_K]``) and ``b [N, K]`` (``[BLOCK_K, BLOCK_N]``), for both matmul kernels.
+
+    int64 only in the tile's scalar base; int32 offsets inside the tile (int64 offset tensors cost 2 registers per
+    element and spilled kilobytes at 128x128 tiles). Rows/cols past the edge read the tile's first row/col (always
+    valid) instead of masking every load; the store masks them.
+    """
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    lm = tl.where(rm < M, tl.arange(0, BLOCK_M), 0)
+    ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
+    a_ptrs = (a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am) + (lm[:, None] * stride_am + rk[None, :] * stride_ak)
+    b_ptrs = (b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn) + (ln[None, :] * stride_bn + rk[:, None] * stride_bk)
+    return rm, rn, rk, a_ptrs, b_ptrs
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # int8_matmul: a int8 [M, K] @ b int8 [N, K].T -> int32, or fp32 epilogue acc * a_scale[m] * b_scale[n] + bias[n].
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,17 +215,8 @@ def _int8_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # int64 only in the tile's scalar base; int32 offsets inside the tile (int64 offset tensors cost 2 registers per
-    # element and spilled kilobytes at 128x128 tiles). Rows/cols past the edge read the tile's first row/col
-    # (always valid) instead of masking every load.
-    lm = tl.where(rm < M, tl.arange(0, BLOCK_M), 0)
-    ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
-    a_ptrs = (a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am) + (lm[:, None] * stride_am + rk[None, :] * stride_ak)
-    b_ptrs = (b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn) + (ln[None, :] * stride_bn + rk[:, None] * stride_bk)
+    rm, rn, rk, a_ptrs, b_ptrs = _tile_pointers(a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bn, stride_bk,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -294,14 +306,8 @@ def _w8a16_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    lm = tl.where(rm < M, tl.arange(0, BLOCK_M), 0)  # int32 in-tile offsets, int64 tile base: as in int8_matmul
-    ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
-    x_ptrs = (x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm) + (lm[:, None] * stride_xm + rk[None, :] * stride_xk)
-    w_ptrs = (w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn) + (ln[None, :] * stride_wn + rk[:, None] * stride_wk)
+    rm, rn, rk, x_ptrs, w_ptrs = _tile_pointers(x_ptr, w_ptr, M, N, stride_xm, stride_xk, stride_wn, stride_wk,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
