@@ -1,4 +1,4 @@
-// Shared helpers for every arkernels kernel: input checks (written once), dtype dispatch, ceil_div.
+// Shared helpers for every arkernels op's ATen side: input checks (written once), dtype dispatch.
 // Light includes only: this header is pulled into .cu files, and torch/extension.h would make each of
 // them several times slower to compile.
 #pragma once
@@ -10,14 +10,7 @@
 
 #include <cstdint>
 
-namespace arkernels {
-
-template <typename T>
-C10_HOST_DEVICE constexpr inline T ceil_div(T a, T b) {
-  return (a + b - 1) / b;
-}
-
-}  // namespace arkernels
+#include "int_math.h"
 
 // Every message names the op and the argument, so the user can act on it.
 #define AK_CHECK(op, cond, ...) TORCH_CHECK((cond), op, ": ", __VA_ARGS__)
@@ -36,6 +29,8 @@ C10_HOST_DEVICE constexpr inline T ceil_div(T a, T b) {
   AK_CHECK(op, (t).size(-1) <= 1 || (t).stride(-1) == 1, name " must have a contiguous last dimension, got strides ", (t).strides())
 
 namespace arkernels {
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]: 4-D, one shape, one of fp32/fp16/bf16, last dim
 // contiguous (other strides free), one device. Shared by every op that reads or writes the paged cache.

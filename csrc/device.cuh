@@ -1,0 +1,77 @@
+// The one portability header of the device code: what differs between nvcc (the GPU build) and the SIMT emulator
+// (csrc/simt/simt.h, the same sources compiled by the host compiler and run on the CPU). Kernel headers
+// (csrc/<stem>_kernels.cuh) include only this (and device_mma.cuh), never ATen or c10, so both builds see the same
+// source. What lives here:
+//   AK_LAUNCH(kernel, grid, block, smem, stream, args...)   instead of kernel<<<grid, block, smem, stream>>>(args...)
+//   AK_SHARED(align, T, name, dims)                        a static __shared__ array (dims: `[N]` or `[A][B]`)
+//   AK_DYNAMIC_SHARED(T, name)                             the dynamic shared memory buffer as T*
+//   dev::ld_global / dev::st_global                        every global load and store of a kernel: a plain (vector)
+//                                                          access on the GPU, counted by the emulator's traffic meter
+//   DeviceProps + cuda_device_props()                       what launch planning may ask of a device
+// Fast-math intrinsics (__expf, __logf, __int_as_float) and fp16/bf16 conversions are the CUDA headers' own on the
+// GPU; the emulator supplies host versions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "int_math.h"
+
+#if defined(ARKERNELS_SIMT)
+#include "simt/simt.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+#endif
+
+namespace arkernels {
+
+// What launch planning may depend on: shapes and these device properties, nothing else (so the CUDA launcher and the
+// emulator, which reads them from a table of sm_80 / sm_90 entries, plan identically).
+struct DeviceProps {
+  int sm_count = 0;
+  int smem_optin = 0;  // bytes of dynamic shared memory one block may opt in to
+  int cc_major = 0, cc_minor = 0;
+};
+
+namespace dev {
+
+// Global memory access, one place: `T` is the access width (uint4: a 128-bit LDG/STG; an element type: a scalar one).
+template <typename T>
+__device__ __forceinline__ T ld_global(const T* p) {
+#if defined(ARKERNELS_SIMT)
+  ::simt::on_global_read(p, sizeof(T));
+#endif
+  return *p;
+}
+template <typename T>
+__device__ __forceinline__ void st_global(T* p, const T& v) {
+#if defined(ARKERNELS_SIMT)
+  ::simt::on_global_write(p, sizeof(T));
+#endif
+  *p = v;
+}
+
+}  // namespace dev
+}  // namespace arkernels
+
+#if defined(ARKERNELS_SIMT)
+#define AK_LAUNCH(kernel, grid, block, smem, stream, ...) ::simt::launch((grid), (block), (smem), (kernel), __VA_ARGS__)
+#define AK_SHARED(align, T, name, dims) \
+  alignas(align) static T name dims;    \
+  ::simt::register_shared(name, sizeof(name))
+#define AK_DYNAMIC_SHARED(T, name) T* const name = reinterpret_cast<T*>(::simt::dyn_smem())
+#define AK_SET_MAX_DYNAMIC_SMEM(kernel, bytes) ::simt::set_max_dynamic_smem((bytes))
+#define AK_LAST_ERROR() cudaSuccess
+#else
+#define AK_LAUNCH(kernel, grid, block, smem, stream, ...) (kernel)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#define AK_SHARED(align, T, name, dims) __shared__ __align__(align) T name dims
+#define AK_DYNAMIC_SHARED(T, name) \
+  extern __shared__ __align__(128) unsigned char ak_dynamic_smem_[]; \
+  T* const name = reinterpret_cast<T*>(ak_dynamic_smem_)
+#define AK_SET_MAX_DYNAMIC_SMEM(kernel, bytes) \
+  cudaFuncSetAttribute((kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))
+#define AK_LAST_ERROR() cudaGetLastError()
+#endif

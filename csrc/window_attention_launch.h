@@ -1,0 +1,134 @@
+// window_attention: the tensor side of a launch (the checks the GPU kernels add to the shared ones, outputs, params,
+// planning, the launches), shared by the CUDA extension (csrc/window_attention.cu, which adds the device guard, the
+// stream and the device's properties) and the SIMT emulator (csrc/simt/simt_ops.cpp, which gives a table's
+// properties), so the two cannot drift. Returns the first launch error (cudaSuccess when none).
+#pragma once
+
+#include <ATen/ops/empty.h>
+
+#include <cstdlib>
+#include <limits>
+
+#include "window_attention.h"
+#include "window_attention_kernels.cuh"
+
+namespace arkernels {
+
+template <typename F>
+void dispatch_head_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 80: f(std::integral_constant<int, 80>{}); break;
+    case 96: f(std::integral_constant<int, 96>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    default: AK_CHECK("window_attention", false, "head_dim must be 64, 80, 96, 128 or 256 on CUDA, got ", d);
+  }
+}
+
+// ARKERNELS_MAX_SMEM_PER_BLOCK (bytes) lowers the device's opt-in limit: a test knob that makes a large GPU take the
+// tiles of a small one (sm_86/sm_89/sm_120: 99 KB per block).
+inline DeviceProps apply_smem_knob(DeviceProps props) {
+  if (const char* env = std::getenv("ARKERNELS_MAX_SMEM_PER_BLOCK")) {
+    const long long cap = std::atoll(env);
+    if (cap > 0 && cap < props.smem_optin) props.smem_optin = static_cast<int>(cap);
+  }
+  return props;
+}
+
+// Shared checks already ran (check_window_attention). Allocates out [rows, Hq, D] like query and lse fp32 [rows, Hq].
+inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& block_table,
+                                           const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q,
+                                           const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
+                                           int64_t window, double scale, double softcap, DeviceProps props,
+                                           cudaStream_t stream, at::Tensor& out, at::Tensor& lse) {
+  const auto dt = query.scalar_type();
+  AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,
+           "CUDA kernels take float16 or bfloat16, got ", dt, " (float32 runs on the CPU)");
+  const int64_t d = query.size(2);
+  AK_CHECK("window_attention", d == 64 || d == 80 || d == 96 || d == 128 || d == 256,
+           "head_dim must be 64, 80, 96, 128 or 256 on CUDA, got ", d);
+  const int64_t es = k_cache.element_size();
+  bool aligned = aligned16(k_cache.data_ptr()) && aligned16(v_cache.data_ptr());
+  for (int x = 0; x < 3; ++x) aligned = aligned && (k_cache.stride(x) * es) % 16 == 0 && (v_cache.stride(x) * es) % 16 == 0;
+  AK_CHECK("window_attention", aligned, "on CUDA k_cache and v_cache rows must be 16-byte aligned (data pointer and "
+           "strides), got strides ", k_cache.strides(), " and ", v_cache.strides());
+  const int64_t batch = seq_lens.size(0), rows = query.size(0), hq = query.size(1), hkv = k_cache.size(2);
+  AK_CHECK("window_attention", batch <= 65535, "batch must be <= 65535 on CUDA, got ", batch);
+  AK_CHECK("window_attention", window <= INT32_MAX, "window must fit in int32, got ", window);
+  out = at::empty({rows, hq, d}, query.options());
+  lse = at::empty({rows, hq}, query.options().dtype(at::kFloat));
+  if (rows == 0 || hq == 0 || batch == 0) return cudaSuccess;
+  const at::Tensor table = block_table.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor cu, starts;
+  if (cu_seqlens_q.has_value()) cu = cu_seqlens_q->contiguous();
+  if (kv_start.has_value()) starts = kv_start->contiguous();
+
+  AttnParams p{};
+  p.query = query.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_table = table.data_ptr<int32_t>();
+  p.seq_lens = lens.data_ptr<int32_t>();
+  p.cu_seqlens_q = cu.defined() ? cu.data_ptr<int32_t>() : nullptr;
+  p.kv_start = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.s = AttnStrides{query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  p.rows = rows;
+  p.num_blocks = k_cache.size(0);
+  p.block_size = k_cache.size(1);
+  p.max_blocks = block_table.size(1);
+  p.hq = static_cast<int>(hq);
+  p.hkv = static_cast<int>(hkv);
+  p.group = static_cast<int>(hq / hkv);
+  p.window = static_cast<int>(window);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.q_vec = aligned16(query.data_ptr()) && (query.stride(0) * es) % 16 == 0 && (query.stride(1) * es) % 16 == 0;
+  if (p.max_blocks == 0 || p.block_size == 0) {  // nothing addressable: every query sees no key
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return cudaSuccess;
+  }
+
+  const bool prefill = cu_seqlens_q.has_value();
+  const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, p.max_blocks, p.block_size,
+                                                         window, max_q_len, apply_smem_knob(props));
+  p.head_chunks = plan.head_chunks;
+  p.num_splits = plan.num_splits;
+  at::Tensor part_out, part_lse;
+  if (!prefill) {
+    // gridDim.y <= 65535; the combine grid (one CTA per (row, head)) <= 2^31 - 1.
+    AK_CHECK("window_attention", hkv * plan.head_chunks <= 65535 && rows * hq <= INT32_MAX,
+             "decode grid too large on CUDA: num_kv_heads * ceil(group / 8) = ", hkv * plan.head_chunks,
+             " (at most 65535), batch * num_q_heads = ", rows * hq, " (at most 2^31 - 1)");
+    if (plan.num_splits > 1) {
+      part_out = at::empty({plan.num_splits, rows, hq, d}, query.options().dtype(at::kFloat));
+      part_lse = at::empty({plan.num_splits, rows, hq}, query.options().dtype(at::kFloat));
+      p.part_out = part_out.data_ptr<float>();
+      p.part_lse = part_lse.data_ptr<float>();
+    }
+  } else {
+    AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
+    AK_CHECK("window_attention", plan.bn > 0, "prefill with head_dim ", d, " needs ",
+             prefill_layout(int(d), d == 128 ? 32 : (d <= 128 ? 64 : 32)).smem,
+             " bytes of shared memory per block but this GPU allows ", apply_smem_knob(props).smem_optin,
+             " (head_dim 256 needs a GPU with >= 163 KB per block: sm_80, sm_90)");
+  }
+  cudaError_t err = cudaSuccess;
+  dispatch_head_dim(d, [&](auto dc) {
+    constexpr int D = decltype(dc)::value;
+    if (dt == at::kHalf) {
+      err = run_window_attention<__half, D>(p, plan, stream);
+    } else {
+      err = run_window_attention<__nv_bfloat16, D>(p, plan, stream);
+    }
+  });
+  return err;
+}
+
+}  // namespace arkernels
