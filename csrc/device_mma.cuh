@@ -1,0 +1,133 @@
+// Tensor-core and async-copy primitives, one set of device functions for every kernel: inline PTX under nvcc
+// (sm_80+), the emulation of csrc/simt/simt_mma.h under ARKERNELS_SIMT (same names, same per-lane fragments).
+//   mma_m16n8k16<T>(d, a, b, c)   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: D = A*B + C,
+//                                 A 16x16 row-major (4 regs of 2 elements), B 16x8 "col" (2 regs), C/D 16x8 fp32 (4)
+//   ldmatrix_x{1,2,4}[_trans](r, p) ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16: lane l gives the address
+//                                 of row l%8 of matrix l/8 (16-byte aligned), register i gets matrix i
+//   cp_async_16(dst, src, n)      cp.async.cg.shared.global 16 bytes, bytes [n, 16) zero-filled, src not read if n == 0
+//   cp_async_commit() / cp_async_wait<N>() / cp_async_wait_all()   commit_group / wait_group N / wait_all
+// Fragment layouts (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"), g = lane/4, t = lane%4,
+// the lower 16 bits of a register hold the lower-indexed element:
+//   a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..2t+1]   a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
+//   b[0] = B[2t..2t+1][g]   b[1] = B[2t+8..2t+9][g]
+//   c/d  = {C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]}
+// ldmatrix: lane l receives M[l/4][2(l%4)..2(l%4)+1] of each matrix M, or with .trans M[2(l%4)][l/4], M[2(l%4)+1][l/4]
+// (so x4 over a row-major 16x16 tile gives the A fragment, x2/x4 .trans over a row-major [k][n] tile gives B).
+#pragma once
+
+#include <cstdint>
+
+#if defined(ARKERNELS_SIMT)
+#include "simt/simt.h"
+#include "simt/simt_mma.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace arkernels {
+namespace dev {
+
+#if defined(ARKERNELS_SIMT)
+
+// The emulation takes the caller's line (__builtin_LINE() as a default argument) so that lanes meeting at different
+// call sites are reported as a divergent collective; the GPU functions do not have that parameter.
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4],
+                         int line = __builtin_LINE()) {
+  ::simt::mma::mma_m16n8k16<T>(d, a, b, c, line);
+}
+#define AK_SIMT_LDMATRIX(name, n, trans)                                                          \
+  inline void name(uint32_t (&r)[n], const void* p, int line = __builtin_LINE()) {                \
+    ::simt::mma::ldmatrix<n, trans>(r, p, line);                                                  \
+  }
+AK_SIMT_LDMATRIX(ldmatrix_x1, 1, false)
+AK_SIMT_LDMATRIX(ldmatrix_x2, 2, false)
+AK_SIMT_LDMATRIX(ldmatrix_x4, 4, false)
+AK_SIMT_LDMATRIX(ldmatrix_x1_trans, 1, true)
+AK_SIMT_LDMATRIX(ldmatrix_x2_trans, 2, true)
+AK_SIMT_LDMATRIX(ldmatrix_x4_trans, 4, true)
+#undef AK_SIMT_LDMATRIX
+inline void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+  ::simt::mma::cp_async_16(smem_dst, gmem_src, src_bytes);
+}
+inline void cp_async_commit() { ::simt::mma::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+  static_assert(N >= 0, "cp.async.wait_group takes a non-negative count");
+  ::simt::mma::cp_async_wait(N);
+}
+inline void cp_async_wait_all() { ::simt::mma::cp_async_wait_all(); }
+
+#else  // nvcc
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "device_mma.cuh: mma.sync m16n8k16 with bf16, ldmatrix and cp.async need sm_80 or newer"
+#endif
+
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                             const float (&c)[4]);
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                                     const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                            const uint32_t (&b)[2], const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// "memory" clobbers: the compiler must not move shared-memory reads of the destination across the wait, nor the
+// issue across earlier writes of the source.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+#endif
+
+}  // namespace dev
+}  // namespace arkernels
