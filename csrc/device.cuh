@@ -63,7 +63,7 @@ __device__ __forceinline__ void st_global(T* p, const T& v) {
   alignas(align) static T name dims;    \
   ::simt::register_shared(name, sizeof(name))
 #define AK_DYNAMIC_SHARED(T, name) T* const name = reinterpret_cast<T*>(::simt::dyn_smem())
-#define AK_SET_MAX_DYNAMIC_SMEM(kernel, bytes) ::simt::set_max_dynamic_smem((bytes))
+#define AK_SET_MAX_DYNAMIC_SMEM(kernel, bytes) ::simt::set_max_dynamic_smem((kernel), (bytes))
 #define AK_LAST_ERROR() cudaSuccess
 #else
 #define AK_LAUNCH(kernel, grid, block, smem, stream, ...) (kernel)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)

@@ -11,7 +11,7 @@ import torch
 
 from arkernels.ops.window_attention import window_attention, window_attention_dense
 from arkernels.reference.window_attention import window_attention_dense_ref, window_attention_ref, window_mask_ref
-from conftest import DEVICES
+from conftest import CUDA_KERNEL_DEVICES, DEVICES, runs_cuda_kernel
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 80, 96, 128, 256]
@@ -106,7 +106,7 @@ def _check(out, lse, query, k, v, table, lens, cu, window, scale, softcap, kv_st
 
 
 def _skip_unsupported(device, dtype):
-    if device == "cuda" and dtype == torch.float32:
+    if runs_cuda_kernel(device) and dtype == torch.float32:
         pytest.skip("float32 runs on the CPU kernel only (CUDA: fp16/bf16, refused by test_window_attention_cuda_refuses)")
 
 
@@ -245,64 +245,64 @@ def test_window_attention_decode_via_cu_seqlens(device, window):
     _check(out, lse, query, k, v, table, lens, cu, window, 64 ** -0.5, 0.0)
 
 
-@pytest.mark.cuda
-def test_window_attention_cuda_refuses():
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
+def test_window_attention_cuda_refuses(device):
     """What the CUDA kernels do not take raises a clear error: fp32, an unsupported head_dim, unaligned cache rows."""
-    k = torch.zeros(2, 4, 1, 64, dtype=torch.float16, device="cuda")
-    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
-    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    k = torch.zeros(2, 4, 1, 64, dtype=torch.float16, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="window_attention: CUDA kernels take float16 or bfloat16"):
-        window_attention(torch.zeros(1, 1, 64, device="cuda"), k.float(), k.float(), table, lens)
-    k48 = torch.zeros(2, 4, 1, 48, dtype=torch.float16, device="cuda")
+        window_attention(torch.zeros(1, 1, 64, device=device), k.float(), k.float(), table, lens)
+    k48 = torch.zeros(2, 4, 1, 48, dtype=torch.float16, device=device)
     with pytest.raises(RuntimeError, match="window_attention: head_dim must be 64, 80, 96, 128 or 256 on CUDA"):
-        window_attention(torch.zeros(1, 1, 48, dtype=torch.float16, device="cuda"), k48, k48, table, lens)
-    flat = torch.zeros(2 * 4 * 64 + 1, dtype=torch.float16, device="cuda")
+        window_attention(torch.zeros(1, 1, 48, dtype=torch.float16, device=device), k48, k48, table, lens)
+    flat = torch.zeros(2 * 4 * 64 + 1, dtype=torch.float16, device=device)
     k_odd = flat[1:].view(2, 4, 1, 64)
     with pytest.raises(RuntimeError, match="window_attention: on CUDA k_cache and v_cache rows must be 16-byte"):
-        window_attention(torch.zeros(1, 1, 64, dtype=torch.float16, device="cuda"), k_odd, k_odd, table, lens)
+        window_attention(torch.zeros(1, 1, 64, dtype=torch.float16, device=device), k_odd, k_odd, table, lens)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 @pytest.mark.parametrize("max_q_len", [0, 1, 64])
-def test_window_attention_cuda_prefill_max_q_len_too_small(max_q_len):
+def test_window_attention_cuda_prefill_max_q_len_too_small(device, max_q_len):
     """check=False with a max_q_len below the real query counts (200 and 70 rows): max_q_len only sizes the grid,
     each CTA strides over the sequence's real query blocks, so every row is written and right. (Once the rows past
     max_q_len were left as uninitialised memory: the poisoned allocator would return them as NaN.)"""
     gen = torch.Generator().manual_seed(21)
     lens, q_lens = [301, 70], [200, 70]
-    k, v, table = _paged(lens, 16, 2, 64, torch.float16, "cuda", gen)
+    k, v, table = _paged(lens, 16, 2, 64, torch.float16, device, gen)
     cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
-    query = torch.randn(cu[-1], 4, 64, generator=gen).half().cuda()
-    _poison_allocator((query.shape, torch.float16), (query.shape[:2], torch.float32), device="cuda")
-    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                window=50, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+    query = torch.randn(cu[-1], 4, 64, generator=gen).half().to(device)
+    _poison_allocator((query.shape, torch.float16), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=50, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
                                 max_q_len=max_q_len, return_lse=True, check=False)
     _check(out, lse, query, k, v, table, lens, cu, 50, 64 ** -0.5, 0.0)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_window_attention_cuda_prefill_on_a_99kb_gpu(monkeypatch, dtype):
+def test_window_attention_cuda_prefill_on_a_99kb_gpu(device, monkeypatch, dtype):
     """A GPU with 99 KB of shared memory per block (sm_86/sm_89, emulated with ARKERNELS_MAX_SMEM_PER_BLOCK):
     head_dim 128 takes the 32-key tiles (81.8 KB instead of 111.2 KB, which once failed in cudaFuncSetAttribute)
     and stays right; head_dim 256 needs 145.8 KB and is refused with a message naming the op and the sizes."""
     monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(99 * 1024))
     gen = torch.Generator().manual_seed(22)
     lens, q_lens = [150, 37], [150, 20]
-    k, v, table = _paged(lens, 16, 2, 128, dtype, "cuda", gen)
+    k, v, table = _paged(lens, 16, 2, 128, dtype, device, gen)
     cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
-    query = torch.randn(cu[-1], 6, 128, generator=gen).to(dtype).cuda()
-    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device="cuda")
-    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+    query = torch.randn(cu[-1], 6, 128, generator=gen).to(dtype).to(device)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
                                 window=40, softcap=3.0,
-                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"), return_lse=True)
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device), return_lse=True)
     _check(out, lse, query, k, v, table, lens, cu, 40, 128 ** -0.5, 3.0)
-    k256 = torch.zeros(2, 16, 1, 256, dtype=dtype, device="cuda")
+    k256 = torch.zeros(2, 16, 1, 256, dtype=dtype, device=device)
     with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs 149248 bytes of shared"):
-        window_attention(torch.zeros(2, 1, 256, dtype=dtype, device="cuda"), k256, k256,
-                         torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
-                         torch.full((1,), 2, dtype=torch.int32, device="cuda"),
-                         cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device="cuda"))
+        window_attention(torch.zeros(2, 1, 256, dtype=dtype, device=device), k256, k256,
+                         torch.zeros(1, 1, dtype=torch.int32, device=device),
+                         torch.full((1,), 2, dtype=torch.int32, device=device),
+                         cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
