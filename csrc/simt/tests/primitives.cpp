@@ -3,10 +3,10 @@
 // scripts/simt_faults.py injects faults into. No libtorch. Prints one line per case; exits 1 on any failure or
 // unexpected emulator report. Optional argument: a substring selecting cases (e.g. `gemm`).
 //   g++ -std=c++20 -O2 -pthread -DARKERNELS_SIMT -ftrivial-auto-var-init=pattern -I/usr/local/cuda/include
-//       -iquote csrc csrc/simt/tests/primitives.cpp -o build/simt_primitives && build/simt_primitives
+//       -Icsrc csrc/simt/tests/primitives.cpp -o build/simt_primitives && build/simt_primitives
 //   sanitizers: add `-O1 -g -fsanitize=thread`, or `-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all`.
 // -ftrivial-auto-var-init=pattern: uninitialised registers (a missing accumulator init) hold 0xFE.. garbage, as on a
-// GPU, instead of the zeros of a fresh thread stack. -iquote, not -I: csrc/math.h must not shadow <math.h>.
+// GPU, instead of the zeros of a fresh thread stack.
 // The same file compiles as CUDA (nvcc -x cu -arch=sm_90; managed memory) for a GPU run of the same kernels; the
 // checks of emulator-only behaviour (poison before a wait, reports) are skipped there.
 #include <cstdint>

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Fault injection for the CUDA sources run under the SIMT emulator (issue 9, item 6).
+
+Each fault replaces one exact piece of text in a file under csrc/ with a bug, in a temporary copy of csrc/; the copy
+is built and run with the fault's own commands, and the table says whether the bug was caught and how (compile,
+sanitizer, emulator report, wrong output). The unmodified copy must pass every distinct command pair first, else the
+table would mean nothing. Run it once per kernel change and paste the table into the note:
+
+    python3 scripts/simt_faults.py            # all faults, 2 at a time
+    python3 scripts/simt_faults.py -k gemm    # only faults whose name contains "gemm"
+
+To add a fault, append a Fault to FAULTS: `build` and `run` are shell command templates with {src} (the faulted copy
+of csrc/), {out} (an empty build folder), {repo} (the repository root) and {python} (this interpreter).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+
+# The C++ driver of the primitives (csrc/simt/tests/primitives.cpp); `gemm` runs only its tiled GEMM cases.
+_CXX = f"g++ -std=c++20 -pthread -DARKERNELS_SIMT -ftrivial-auto-var-init=pattern -I{CUDA_HOME}/include -I{{src}}"
+PRIMITIVES_BUILD = _CXX + " -O2 {src}/simt/tests/primitives.cpp -o {out}/primitives"
+PRIMITIVES_BUILD_TSAN = _CXX + " -O1 -g -fsanitize=thread {src}/simt/tests/primitives.cpp -o {out}/primitives"
+PRIMITIVES_RUN = "{out}/primitives gemm"
+
+# How a failed run was caught, from its output; every pattern that matches is listed.
+HOW = [
+    ("sanitizer", re.compile(r"ThreadSanitizer|AddressSanitizer|LeakSanitizer|runtime error:")),
+    ("emulator report", re.compile(r"^\[simt\]|\[emulator reports\]", re.M)),
+    ("wrong output", re.compile(r"\bFAIL\b|^FAILED |\d+ failed", re.M)),
+]
+
+
+@dataclasses.dataclass
+class Fault:
+    name: str
+    file: str  # under csrc/
+    find: str  # exact text, must occur exactly once
+    replace: str
+    build: str = PRIMITIVES_BUILD
+    run: str = PRIMITIVES_RUN
+    caught_by: tuple = ("compile", "sanitizer", "emulator report", "wrong output")  # what counts as caught
+    timeout: int = 600
+
+
+_PRIM = "simt/tests/primitives.cpp"
+_WAIT = "    dev::cp_async_wait<1>();\n    __syncthreads();  // every thread's copies of stage s are visible\n"
+_SYNC_TOP = "    __syncthreads();  // every thread's copies of stage s are visible\n"
+_SYNC_END = "    __syncthreads();  // stage s is refilled by the next iteration's cp.async\n"
+FAULTS = [
+    Fault("gemm: ldmatrix .trans dropped (B)", _PRIM, "dev::ldmatrix_x4_trans(r, &Bs", "dev::ldmatrix_x4(r, &Bs"),
+    Fault("gemm: ldmatrix .trans added (A)", _PRIM, "dev::ldmatrix_x4(a[mi]", "dev::ldmatrix_x4_trans(a[mi]"),
+    Fault("gemm: cp.async wait before the stage removed", _PRIM, _WAIT, _SYNC_TOP),
+    Fault("gemm: cp.async wait_group 2 instead of 1", _PRIM, _WAIT, _WAIT.replace("<1>", "<2>")),
+    Fault("gemm: __syncthreads after the wait removed", _PRIM, _SYNC_TOP, ""),
+    Fault("gemm: __syncthreads after the wait removed (TSan)", _PRIM, _SYNC_TOP, "", build=PRIMITIVES_BUILD_TSAN),
+    Fault("gemm: __syncthreads before the refill removed", _PRIM, _SYNC_END, ""),
+    Fault("gemm: __syncthreads before the refill removed (TSan)", _PRIM, _SYNC_END, "", build=PRIMITIVES_BUILD_TSAN),
+    Fault("gemm: accumulators not zeroed", _PRIM,
+          "  for (int i = 0; i < 32; ++i) acc[i / 16][(i / 4) % 4][i % 4] = 0.f;\n", ""),
+]
+
+
+def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
+    t0 = time.time()
+    env = dict(os.environ, SIMT_WATCHDOG=os.environ.get("SIMT_WATCHDOG", "30"))
+    try:
+        p = subprocess.run(cmd, shell=True, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=timeout, text=True, errors="replace")
+        return p.returncode, p.stdout, time.time() - t0
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, out + "\n[timeout]", time.time() - t0
+
+
+def _attempt(build: str, run: str, timeout: int, edit=None) -> tuple[str, float, str]:
+    """Copy csrc/, apply `edit`, build, run. Returns (how, seconds, output tail); how is "passed" if nothing failed."""
+    with tempfile.TemporaryDirectory(prefix="simt_fault_") as tmp:
+        src, out = os.path.join(tmp, "csrc"), os.path.join(tmp, "out")
+        shutil.copytree(os.path.join(REPO, "csrc"), src)
+        os.mkdir(out)
+        if edit:
+            edit(src)
+        fmt = dict(src=src, out=out, repo=REPO, python=sys.executable)
+        rc, log, t_build = _sh(build.format(**fmt), timeout)
+        if rc:
+            return "compile", t_build, log[-2000:]
+        rc, log, t_run = _sh(run.format(**fmt), timeout)
+        if rc == 0:
+            return "passed", t_build + t_run, log[-2000:]
+        hows = [name for name, pat in HOW if pat.search(log)]
+        if rc == 124:
+            hows.append("timeout")
+        return " + ".join(hows) or f"crash (exit {rc})", t_build + t_run, log[-2000:]
+
+
+def _apply(fault: Fault):
+    def edit(src: str):
+        path = os.path.join(src, fault.file)
+        with open(path) as f:
+            text = f.read()
+        n = text.count(fault.find)
+        if n != 1:
+            raise ValueError(f"{fault.name}: the text to replace occurs {n} times in csrc/{fault.file}, not once")
+        with open(path, "w") as f:
+            f.write(text.replace(fault.find, fault.replace))
+    return edit
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-k", default="", help="only faults whose name contains this")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("-v", action="store_true", help="print the output tail of every fault")
+    args = ap.parse_args()
+    faults = [f for f in FAULTS if args.k in f.name]
+    if not faults:
+        print("no fault matches", file=sys.stderr)
+        return 2
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        pairs = sorted({(f.build, f.run, f.timeout) for f in faults})
+        for (build, run, timeout), (how, secs, tail) in zip(pairs, pool.map(lambda p: _attempt(*p), pairs)):
+            print(f"baseline ({secs:.0f} s): {how}: {build.split(' -o ')[0][-60:]} ; {run}")
+            if how != "passed":
+                print(tail)
+                print("the unmodified sources fail: fix that first, the fault table would mean nothing")
+                return 1
+
+        def one(f: Fault):
+            try:
+                return _attempt(f.build, f.run, f.timeout, _apply(f))
+            except ValueError as e:
+                return f"not applied ({e})", 0.0, ""
+
+        results = list(pool.map(one, faults))
+
+    w = max(len(f.name) for f in faults)
+    print(f"\n| {'fault':{w}} | caught | how | s |\n|{'-' * (w + 2)}|--------|-----|---|")
+    missed = 0
+    for f, (how, secs, tail) in zip(faults, results):
+        caught = any(h in f.caught_by for h in how.split(" + "))
+        missed += not caught
+        print(f"| {f.name:{w}} | {'yes' if caught else 'NO'} | {how} | {secs:.0f} |")
+        if args.v or not caught:
+            print("    " + tail.strip().replace("\n", "\n    ")[-1500:])
+    print(f"\n{len(faults) - missed} of {len(faults)} faults caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
