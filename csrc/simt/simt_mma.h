@@ -27,6 +27,11 @@
 namespace simt {
 namespace mma {
 
+// Shared memory is read and written through these plain (aliasing) types, never memcpy/memset: g++ expands small
+// memcpy/memset inline after its TSan pass, so TSan would not see those accesses (a race with them goes unreported).
+using u16_any = uint16_t __attribute__((may_alias, aligned(1)));
+using u64_any = uint64_t __attribute__((may_alias, aligned(1)));  // aligned(1): still defined after a misalignment report
+
 struct WarpExchange {
   uint32_t regs[2][32][6];  // mma: a[0..3], b[0..1] of each lane
   const void* rows[2][32];  // ldmatrix: each lane's row address
@@ -106,9 +111,7 @@ void ldmatrix(uint32_t (&r)[N], const void* p, int line) {
            long(reinterpret_cast<uintptr_t>(p) % 16));
   group_sync(w, line, 0xffffffffu);
   auto elem = [&](int m, int row, int col) {  // element [row][col] of matrix m, from the row address of lane 8m + row
-    uint16_t v;
-    std::memcpy(&v, static_cast<const unsigned char*>(rows[8 * m + row]) + 2 * col, 2);
-    return uint32_t(v);
+    return uint32_t(*reinterpret_cast<const u16_any*>(static_cast<const unsigned char*>(rows[8 * m + row]) + 2 * col));
   };
   const int g = lane / 4, t = lane % 4;
   for (int m = 0; m < N; ++m)
@@ -151,10 +154,18 @@ inline AsyncState& async_state() {
   return s;
 }
 
+inline void store16(void* dst, uint64_t lo, uint64_t hi) {
+  u64_any* d = static_cast<u64_any*>(dst);
+  d[0] = lo;
+  d[1] = hi;
+}
 inline void land(const AsyncCopy& c) {
   unsigned char v[16] = {};
-  if (c.bytes > 0) std::memcpy(v, c.src, size_t(c.bytes));
-  std::memcpy(c.dst, v, 16);
+  for (int i = 0; i < c.bytes; ++i) v[i] = static_cast<const unsigned char*>(c.src)[i];
+  uint64_t lo, hi;
+  std::memcpy(&lo, v, 8);
+  std::memcpy(&hi, v + 8, 8);
+  store16(c.dst, lo, hi);
 }
 
 inline void cp_async_16(void* dst, const void* src, int bytes) {
@@ -170,7 +181,8 @@ inline void cp_async_16(void* dst, const void* src, int bytes) {
   if (bytes > 0) on_global_read(src, size_t(bytes));
   // In flight, the destination is undefined: poison from the issue on. A reader racing with the copy then sees poison
   // (and TSan sees this write), even where the late landing alone would have left the old, still plausible, data.
-  std::memset(dst, g_poison, 16);
+  const uint64_t poison = 0x0101010101010101ull * uint8_t(g_poison);
+  store16(dst, poison, poison);
   s.open.push_back({dst, src, bytes});
 }
 inline void cp_async_commit() {
