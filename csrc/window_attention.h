@@ -2,8 +2,10 @@
 // and the visibility rule written once for host code.
 //
 // Visibility of key j to the query at absolute position i of sequence b (window 0: no window):
-//   max(kv_start[b], 0) <= j <= i  and  (window == 0 or j > i - window).
-// Sequence b's queries are its last q_len_b positions: query t (0 <= t < q_len_b) sits at i = seq_lens[b] - q_len_b + t.
+//   max(kv_start[b], 0) <= j <= i  and  (window == 0 or j > i - window)  and  j < max_blocks * block_size.
+// Sequence b's queries are its last q_len_b positions: query t (0 <= t < q_len_b) sits at i = seq_lens[b] - q_len_b + t,
+// whatever the block table holds: a seq_len past the table's capacity (possible with check=False) masks the keys the
+// table cannot address, it never moves the queries (every kernel: CPU, CUDA, the emulator; and the reference).
 #pragma once
 
 #include "common.h"

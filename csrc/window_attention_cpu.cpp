@@ -44,7 +44,9 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
       const int64_t b = row_batch[r], i = row_pos[r];
       int64_t lo = std::max<int64_t>(starts ? starts[b] : 0, 0);
       if (window > 0) lo = std::max(lo, i - window + 1);
-      const int64_t hi = std::min<int64_t>(i, lens[b] - 1);  // i < seq_len always; kept as a guard
+      // i < seq_len always; keys past the block table's capacity are masked (the rule of every kernel, see
+      // window_attention.h), the query keeps its position
+      const int64_t hi = std::min<int64_t>({i, lens[b] - 1, max_blocks * block_size - 1});
       const int64_t n = hi - lo + 1;
       if (n <= 0) {  // no visible key: zeros and lse -inf, never NaN
         for (int64_t g = 0; g < group; ++g) {
@@ -143,10 +145,10 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
   }
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = lens[b];
-    AK_CHECK("window_attention", len >= 0 && len <= max_blocks * block_size, "seq_lens[", b, "] = ", len,
-             " is outside [0, ", max_blocks * block_size, "] (block_table width ", max_blocks, " x block_size ",
-             block_size, ")");
-    for (int64_t blk = 0; blk * block_size < len; ++blk) {
+    AK_CHECK("window_attention", len >= 0, "seq_lens[", b, "] = ", len, " is negative");
+    // A length past the table's capacity is not an error here: those keys are masked (the wrapper's check=True
+    // refuses it before any kernel runs).
+    for (int64_t blk = 0; blk < max_blocks && blk * block_size < len; ++blk) {
       const int64_t id = table_ptr[b * max_blocks + blk];
       AK_CHECK("window_attention", id >= 0 && id < num_blocks, "block_table[", b, ", ", blk, "] = ", id,
                " is out of range [0, ", num_blocks, ") within sequence ", b, "'s length ", len);

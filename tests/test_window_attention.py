@@ -59,7 +59,8 @@ def _torch_lowp(query, k_cache, v_cache, table, lens, cu, window, scale, softcap
         q_len = cu[b + 1] - cu[b]
         if q_len == 0 or n == 0:
             continue
-        pos = torch.arange(n)
+        cap = table.shape[1] * bs  # keys past what the table addresses are masked (check=False callers)
+        pos = torch.arange(n).clamp(max=cap - 1)  # any in-table row: those keys are masked below
         blk = table[b].cpu().long()[pos // bs]
         k = k_cache[blk, pos % bs].repeat_interleave(group, 1).transpose(0, 1)  # [hq, n, d]
         v = v_cache[blk, pos % bs].repeat_interleave(group, 1).transpose(0, 1)
@@ -68,7 +69,7 @@ def _torch_lowp(query, k_cache, v_cache, table, lens, cu, window, scale, softcap
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         start = 0 if kv_start is None else int(kv_start[b])
-        mask = window_mask_ref(torch.arange(n - q_len, n), n, window, start)
+        mask = window_mask_ref(torch.arange(n - q_len, n), n, window, start) & (torch.arange(n) < cap)
         s = s.masked_fill(~mask[None], -math.inf)
         p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
         out[cu[b]:cu[b + 1]] = (p @ v).transpose(0, 1)
@@ -303,6 +304,35 @@ def test_window_attention_cuda_prefill_on_a_99kb_gpu(device, monkeypatch, dtype)
                          torch.zeros(1, 1, dtype=torch.int32, device=device),
                          torch.full((1,), 2, dtype=torch.int32, device=device),
                          cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_window_attention_length_past_block_table(device, window, prefill):
+    """check=False with seq_lens past what the block table addresses (length 100, table 4 x 16 = 64 slots): keys at
+    positions >= 64 are masked and the queries keep their positions (the one rule of every kernel). Decode: the query
+    at 99 with window 20 sees no key (zeros, lse -inf), with no window it sees keys 0..63. Prefill: the last 40
+    positions (60..99) of that sequence plus a sequence inside its table. (The CUDA kernels once clamped the length
+    instead, so the query at 99 attended keys 44..63.)"""
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(8)
+    k, v, table = _paged([64, 30], 16, 2, 64, dtype, device, gen)
+    table = table[:, :4]  # 4 x 16 slots
+    lens = torch.tensor([100, 30], dtype=torch.int32)
+    cu = [0, 40, 50] if prefill else None
+    query = torch.randn(cu[-1] if prefill else 2, 4, 64, generator=gen).to(dtype).to(device)
+    out, lse = window_attention(query, k, v, table, lens.to(device), window=window, return_lse=True, check=False,
+                                cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
+    _check(out, lse, query, k, v, table, lens.tolist(), cu, window, 64 ** -0.5, 0.0)
+    last = 39 if prefill else 0  # the row of the query at position 99
+    if window:
+        assert bool((out[last] == 0).all()) and bool(torch.isneginf(lse[last]).all())
+    else:
+        assert bool(torch.isfinite(lse[last]).all())
+    with pytest.raises(ValueError):  # check=True refuses such a length before any kernel runs
+        window_attention(query, k, v, table, lens.to(device), window=window, check=True,
+                         cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

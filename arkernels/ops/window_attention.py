@@ -93,8 +93,10 @@ def window_attention(
         return_lse: also return the fp32 natural-log sum-exp of the scaled (capped) scores.
         check: validate the index tensors' values first (one host sync) and raise ``ValueError`` on a block id
             out of range, a length past the block table, or ``cu_seqlens_q`` inconsistent with ``seq_lens``.
-            ``False`` for hot paths and CUDA graphs; the CUDA kernel then masks such keys, never reading
-            outside the cache.
+            ``False`` for hot paths and CUDA graphs; every kernel then masks such keys, never reading outside
+            the cache: keys under an out-of-range block id (CUDA; the CPU kernel raises), and keys at positions
+            ``>= max_blocks * block_size`` when ``seq_lens[b]`` exceeds what the table addresses (all kernels).
+            Queries keep the positions ``seq_lens`` gives them, so such a query may see no key (zeros, lse -inf).
 
     Returns:
         ``out`` shaped like ``query`` (contiguous) in its dtype; with ``return_lse``, ``(out, lse)`` where

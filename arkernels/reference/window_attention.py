@@ -45,7 +45,8 @@ def window_attention_ref(query, k_cache, v_cache, block_table, seq_lens, *, wind
             continue
         key = torch.zeros(n, hkv, d, dtype=torch.float64)
         val = torch.zeros(n, hkv, d, dtype=torch.float64)
-        for t in range(n):
+        cap = block_table.shape[1] * block_size  # keys past what the table addresses are masked (check=False)
+        for t in range(min(n, cap)):
             blk = int(block_table[b, t // block_size])
             key[t] = k_cache[blk, t % block_size]
             val[t] = v_cache[blk, t % block_size]
@@ -53,7 +54,7 @@ def window_attention_ref(query, k_cache, v_cache, block_table, seq_lens, *, wind
         val = val.repeat_interleave(group, dim=1)
         q = query[cu[b]:cu[b + 1]]  # [q_len, hq, d]
         q_pos = torch.arange(n - q_len, n)
-        mask = window_mask_ref(q_pos, n, window, starts[b])  # [q_len, n]
+        mask = window_mask_ref(q_pos, n, window, starts[b]) & (torch.arange(n) < cap)  # [q_len, n]
         s = torch.einsum("qhd,khd->hqk", q, key) * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
