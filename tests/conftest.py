@@ -34,6 +34,8 @@ _cuda = pytest.param("cuda", marks=pytest.mark.cuda)
 DEVICES = ["cpu", _simt, _cuda]
 # Devices that run the CUDA kernels (tests of CUDA-only behaviour: refusals, grid/shared-memory planning).
 CUDA_KERNEL_DEVICES = [_simt, _cuda]
+# The emulator alone (what only it can observe: global-memory traffic per byte).
+SIMT_DEVICES = [_simt]
 
 
 def runs_cuda_kernel(device) -> bool:

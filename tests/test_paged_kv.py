@@ -5,7 +5,7 @@ import torch
 import arkernels
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 from arkernels.reference.paged_kv import paged_kv_append_ref, paged_kv_gather_ref
-from conftest import DEVICES
+from conftest import DEVICES, SIMT_DEVICES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [8, 64, 80, 96, 128, 256]
@@ -140,6 +140,63 @@ def test_paged_kv_gather_k_and_v_of_different_layouts(device, dtype):
     got = paged_kv_gather(k, v, table, seq_lens)
     want = paged_kv_gather_ref(k, v, table, seq_lens)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _row_bytes(cache, rows, heads):
+    """Per-byte count over cache's storage: 1 for every (slot, head) row of `rows`."""
+    nb, bs, hkv, d = cache.shape
+    es = cache.element_size()
+    want = torch.zeros(cache.untyped_storage().nbytes(), dtype=torch.int32)
+    for slot in rows:
+        for h in range(heads):
+            start = ((slot // bs) * cache.stride(0) + (slot % bs) * cache.stride(1) + h * cache.stride(2)) * es
+            want[start:start + d * es] += 1
+    return want
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 6])  # 6: 12-byte rows take the element-wise path
+def test_paged_kv_append_traffic(device, head_dim):
+    """Append writes exactly the bytes it was given, each once, at their slots (none for padding slots), and reads
+    each valid token's K/V row once; it never reads the cache (the emulator counts every global access per byte)."""
+    import arkernels.simt
+
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, block_size = 3, 8
+    key = torch.randn(9, heads, head_dim, generator=gen).half()
+    value = torch.randn(9, heads, head_dim, generator=gen).half()
+    slots = torch.tensor([5, -1, 17, 30, 2, -3, 8, 31])  # 8 of 9 tokens (the 9th is padding); two padding slots
+    k, v = _cache(4, block_size, heads, head_dim, torch.float16, device)
+    paged_kv_append(key, value, k, v, slots)
+    valid = [int(s) for s in slots if s >= 0]
+    row = heads * head_dim * 2
+    for name, cache in (("k_cache", k), ("v_cache", v)):
+        reads, writes = arkernels.simt.traffic_map(name)
+        assert int(reads.sum()) == 0 and torch.equal(writes, _row_bytes(cache, valid, heads)), name
+    totals = arkernels.simt.traffic()
+    assert totals["key"] == totals["value"] == (len(valid) * row, 0)
+    assert totals["other"] == (0, 0)
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+def test_paged_kv_gather_traffic(device):
+    """Gather reads each cached byte of every sequence once (nothing past a length or in unused blocks) and writes
+    each output byte once (zeros past a length)."""
+    import arkernels.simt
+
+    gen = torch.Generator().manual_seed(3)
+    heads, head_dim, block_size = 2, 64, 8
+    lens = [2 * block_size + 3, 1, 0]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    k = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).half()
+    v = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).half()
+    table = _random_table(lens, block_size, num_blocks, gen)
+    k_out, v_out = paged_kv_gather(k, v, table, torch.tensor(lens, dtype=torch.int32))
+    slots = [int(table[b, j // block_size]) * block_size + j % block_size for b, n in enumerate(lens) for j in range(n)]
+    for name, cache in (("k_cache", k), ("v_cache", v)):
+        reads, writes = arkernels.simt.traffic_map(name)
+        assert int(writes.sum()) == 0 and torch.equal(reads, _row_bytes(cache, slots, heads)), name
+    assert arkernels.simt.traffic()["other"] == (0, k_out.numel() * 2 + v_out.numel() * 2)  # outputs, written once
 
 
 def test_paged_kv_roundtrip_through_allocator():

@@ -11,7 +11,7 @@ import torch
 
 from arkernels.ops.window_attention import window_attention, window_attention_dense
 from arkernels.reference.window_attention import window_attention_dense_ref, window_attention_ref, window_mask_ref
-from conftest import CUDA_KERNEL_DEVICES, DEVICES, runs_cuda_kernel
+from conftest import CUDA_KERNEL_DEVICES, DEVICES, SIMT_DEVICES, runs_cuda_kernel
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 80, 96, 128, 256]
@@ -333,6 +333,54 @@ def test_window_attention_length_past_block_table(device, window, prefill):
     with pytest.raises(ValueError):  # check=True refuses such a length before any kernel runs
         window_attention(query, k, v, table, lens.to(device), window=window, check=True,
                          cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
+
+
+def _visible_kv_bytes(k_cache, table, lens, window, kv_start):
+    """Per-byte count [storage bytes] of the K rows decode must read: each visible key's row once per KV head."""
+    nb, bs, hkv, d = k_cache.shape
+    es = k_cache.element_size()
+    want = torch.zeros(k_cache.untyped_storage().nbytes(), dtype=torch.int32)
+    cap = table.shape[1] * bs
+    for b, n in enumerate(lens):
+        i = n - 1
+        lo = max(int(kv_start[b]), 0, i - window + 1 if window else 0)
+        for j in range(lo, min(i, cap - 1) + 1):
+            blk = int(table[b, j // bs])
+            for h in range(hkv):
+                start = (blk * k_cache.stride(0) + (j % bs) * k_cache.stride(1) + h * k_cache.stride(2)) * es
+                want[start:start + d * es] += 1
+    return want
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2), (16, 2),
+                                   pytest.param((32, 2), marks=pytest.mark.xfail(strict=True, reason=(
+                                       "issue 11: a GQA group above 8 takes ceil(group / 8) CTAs per KV head, and "
+                                       "each reads the K/V again (2x at group 16)")))])
+@pytest.mark.parametrize("window", [0, 24])
+def test_window_attention_decode_traffic(device, heads, window):
+    """Decode reads each visible K/V byte exactly once per KV head, whatever the GQA group and split count, and no
+    byte outside the window, kv_start or the sequence (the emulator counts every global load per byte)."""
+    import arkernels.simt
+
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(hq + window)
+    lens = [1, 37, 300]  # 300 keys over a 3-sequence batch: several split-KV partitions on sm_90's 132 SMs
+    k, v, table = _paged(lens, 16, hkv, 64, torch.float16, device, gen)
+    kv_start = torch.tensor([0, 5, 0], dtype=torch.int32)
+    query = torch.randn(3, hq, 64, generator=gen).half()
+    window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window, kv_start=kv_start)
+    want = _visible_kv_bytes(k, table, lens, window, kv_start)
+    for name in ("k_cache", "v_cache"):
+        reads, writes = arkernels.simt.traffic_map(name)
+        assert int(writes.sum()) == 0
+        bad = (reads != want).nonzero()
+        assert bad.numel() == 0, (f"{name}: {bad.numel()} bytes read a wrong number of times (first at byte "
+                                  f"{int(bad[0])}: {int(reads[bad[0]])}x, want {int(want[bad[0]])}x)")
+    totals = arkernels.simt.traffic()
+    q_read, q_written = totals["query"]  # once per split-KV partition (each CTA loads its heads' query rows)
+    assert q_written == 0 and q_read > 0 and q_read % (query.numel() * 2) == 0
+    assert totals["block_table"][1] == totals["seq_lens"][1] == 0  # index tensors are never written
 
 
 @pytest.mark.parametrize("device", DEVICES)
