@@ -71,6 +71,7 @@ FAULTS = [
     Fault("gemm: __syncthreads before the refill removed", _PRIM, _SYNC_END, "", runs=5),
     Fault("gemm: __syncthreads before the refill removed (TSan)", _PRIM, _SYNC_END, "", build=PRIMITIVES_BUILD_TSAN,
           runs=5),
+    Fault("gemm: chunks past the edge read anyway (src_bytes 16)", _PRIM, "gk : A, in ? 16 : 0", "gk : A, 16"),
     Fault("gemm: accumulators not zeroed", _PRIM,
           "  for (int i = 0; i < 32; ++i) acc[i / 16][(i / 4) % 4][i % 4] = 0.f;\n", ""),
 ]

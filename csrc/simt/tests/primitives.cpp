@@ -407,10 +407,31 @@ static void test_gemm(Runner& run, const char* name, int M, int N, int K) {
   for (size_t i = 0; i < size_t(M) * K; ++i) A[i] = to_t<T>(nd(rng));
   for (size_t i = 0; i < size_t(K) * N; ++i) B[i] = to_t<T>(nd(rng));
   for (size_t i = 0; i < size_t(M) * N; ++i) C[i] = std::nanf("");  // every output must be written
-  AK_LAUNCH(gemm_kernel<T>, dim3((N + kBN - 1) / kBN, (M + kBM - 1) / kBM), dim3(128), 0, 0, A, B, C, M, N, K);
+  const int grid_n = (N + kBN - 1) / kBN, grid_m = (M + kBM - 1) / kBM;
+#if defined(ARKERNELS_SIMT)
+  simt::reset_traffic();
+  simt::track_buffer("A", A, size_t(M) * K * sizeof(T));
+  simt::track_buffer("B", B, size_t(K) * N * sizeof(T));
+  simt::track_buffer("C", C, size_t(M) * N * sizeof(float));
+#endif
+  AK_LAUNCH(gemm_kernel<T>, dim3(grid_n, grid_m), dim3(128), 0, 0, A, B, C, M, N, K);
   device_sync();
-  double err = 0, tol_at = 0;
   bool ok = true;
+#if defined(ARKERNELS_SIMT)
+  // Traffic (cp.async counts its src_bytes at issue, zero-filled chunks nothing): each byte of A is read once per
+  // column of blocks, each byte of B once per row of blocks, each output written once; nothing outside them.
+  auto every = [](const simt::Buffer* b, bool write, uint32_t want) {
+    for (size_t i = 0; i < b->bytes; ++i)
+      if ((write ? b->writes : b->reads)[i].load() != want) return false;
+    return true;
+  };
+  const bool traffic = every(simt::find_buffer("A"), false, grid_n) && every(simt::find_buffer("B"), false, grid_m) &&
+                       every(simt::find_buffer("C"), true, 1) && simt::g_other_read == 0 && simt::g_other_write == 0;
+  if (!traffic) std::printf("%s: global traffic is not exactly A x %d, B x %d, C written once\n", name, grid_n, grid_m);
+  ok = ok && traffic;
+  simt::reset_traffic();
+#endif
+  double err = 0, tol_at = 0;
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
       double ref = 0, abs_sum = 0;
