@@ -71,6 +71,10 @@ def build(src: str | os.PathLike = CSRC, out: str | os.PathLike | None = None, s
     Rebuilt only when a file under ``src`` is newer than the library (or ``force``). ``sanitize``: None, "thread"
     or "address" (address + undefined behaviour). Returns the library's path.
     """
+    cuda_inc = _cuda_include()
+    if cuda_inc is None:
+        raise RuntimeError("arkernels.simt: the emulator needs the CUDA toolkit's headers (cuda_fp16.h); set CUDA_HOME")
+    os.environ.setdefault("CUDA_HOME", str(cuda_inc.parent))  # read by cpp_extension at import (else: a warning)
     from torch.utils.cpp_extension import include_paths, library_paths
 
     src = pathlib.Path(src).resolve()
@@ -80,9 +84,6 @@ def build(src: str | os.PathLike = CSRC, out: str | os.PathLike | None = None, s
     inputs = [p for p in src.rglob("*") if p.suffix in (".h", ".cuh", ".cpp")]
     if lib.exists() and not force and all(p.stat().st_mtime <= lib.stat().st_mtime for p in inputs):
         return lib
-    cuda_inc = _cuda_include()
-    if cuda_inc is None:
-        raise RuntimeError("arkernels.simt: the emulator needs the CUDA toolkit's headers (cuda_fp16.h); set CUDA_HOME")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = ["g++", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-DARKERNELS_SIMT",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
