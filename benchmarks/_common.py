@@ -94,3 +94,21 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def simt_traffic(name: str, fn, necessary: int) -> dict | None:
+    """Run ``fn()`` once in the SIMT emulator (the CUDA kernels' own source on the CPU, arkernels/simt.py) and count
+    its global-memory bytes: ``{"kernel", "moved_B", "necessary_B", "ratio", per-buffer "<name>_rw"}``. ``necessary``
+    is what an ideal kernel must move (each input byte read once, each output byte written once). None without an
+    emulator build (python -m arkernels.simt build)."""
+    import arkernels.simt
+
+    if not arkernels.simt.available():
+        return None
+    with arkernels.simt.emulate():
+        fn()
+    totals = arkernels.simt.traffic()
+    moved = sum(r + w for r, w in totals.values())
+    row = {"kernel": name, "moved_B": moved, "necessary_B": necessary, "ratio": moved / necessary}
+    row.update({f"{k}_rw": f"{r}/{w}" for k, (r, w) in totals.items() if r or w})
+    return row

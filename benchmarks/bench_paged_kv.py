@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import device_name, parser, print_table, timeit, write_results  # noqa: E402
+from _common import device_name, parser, print_table, simt_traffic, timeit, write_results  # noqa: E402
 
 import arkernels  # noqa: E402
 from arkernels.reference.paged_kv import paged_kv_append_ref, paged_kv_gather_ref  # noqa: E402
@@ -103,6 +103,31 @@ def main():
     print(f"device {device_name(dev)}: measured copy bandwidth {ceiling:.1f} GB/s; results in {args.out}/paged_kv.*")
     print_table([r for r in rows if r["impl"] == "arkernels"],
                 ["op", "num_tokens", "us", "gbps", "pct_copy_bw", "speedup_vs_torch"])
+    if args.quick:
+        print_traffic()
+
+
+def print_traffic():
+    """Bytes the CUDA kernels move / bytes they must move, counted by the SIMT emulator (1.0 = every byte once)."""
+    gen = torch.Generator().manual_seed(0)
+    n, blocks = 64, 8
+    key, value = (torch.randn(n, HEADS, HEAD_DIM, generator=gen).half() for _ in range(2))
+    k, v = (torch.zeros(blocks, BLOCK_SIZE, HEADS, HEAD_DIM, dtype=torch.half) for _ in range(2))
+    slots = torch.randperm(blocks * BLOCK_SIZE, generator=gen)[:n]
+    row_b = HEADS * HEAD_DIM * 2
+    rows = [simt_traffic("paged_kv_append", lambda: arkernels.paged_kv_append(key, value, k, v, slots),
+                         4 * n * row_b + n * 8)]  # K, V read and written once; the slots once
+    table = torch.randperm(blocks, generator=gen).int().view(2, blocks // 2)
+    lens = torch.tensor([BLOCK_SIZE * blocks // 2 - 3, 5], dtype=torch.int32)
+    per_seq = int(lens.max())
+    visible = int(lens.sum())
+    rows.append(simt_traffic("paged_kv_gather", lambda: arkernels.paged_kv_gather(k, v, table, lens, per_seq),
+                             2 * row_b * (visible + 2 * per_seq) + table.numel() * 4 + 8))
+    if rows[0] is None:
+        print("SIMT emulator not built: no traffic ratios (python -m arkernels.simt build)")
+        return
+    print("global-memory traffic of the CUDA kernels (SIMT emulator; bytes read/written per buffer):")
+    print_table(rows, sorted({c for r in rows for c in r}, key=lambda c: (c not in ("kernel", "ratio"), c)))
 
 
 if __name__ == "__main__":

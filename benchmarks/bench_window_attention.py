@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import device_name, parser, print_table, timeit, write_results  # noqa: E402
+from _common import device_name, parser, print_table, simt_traffic, timeit, write_results  # noqa: E402
 
 import arkernels  # noqa: E402
 from arkernels.reference.window_attention import window_attention_ref  # noqa: E402
@@ -195,6 +195,39 @@ def main():
     print_table(dec, ["batch", "ctx", "window", "ours_us", "ours_GBps", "pct_copy_bw", "x_vs_sdpa_mask",
                       "x_vs_sdpa_full"])
     print_table(pre, ["batch", "ctx", "window", "ours_us", "ours_TFLOPs", "x_vs_sdpa_mask", "x_vs_sdpa_full"])
+    if args.quick:
+        print_traffic()
+
+
+def print_traffic():
+    """Bytes the CUDA kernels move / bytes they must move (each visible K/V byte once per KV head, the query and
+    the output once), counted by the SIMT emulator on small shapes of the benchmark's GQA 32/8, D=128."""
+    gen = torch.Generator().manual_seed(0)
+    kv_row = HKV * HEAD_DIM * 2
+    rows = []
+    for batch, ctx, window in ((1, 512, 0), (4, 256, 64)):
+        k, v, table, lens, _, _ = paged_problem(batch, ctx, torch.float16, "cpu", gen)
+        q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).half()
+        visible = batch * (min(ctx, window) if window else ctx)
+        need = 2 * visible * kv_row + 2 * q.numel() * 2 + batch * HQ * 4 + table.numel() * 4 + batch * 4
+        rows.append(simt_traffic(f"decode B={batch} ctx={ctx} W={window}",
+                                 lambda: arkernels.window_attention(q, k, v, table, lens, window=window, check=False),
+                                 need))
+    batch, seq, window = 1, 256, 0
+    k, v, table, lens, _, _ = paged_problem(batch, seq, torch.float16, "cpu", gen)
+    q = torch.randn(seq, HQ, HEAD_DIM, generator=gen).half()
+    cu = torch.tensor([0, seq], dtype=torch.int32)
+    need = 2 * seq * kv_row + 2 * q.numel() * 2 + seq * HQ * 4 + table.numel() * 4 + 3 * 4
+    rows.append(simt_traffic(f"prefill B=1 seq={seq} W=0",
+                             lambda: arkernels.window_attention(q, k, v, table, lens, cu_seqlens_q=cu, max_q_len=seq,
+                                                                check=False), need))
+    if rows[0] is None:
+        print("SIMT emulator not built: no traffic ratios (python -m arkernels.simt build)")
+        return
+    print("global-memory traffic of the CUDA kernels (SIMT emulator; bytes read/written per buffer; 'other' = "
+          "outputs and split-KV partials):")
+    print_table(rows, ["kernel", "ratio", "moved_B", "necessary_B", "k_cache_rw", "v_cache_rw", "query_rw",
+                       "block_table_rw", "other_rw"])
 
 
 if __name__ == "__main__":
