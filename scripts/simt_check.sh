@@ -23,8 +23,12 @@ for variant in plain thread address; do
     address) flags=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer) ;;
   esac
   "${CXX[@]}" "${flags[@]}" csrc/simt/tests/primitives.cpp -o "build/simt_primitives_$variant"
-  TSAN_OPTIONS="halt_on_error=1" ASAN_OPTIONS="detect_leaks=0" "build/simt_primitives_$variant" | tail -1
-  say "primitives ($variant): ok in $(( $(tick) - t0 )) s"
+  # (its deliberate-fault cases print [simt] reports they expect; the log keeps them)
+  if ! TSAN_OPTIONS="halt_on_error=1" ASAN_OPTIONS="detect_leaks=0" "build/simt_primitives_$variant" \
+      > "build/simt_primitives_$variant.log" 2>&1; then
+    tail -40 "build/simt_primitives_$variant.log"; say "primitives ($variant): FAILED"; exit 1
+  fi
+  say "primitives ($variant): $(tail -1 "build/simt_primitives_$variant.log") in $(( $(tick) - t0 )) s"
 done
 
 # 2. Emulated kernel tests under each sanitizer: a slice that covers every kernel (append, gather, decode with
@@ -34,14 +38,21 @@ SLICE="simt and (append_grid and 13-64 or gather_grid and 13-128 or traffic or l
 for variant in thread address; do
   t0=$(tick)
   lib=$("$PY" -m arkernels.simt build --sanitize "$variant" | tail -1)
-  runtime=$(gcc -print-file-name=lib${variant/thread/tsan}.so)
-  [ "$variant" = address ] && runtime=$(gcc -print-file-name=libasan.so)
+  # the sanitizer runtime must be loaded first; ASan also needs libstdc++ loaded up front (python does not link it:
+  # ASan's __cxa_throw interceptor finds nothing to forward to otherwise and aborts at the first C++ exception)
+  runtime=$(gcc -print-file-name=libtsan.so)
+  [ "$variant" = address ] && runtime="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
   t1=$(tick)
-  ARKERNELS_SIMT_LIB="$lib" ARKERNELS_SIMT_REQUIRED=1 LD_PRELOAD="$runtime" \
-    TSAN_OPTIONS="halt_on_error=1 report_signal_unsafe=0" \
-    ASAN_OPTIONS="detect_leaks=0 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
-    TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -m simt -k "$SLICE" tests/test_paged_kv.py \
-    tests/test_window_attention.py | tail -2
-  say "emulated tests ($variant sanitizer): build $(( t1 - t0 )) s, run $(( $(tick) - t1 )) s"
+  # OMP_NUM_THREADS=1: torch's own OpenMP threads are not instrumented (TSan reports their memcpy as races);
+  # -s: a sanitizer that halts must not take its report down with pytest's captured output.
+  log="build/simt_check_$variant.log"
+  if ! OMP_NUM_THREADS=1 ARKERNELS_SIMT_LIB="$lib" ARKERNELS_SIMT_REQUIRED=1 LD_PRELOAD="$runtime" \
+      TSAN_OPTIONS="halt_on_error=1 report_signal_unsafe=0" \
+      ASAN_OPTIONS="detect_leaks=0 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
+      TRITON_INTERPRET=1 "$PY" -m pytest -s -q -p no:cacheprovider -m simt -k "$SLICE" tests/test_paged_kv.py \
+      tests/test_window_attention.py > "$log" 2>&1; then
+    tail -60 "$log"; say "emulated tests under the $variant sanitizer: FAILED"; exit 1
+  fi
+  say "emulated tests ($variant sanitizer): $(tail -1 "$log"); build $(( t1 - t0 )) s, run $(( $(tick) - t1 )) s"
 done
 say "done"
