@@ -88,6 +88,9 @@ def build(src: str | os.PathLike = CSRC, out: str | os.PathLike | None = None, s
     cmd = ["g++", "-std=c++20", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-DARKERNELS_SIMT",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
            "-Wno-class-memaccess", "-Wno-array-bounds", "-Wno-unused-variable", "-Wno-sign-compare",
+           # uninitialised registers (a missing accumulator init) hold a 0xFE.. pattern, as garbage on a GPU would,
+           # instead of the zeros of a fresh thread stack
+           "-ftrivial-auto-var-init=pattern",
            *SANITIZE_FLAGS[sanitize], f"-I{src}", f"-I{cuda_inc}"]
     cmd += [f"-I{p}" for p in include_paths()]
     cmd += [str(src / "simt" / "simt_ops.cpp"), "-o", str(lib)]

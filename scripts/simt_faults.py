@@ -77,6 +77,47 @@ FAULTS = [
 ]
 
 
+# The hand-written kernels (csrc/<stem>_kernels.cuh) through the emulator library (arkernels/simt.py) and a slice of
+# their emulated pytest cases (the "simt" device of tests/test_window_attention.py and tests/test_paged_kv.py).
+KERNEL_BUILD = "PYTHONPATH={repo} {python} -m arkernels.simt build --src {src} --out {out}"
+KERNEL_BUILD_TSAN = KERNEL_BUILD + " --sanitize thread"
+_TSAN = "LD_PRELOAD=$(gcc -print-file-name=libtsan.so) TSAN_OPTIONS=halt_on_error=1 "
+
+
+def _kernel_run(select: str, tsan: bool = False) -> str:
+    return ((_TSAN if tsan else "") + "PYTHONPATH={repo} OMP_NUM_THREADS=1 TRITON_INTERPRET=1 ARKERNELS_SIMT_REQUIRED=1 "
+            "ARKERNELS_SIMT_LIB={out}/arkernels_simt.so {python} -m pytest -s -x -q -p no:cacheprovider -m simt "
+            f"-k '{select}' {{repo}}/tests/test_window_attention.py {{repo}}/tests/test_paged_kv.py")
+
+
+_WA = "window_attention_kernels.cuh"
+_DECODE = "decode_grid and 13-16 or decode_long_context or decode_traffic and heads1"
+_PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb"
+_STAGE_SYNC = ("    stage_kv_tile<T, D, kDecodeTileKeys>(p, b, kvh, t0, s_lo, s_hi, koff_s, voff_s, k_tile, v_tile, D, tid);\n"
+               "    __syncthreads();\n")
+FAULTS += [
+    Fault("decode: __syncthreads after the K/V tile load removed", _WA, _STAGE_SYNC, _STAGE_SYNC.split("\n")[0] + "\n",
+          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: __syncthreads after the K/V tile load removed (TSan)", _WA, _STAGE_SYNC,
+          _STAGE_SYNC.split("\n")[0] + "\n", build=KERNEL_BUILD_TSAN, run=_kernel_run(_DECODE, tsan=True)),
+    Fault("decode: window off by one (W + 1 keys)", _WA, "lo = max64(lo, i - p.window + 1)",
+          "lo = max64(lo, i - p.window)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: wrong shuffle offset in the score reduction", _WA, "dot += __shfl_xor_sync(0xffffffffu, dot, 4);",
+          "dot += __shfl_xor_sync(0xffffffffu, dot, 16);", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: accumulator not zeroed", _WA, "    for (int x = 0; x < 8; ++x) acc[r][x] = 0.f;\n", "",
+          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: split size rounded down", _WA, "(n + p.num_splits - 1) / p.num_splits + kDecodeTileKeys - 1) /",
+          "(n + p.num_splits - 1) / p.num_splits) /", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("prefill: window off by one (W + 1 keys)", _WA, "j > qi - p.window", "j >= qi - p.window",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: O tile not zeroed", _WA,
+          "    for (int idx = tid; idx < BM * D; idx += kAttnThreads) o_s[(idx / D) * LDO + idx % D] = 0.f;\n", "",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
+          "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
+]
+
+
 def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
     t0 = time.time()
     env = dict(os.environ, SIMT_WATCHDOG=os.environ.get("SIMT_WATCHDOG", "30"))
