@@ -196,24 +196,26 @@ def _keep_cpu(logits, temperature, top_k, top_p, min_p):
         tk[use_k] = vals.gather(1, (top_k[use_k].long() - 1)[:, None])[:, 0]
     in_k = x >= tk[:, None]
 
-    # top-p over the top-k set: the largest z whose upper set holds p of the mass. Only tokens with
-    # e >= (1-p) * mass / vocab can hold the crossing token (all below hold < (1-p) of the mass together),
-    # so only those are sorted: a handful for a peaked distribution instead of the whole vocabulary.
+    # top-p over the top-k set, compared the way transformers' TopPLogitsWarper does: fp32 probabilities
+    # e / mass summed from the bottom, a token dropped iff the mass strictly below it plus its own is
+    # <= 1 - top_p (ties: the group is kept when its top member would be). tp is the largest z whose mass
+    # strictly below is <= 1 - top_p. Tokens with probability < (1 - p) / vocab hold < 1 - p together, so
+    # all are dropped: only the others are sorted (a handful for a peaked row), the rest enter as one sum.
     tp = torch.full((batch,), float("-inf"))
     use_p = sampled & (top_p < 1)
     if bool(use_p.any()):
         rows = use_p.nonzero()[:, 0]
         eK = torch.where(in_k[rows], e[rows], 0.0)
-        mass = eK.sum(dim=1)
-        target = top_p[rows] * mass
-        eps = (1 - top_p[rows]) * mass / vocab * (1 - 1e-3)
-        n_cand = int((eK >= eps[:, None]).sum(dim=1).max())
-        zK = torch.where(in_k[rows], z[rows], float("-inf"))
-        vals = torch.topk(zK, n_cand, dim=1).values  # descending
-        csum = torch.exp(vals).cumsum(dim=1)
-        hit = csum >= target[:, None]
-        first = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), -1)
-        tp[rows] = torch.where(first >= 0, vals.gather(1, first.clamp(min=0)[:, None])[:, 0], float("-inf"))
+        pr = eK / eK.sum(dim=1, keepdim=True)
+        q = 1 - top_p[rows]  # fp32, as transformers' fp32 cumsum against 1 - top_p
+        cand = in_k[rows] & (pr >= (q / vocab * (1 - 1e-3))[:, None])
+        n_cand = int(cand.sum(dim=1).max())
+        rest = torch.where(cand, 0.0, pr).sum(dim=1)
+        vals, idx = torch.topk(torch.where(cand, z[rows], float("-inf")), n_cand, dim=1)
+        vals, idx = vals.flip(1), idx.flip(1)  # ascending, as transformers' cumsum
+        pc = torch.where(vals > float("-inf"), pr.gather(1, idx), 0.0)
+        below = rest[:, None] + (pc.cumsum(dim=1) - pc)
+        tp[rows] = torch.where(below <= q[:, None], vals, float("-inf")).max(dim=1).values
 
     keep = sampled[:, None] & in_k & (z >= tp[:, None]) & (e >= min_p[:, None])
     return z, e, keep, arg, valid, sampled
