@@ -166,6 +166,17 @@ def quantize(model: nn.Module, mode: str = "w8a16", skip: Iterable[str] = ("lm_h
     """
     _check_mode(mode)
     skip = tuple(skip)
+    if torch.distributed.is_available():
+        # from_pretrained(tp_plan=...) holds sharded weights as DTensors and wraps each sharded Linear's forward with
+        # its collectives (row-parallel all-reduce, lm_head all-gather): an Int8Linear in its place would drop them
+        from torch.distributed.tensor import DTensor
+
+        sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+        if sharded:
+            raise NotImplementedError(
+                f"quantize: the model is tensor-parallel ({len(sharded)} DTensor parameters, e.g. {sharded[0]}); "
+                "int8 layers would drop its collectives. Quantize a model loaded without tp_plan, or run tensor "
+                "parallelism in float")
     before = _model_bytes(model)
     targets, skipped = [], []
     for name, module in model.named_modules():
