@@ -80,6 +80,8 @@ DYNAMIC_SMEM = [
 INSN_CLASSES = {
     "LDG128": lambda op: op.startswith("LDG.") and ".128" in op,
     "STG128": lambda op: op.startswith("STG.") and ".128" in op,  # JSON only
+    # JSON only: any shared memory access; with no static smem and no DYNAMIC_SMEM entry it means a missing entry
+    "SMEM_OPS": lambda op: op.split(".")[0] in ("LDS", "STS", "LDSM", "LDGSTS", "ATOMS", "REDS", "STSM"),
     "LDGSTS": lambda op: op.startswith("LDGSTS"),
     "LDSM": lambda op: op.startswith("LDSM"),
     "HMMA": lambda op: op.split(".")[0] == "HMMA",
@@ -234,15 +236,25 @@ _SASS_FN = re.compile(r"^\s*Function : (\S+)\s*$")
 _SASS_INSN = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
+_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # access size by modifier; none: 4 bytes
+SASS_KEYS = [*INSN_CLASSES, "insns", "stl_bytes", "ldl_bytes"]
+
+
+def access_bytes(op: str) -> int:
+    return next((_WIDTH[m] for m in op.split(".")[1:] if m in _WIDTH), 4)
+
+
 def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
-    """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total)."""
+    """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total) and
+    'stl_bytes' / 'ldl_bytes': the bytes the STL / LDL instructions move, each counted once (as ptxas -v counts
+    'bytes spill stores / loads', which the cubin does not record)."""
     out: dict[tuple[str, str], dict[str, int]] = {}
     for arch, block in split_by_arch(text):
         counts = None
         for line in block.splitlines():
             m = _SASS_FN.match(line)
             if m:
-                counts = out.setdefault((arch, m.group(1)), {k: 0 for k in [*INSN_CLASSES, "insns"]})
+                counts = out.setdefault((arch, m.group(1)), dict.fromkeys(SASS_KEYS, 0))
                 continue
             if counts is None:
                 continue
@@ -253,6 +265,8 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
                 for k, pred in INSN_CLASSES.items():
                     if pred(op):
                         counts[k] += 1
+                        if k in ("STL", "LDL"):
+                            counts[k.lower() + "_bytes"] += access_bytes(op)
     return out
 
 
@@ -315,7 +329,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
             "arch": arch, "kernel": name, "mangled": fn, "regs": r.get("REG", 0), "stack": r.get("STACK", 0),
             "local": r.get("LOCAL", 0), "static_smem": static_smem, "dynamic_smem": dyn,
             "threads": threads, "threads_from": threads_from if threads else "unknown",
-            **{k.lower(): counts.get(k, 0) for k in [*INSN_CLASSES, "insns"]},
+            **{k.lower(): counts.get(k, 0) for k in SASS_KEYS},
         }
         spec = GPU_SPECS.get(arch.rstrip("a"))
         if spec and threads:
@@ -422,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(a, [r for r in rows if r["arch"] == a]))
     bad = [r for r in rows if r["local_memory"]]
     unknown = [r for r in rows if r["threads"] is None]
+    for r in rows:
+        if r["smem_ops"] and not r["static_smem"] and not r["dynamic_smem"]:
+            print(f"warning: {r['arch']} {r['kernel']}: accesses shared memory but has no static shared memory and "
+                  "no DYNAMIC_SMEM entry: add one, or its occupancy is overstated")
     for r in unknown:
         print(f"warning: {r['arch']} {r['kernel']}: no __launch_bounds__ and no FALLBACK_THREADS entry: "
               "occupancy not computed")
@@ -429,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"so": str(so), "archs": archs, "rows": rows}, indent=1) + "\n")
     for r in bad:
-        print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']}, LDL {r['ldl']}, "
-              f"stack {r['stack']} B, local {r['local']} B")
+        print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']} ({r['stl_bytes']} B), "
+              f"LDL {r['ldl']} ({r['ldl_bytes']} B), stack {r['stack']} B, local {r['local']} B")
     n_k = len({r["kernel"] for r in rows})
     print(f"summary: {len(rows)} kernel cubins ({n_k} kernels x {len(archs)} archs), {len(bad)} with local memory "
           f"or spills, max regs {max((r['regs'] for r in rows), default=0)}, "

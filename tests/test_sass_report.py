@@ -172,6 +172,7 @@ def test_parse_sass_counts():
     assert (p["LDG128"], p["STG128"], p["LDSM"], p["HMMA"], p["LDGSTS"], p["BAR"], p["SHFL"]) == (2, 1, 2, 1, 1, 1, 1)
     assert (p["HGMMA"], p["STL"], p["LDL"], p["insns"]) == (0, 0, 0, 12)
     assert (s["STL"], s["LDL"], s["HGMMA"], s["HMMA"], s["insns"]) == (1, 1, 1, 0, 4)
+    assert (s["stl_bytes"], s["ldl_bytes"], p["stl_bytes"]) == (8, 4, 0)  # STL.64, LDL
 
 
 def test_short_name():
@@ -246,8 +247,15 @@ case "$1" in -lelf) cat $d/lelf.txt;; -res-usage) cat $d/res.txt;; -elf) cat $d/
     out_json = tmp_path / "rows.json"
     assert sr.main(["--so", str(so), "--arch", "sm_90", "--json", str(out_json)]) == 1
     out = capsys.readouterr().out
-    assert "FAIL local memory: sm_90 spilly_kernel: STL 1, LDL 1, stack 16 B" in out
+    assert "FAIL local memory: sm_90 spilly_kernel: STL 1 (8 B), LDL 1 (4 B), stack 16 B" in out
     assert "window_attention_prefill_kernel<__half, 128, 64>" in out and "summary: 4 kernel cubins" in out
     rows = json.loads(out_json.read_text())["rows"]
     assert {r["arch"] for r in rows} == {"sm_90"} and len(rows) == 4
+    assert "warning" not in out
     assert sr.main(["--so", str(so), "--arch", "sm_86"]) == 2  # an arch the .so lacks: an error, not a pass
+    # A kernel that touches shared memory with neither static nor tabled dynamic bytes is called out.
+    monkeypatch.setattr(sr, "DYNAMIC_SMEM", [])
+    capsys.readouterr()
+    assert sr.main(["--so", str(so), "--arch", "sm_90"]) == 1
+    assert "warning: sm_90 window_attention_prefill_kernel<__half, 128, 64>: accesses shared memory" in \
+        capsys.readouterr().out
