@@ -80,6 +80,9 @@ DYNAMIC_SMEM = [
 INSN_CLASSES = {
     "LDG128": lambda op: op.startswith("LDG.") and ".128" in op,
     "STG128": lambda op: op.startswith("STG.") and ".128" in op,  # JSON only
+    # JSON only: generic-address loads (the compiler could not tell shared from global: no LDSM, no 128-bit LDS;
+    # bf16 WMMA fragment loads compile to 96 of them in prefill D=128 where fp16 gets 24 LDSM)
+    "LD_GENERIC": lambda op: op.split(".")[0] == "LD",
     # JSON only: any shared memory access; with no static smem and no DYNAMIC_SMEM entry it means a missing entry
     "SMEM_OPS": lambda op: op.split(".")[0] in ("LDS", "STS", "LDSM", "LDGSTS", "ATOMS", "REDS", "STSM"),
     "LDGSTS": lambda op: op.startswith("LDGSTS"),
