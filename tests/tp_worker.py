@@ -6,7 +6,8 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT), by tests/test_tp.py or by hand:
 
     torchrun --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
 
-SPEC.json: ``{"models": {family: folder}, "device": "cpu" | "cuda", "dtype": "float32" | "bfloat16"}``. Each rank
+SPEC.json: ``{"models": {family: folder}, "load": {family: "tp_plan" | "distributed_config"}, "device": "cpu" |
+"cuda", "dtype": "float32" | "bfloat16", "cli": family or absent}``. Each rank
 writes ``OUT_DIR/rank<r>.json``: per family the cases' results, the sharding it saw and what quantize did.
 """
 from __future__ import annotations
@@ -30,6 +31,15 @@ SAMPLE_SEED = 5  # torch.manual_seed before a sampled model.generate (the patche
 SEEDS = [11, 12, 13]  # arkernels.generate: one seed per prompt
 CLI_PROMPTS = ["a", "b"]  # python -m arkernels generate --tp --prompt a --prompt b
 GEN_TIMEOUT_S = 120  # a collective that waits longer than this fails the rank instead of hanging it
+
+
+def _load_kwargs() -> dict:
+    """The two spellings of "shard this model": ``tp_plan="auto"`` (5.24 warns it is deprecated, still takes it) and
+    ``distributed_config=DistributedConfig(tp_plan="auto")`` (5.17 and 5.24)."""
+    from transformers import DistributedConfig
+
+    return {"tp_plan": {"tp_plan": "auto"},
+            "distributed_config": {"distributed_config": DistributedConfig(tp_plan="auto")}}
 
 
 def run_cases(model) -> dict:
@@ -115,10 +125,12 @@ def main(spec_path: str, out_dir: str) -> None:
     # our own init (from_pretrained reuses it) for the timeout: a rank whose peer died fails instead of waiting 30 min
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GEN_TIMEOUT_S))
     dtype = getattr(torch, spec["dtype"])
+    load_kwargs = _load_kwargs()
     result = {}
     try:
         for family, folder in spec["models"].items():
-            model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype).eval()
+            load = load_kwargs[spec["load"][family]]
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **load).eval()
             result[family] = {"tp_size": getattr(model, "tp_size", None), "sharding": _sharding(model),
                               "device": str(next(model.parameters()).device), **run_cases(model)}
             result[family]["quantize"] = _quantize(model)
