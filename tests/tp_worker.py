@@ -116,7 +116,8 @@ def main(spec_path: str, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    spec = json.load(open(spec_path))
+    with open(spec_path) as f:
+        spec = json.load(f)
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)  # 2 ranks on a 2-core CI machine
     backend = "nccl" if spec["device"] == "cuda" else "gloo"
