@@ -4,15 +4,18 @@ Semantics (transformers' order and conventions, the same on every device):
   * ``z = (x - max) / T``; temperature 0 is greedy: the lowest index among the maximal logits.
   * top-k keeps every token tied with the k-th largest logit (``top_k`` 0 or ``>= vocab``: off).
   * top-p, over the renormalised top-k set, keeps a token iff the mass strictly above it is ``< top_p``
-    (the crossing token and its ties are kept; the maximum always is; ``top_p`` 1: off).
+    (the crossing token and its ties are kept; the maximum always is; ``top_p`` 1: off). At the float
+    boundary it compares as transformers' TopPLogitsWarper does: fp32 probabilities summed from the bottom,
+    a token dropped iff its group's cumulative mass is ``<= 1 - top_p`` in fp32.
   * min-p keeps ``p_i >= min_p * p_max``.
   * NaN logits count as -inf; +inf logits count as the largest float (the tokens at +inf share the mass).
     A row with no finite logit (all -inf / NaN) returns token 0 and ``valid`` False; its
     ``sampling_probs`` row is all zeros. It never disturbs other rows.
   * the draw is keyed on (seed, step, vocab column), never on the row's position in the batch.
 
-The CUDA kernel is the Triton kernel in arkernels/triton/sampling.py; the CPU kernel (below the fakes) is a
-vectorised torch version of the same algorithm, using the same hash, so both draw the same tokens.
+The CUDA kernels are the Triton kernels in arkernels/triton/sampling.py (``sample``: truncate to <= 4096
+candidates, then search; ``sampling_probs``: the full-row search); the CPU kernel (below the fakes) is a
+vectorised torch version of the same thresholds, using the same hash, so both draw the same tokens.
 """
 from __future__ import annotations
 
@@ -174,7 +177,7 @@ def _sampling_probs_cuda(logits, temperature, top_k, top_p, min_p):
 
 def _keep_cpu(logits, temperature, top_k, top_p, min_p):
     """The kernel's filter on the CPU, vectorised over the batch: returns ``(z, e, keep, arg, valid,
-    sampled)``, all ``[batch, vocab]`` or ``[batch]``. Same thresholds as the Triton kernel (only float
+    sampled)``, all ``[batch, vocab]`` or ``[batch]``. Same thresholds as the Triton kernels (only float
     sums are taken in another order)."""
     batch, vocab = logits.shape
     x = logits.float()
