@@ -56,6 +56,15 @@ class _Ranks:
             self.procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "tp_worker.py"), spec_path, out_dir],
                                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
+    def kill(self) -> None:
+        """Kill what still runs (idempotent)."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for log in self.logs:
+            log.close()
+
     def wait(self, timeout: float) -> list[dict]:
         deadline = time.monotonic() + timeout
         try:
@@ -64,12 +73,7 @@ class _Ranks:
                     break
                 time.sleep(0.05)
         finally:
-            for p in self.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            for log in self.logs:
-                log.close()
+            self.kill()
         codes = [p.returncode for p in self.procs]
         if codes != [0] * len(codes):
             tails = []
@@ -100,13 +104,17 @@ def cpu_run(tmp_path_factory):
         folders[family] = str(root / family)
         tiny_model(family).save_pretrained(folders[family])
     ranks = _Ranks({"models": folders, "load": LOAD, "device": "cpu", "dtype": "float32", "cli": "llama"}, str(root))
-    single = {}
-    for family in FAMILIES:  # the same saved weights, one process, stock attention
-        model = AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32).eval()
-        single[family] = W.run_cases(model)
-        if family == "llama":  # what `generate --tp` must print: without a tokenizer, the prompts' fixed ids
-            cli = arkernels.generate(model, _encode(None, CLI_PROMPTS), max_new_tokens=W.NEW_TOKENS).tokens
-            single["cli"] = "rc=0\n" + "".join(f"{p}{' '.join(map(str, t))}\n" for p, t in zip(CLI_PROMPTS, cli))
+    try:
+        single = {}
+        for family in FAMILIES:  # the same saved weights, one process, stock attention
+            model = AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32).eval()
+            single[family] = W.run_cases(model)
+            if family == "llama":  # what `generate --tp` must print: without a tokenizer, the prompts' fixed ids
+                cli = arkernels.generate(model, _encode(None, CLI_PROMPTS), max_new_tokens=W.NEW_TOKENS).tokens
+                single["cli"] = "rc=0\n" + "".join(f"{p}{' '.join(map(str, t))}\n" for p, t in zip(CLI_PROMPTS, cli))
+    except BaseException:  # the reference failed: no rank outlives the test
+        ranks.kill()
+        raise
     return ranks.wait(LAUNCH_TIMEOUT_S), single
 
 
