@@ -245,6 +245,14 @@ class _Group:
             slots.append(self.table[r, pos // bs].to(torch.int64) * bs + pos % bs)
         return torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=dev)
 
+    def fork_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` (empty) starts as a copy of row ``src`` sharing its blocks (reference counts, no K/V copy)."""
+        self.release_row(dst)
+        self.rows[dst] = list(self.rows[src])
+        self.allocator.fork([b for b in self.rows[dst] if b is not None])
+        self.lens[dst] = self.lens[src]
+        self.table[dst] = self.table[src]
+
     def release_row(self, r: int) -> None:
         """Return all blocks of row ``r`` to the pool (the row's length becomes 0)."""
         self.allocator.free([b for b in self.rows[r] if b is not None])
@@ -573,6 +581,16 @@ class PagedCache(Cache):
         for g in self.groups.values():
             if g.allocator is not None:
                 g.release_row(r)
+
+    def fork_row(self, src: int, dst: int) -> None:
+        """``arkernels.generate``: row ``dst`` continues from row ``src``'s cache (parallel samples of one prompt share
+        its blocks; a shared, partly filled last block is copied when a row first writes to it)."""
+        for g in self.groups.values():
+            if g.allocator is not None:
+                g.fork_row(src, dst)
+        if self.kv_start is not None:
+            self.kv_start[dst] = self.kv_start[src]
+        self.version += 1
 
     def row_length(self, r: int) -> int:
         g = next(iter(self.groups.values()))
