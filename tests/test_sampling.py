@@ -459,3 +459,18 @@ def test_several_programs_per_row_draw_what_one_program_draws():
         got = [sample_triton(*args, splits=s, debug=True) for s in (1, None)]
         assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[2][0], got[0][2][0]) for g in got)
         assert got[0][2][0][0] > 0
+
+
+def test_signed_zero_ties_stay_together():
+    """+0.0 and -0.0 are tied logits but have different order-preserving keys (histogram buckets): a
+    top-k whose k-th value is 0 keeps both signs on the fast path too."""
+    V, n = 111, 16
+    x = -1.0 - torch.rand(V, generator=torch.Generator().manual_seed(6))
+    x[10:30], x[50:70] = 0.0, -0.0
+    xs, T, k = x.expand(n, V), torch.ones(n), torch.full((n,), 5, dtype=torch.int32)
+    p, mp, seed, step = torch.ones(n), torch.zeros(n), torch.arange(n) + 77, torch.zeros(n, dtype=torch.int64)
+    fast, _, (ncand, _) = sample_triton(xs, T, k, p, mp, seed, step, debug=True)
+    slow, _ = sample_triton(xs, T, k, p, mp, seed, step, cap=1)
+    assert (ncand == 40).all() and torch.equal(fast, slow)
+    assert torch.equal(fast, _sample("op", xs, T, k, p, mp, seed, step)[0])
+    assert (fast >= 50).any() and (fast < 30).any() and ((fast >= 10) & (fast < 70) & ((fast < 30) | (fast >= 50))).all()

@@ -140,9 +140,11 @@ def _uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _load_row(base, offs, mask):
     """Logits as fp32 (loads in any float dtype, arithmetic only after the upcast); NaN -> -inf,
-    +inf -> FLT_MAX (tokens at +inf share the mass), masked lanes -> -inf."""
+    +inf -> FLT_MAX (tokens at +inf share the mass), masked lanes -> -inf, -0.0 -> +0.0 (equal as floats,
+    but their keys differ: a top-k bucket holding +0.0 would miss the tied -0.0 tokens)."""
     x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("-inf"), x)
+    x = tl.where(x == 0.0, 0.0, x)
     return tl.minimum(x, FLT_MAX)
 
 
