@@ -626,6 +626,7 @@ class PagedCache(Cache):
         after; a sliding layer that has reached its window can only be cropped while recording its past
         (``activate_past_recording``, which generate calls for assisted decoding), and ``crop(0)`` then releases what
         fell out of the window."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         length = self.get_seq_length()
         if tokens_to_remove > 0:
             if not _LEGACY_POSITIVE_CROP:
