@@ -8,7 +8,8 @@ Grid (kept under ~2.5 min per transformers version on 2 cores): the full mode li
 and gemma3_text (interleaved sliding + full layers, the hardest cache); a representative slice (greedy with left
 padding, beam search) for mistral (sliding only), qwen2 and qwen3 (per-layer windows). Sampled
 modes compare under the same torch seed with ``output_scores=True`` (the fused sampler then steps aside, so stock
-warpers draw with torch's generator: identical); the fused sampler itself is checked where it takes over.
+warpers draw with torch's generator: identical); the fused sampler itself is checked where it takes over. A
+compiled forward (``compile_config`` + static cache) runs once, for llama.
 
 Last section: ``torch.compile(fullgraph=True)`` over the ops with their default ``check=True``.
 """
@@ -127,6 +128,32 @@ def test_generate_mode_matches_stock(family, mode):
             torch.testing.assert_close(layer.values, ref_layer.values, rtol=0, atol=1e-4)
     if mode == "continue_from_cache":
         assert out.first_cache_type is PagedCache
+
+
+def test_compiled_static_forward_matches_stock():
+    """``compile_config`` over a static cache: the paged cache steps aside for the call (one warning), the forward is
+    compiled with fullgraph=True through arkernels' attention registration (its mask falls back to transformers' 4D
+    mask while tracing), tokens identical. Backend "eager": dynamo traces the whole graph, no C++ codegen (minutes on
+    2 cores); ``_compile_all_devices``: generate compiles only on accelerators otherwise."""
+    from transformers import CompileConfig
+
+    model = _model("llama")
+    outs = []
+    for patched in (False, True):
+        config = CompileConfig(backend="eager", fullgraph=True)
+        config._compile_all_devices = True
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = arkernels.patch(model, block_size=BLOCK) if patched else None
+            try:
+                outs.append(model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=3, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0, cache_implementation="static",
+                                           compile_config=config))
+            finally:
+                if handle is not None:
+                    handle.undo()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_fused_sampler_takes_over_only_when_exact():
