@@ -22,6 +22,16 @@ Two ways to drive it:
   extra rows have slot -1 (nothing written) and seq_len 0 (the kernel outputs zeros). The block tables and pools
   must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
 
+Beam search, parallel samples and rollback (transformers' ``Cache`` API), per group:
+- ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of block-table
+  rows plus reference counts (``BlockAllocator.fork``); no K/V byte moves. The next write into a shared, partly filled
+  last block copies that one block first (copy-on-write, ``bytes_copied``): at most one block per beam per layer per
+  step, where ``DynamicCache`` copies the whole cache on every reorder.
+- ``crop``: lengths shrink, whole blocks past the new length return to the pool; sliding groups follow
+  ``DynamicSlidingWindowLayer``'s rules (only while recording their past, which generate turns on for assisted
+  decoding; a recording group keeps its out-of-window blocks until the crop).
+- ``layer.keys`` / ``layer.values``: dense tensors gathered on demand (see ``PagedLayer.keys`` for the cost).
+
 ``get_seq_length`` and ``get_mask_sizes`` agree with ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` for the same
 updates: transformers sizes its masks and positions from them.
 """
