@@ -377,6 +377,12 @@ def test_autotune_buckets_follow_m():
     assert [c.kwargs["BLOCK_M"] for c in tk.configs_for(128)] == [128, 128, 128, 128, 64, 64, 128]
     assert len(tk.configs_for(tk.LARGE_M)) == len(tk.CONFIGS_BY_CLASS[tk.LARGE_M]) == 9
     assert all(c.kwargs["BLOCK_M"] % 64 == 0 and c.num_warps % 4 == 0 for c in tk.configs_for(8192))
+    # shared memory: every int8 config fits sm_90; w8a16 with a bf16 x drops exactly the two that do not
+    x16, i8 = torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int8)
+    assert tk._prune_by_class(tk._ALL_CONFIGS, {"M_CLASS": 8192, "a_ptr": i8}) == tk.configs_for(8192)
+    dropped = [c for c in tk.configs_for(8192) if c not in tk._prune_by_class(
+        tk._w8a16_matmul_tuned.configs, {"M_CLASS": 8192, "x_ptr": x16}, DOT_FP32=False)]
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in dropped] == [(256, 128, 3), (128, 256, 4)]
 
 
 def _strided_vectors(M, N, gen, device):

@@ -191,10 +191,23 @@ def configs_for(bucket: int, dot_fp32: bool = False) -> list:
     return [c for c in family if c.kwargs["BLOCK_M"] <= max(bucket, 16)]
 
 
+SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
+
+
+def smem_bytes(config, a_bytes: int) -> int:
+    """Pipelined operand tiles of a config: num_stages x (A tile at ``a_bytes`` per element + int8 B tile). It
+    separates the configs triton 3.6 fits into sm_90's 227 KB from those it does not (offline compile: w8a16 bf16
+    256x128x128 x3 stages needs 256 KB, 128x256x128 x4 288 KB; both fit at int8, 144 / 192 KB)."""
+    kw = config.kwargs
+    return config.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a_bytes + kw["BLOCK_N"])
+
+
 def _prune_by_class(configs, named_args, **kwargs):
     bucket = named_args.get("M_CLASS", kwargs.get("M_CLASS"))
     ids = {id(c) for c in configs_for(bucket, kwargs.get("DOT_FP32", False))}
-    return [c for c in configs if id(c) in ids]
+    a = named_args.get("x_ptr", named_args.get("a_ptr"))  # bf16 x doubles the A tile of the w8a16 kernel
+    a_bytes = a.element_size() if isinstance(a, torch.Tensor) else 1
+    return [c for c in configs if id(c) in ids and smem_bytes(c, a_bytes) <= SMEM_LIMIT]
 
 
 def _even_k(args):
