@@ -3,7 +3,7 @@
 - :class:`Int8Linear`: an ``nn.Linear`` drop-in with an int8 per-output-channel weight. ``mode="w8a16"`` keeps the
   activations in their float dtype and dequantises the weight inside the matmul (decode: memory bound, half the
   bytes of bf16); ``mode="w8a8"`` also quantizes the activations per token, dynamically, and runs the int8 tensor
-  cores (prefill: compute bound).
+  cores (prefill: compute bound) from W8A8_MIN_M rows on; fewer rows (decode) run the weight-only kernels.
 - :func:`quantize` replaces a model's ``nn.Linear`` layers in place and reports what it did.
 - :func:`save_quantized` / :func:`load_quantized`: safetensors (never pickle); which layers are int8, and in which
   mode, travels in the file's metadata.
