@@ -11,6 +11,7 @@ launchers directly: on CPU tensors under TRITON_INTERPRET=1 without a GPU, on th
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import arkernels
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
@@ -290,6 +291,21 @@ DECODE_CASES = [  # (path, M, K, N, bias, strided x)
 
 def _decode_cfg(path, M):
     return _gemv_cfg(M) if path == "gemv" else SPLITK_CFG
+
+
+@triton.jit
+def _int8_to_kernel(w_ptr, out_ptr, DTYPE: tl.constexpr):
+    r = tl.arange(0, 256)
+    tl.store(out_ptr + r, tk._int8_to(tl.load(w_ptr + r), DTYPE))
+
+
+def test_int8_to_fp16_magic_number_exact():
+    """The hand-written int8 -> fp16 conversion (bits 0x6400 | (w ^ 0x80), minus 1152) is exact for all 256 values.
+    The interpreter's own dots run in fp32, so this is where the fp16 bit trick is checked without a GPU."""
+    w = torch.arange(-128, 128, dtype=torch.int8, device=TRITON_DEVICE)
+    out = torch.empty(256, dtype=torch.float16, device=TRITON_DEVICE)
+    _int8_to_kernel[(1,)](w, out, DTYPE=tl.float16)
+    assert torch.equal(out.cpu(), w.cpu().half())
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
