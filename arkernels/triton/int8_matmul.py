@@ -22,11 +22,12 @@ W8A16 decode (M <= 16, :func:`w8a16_path`): the weight streams once and nothing 
   128 threads) while it streams N_TILES weight tiles of ``[BLOCK_N, BLOCK_K]`` past them: x is read once per
   N_TILES tiles, not once per tile, and only the M real rows (no 16-row padding).
 - 5 <= M <= 16 (fp16/bf16): ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of
-  K_PER_SPLIT; K is split so that about two programs per SM exist even for N = 4096 (64 N tiles of 64).
+  K_PER_SPLIT; K is split so that about two programs per SM exist even for N = 4096 (64 N tiles of 64), unless
+  the split workspace would pass 10% of the weight bytes (K = 4096 at M = 16: 3 splits, 192 programs).
 - Split-K reduction: partial fp32 sums go to a ``[SPLIT_K, M, N]`` workspace and ``_splitk_reduce_kernel`` adds
   them in split order (0, 1, ...), then applies scale and bias: no atomics, so the same inputs give the same bits.
   With one split the matmul kernel applies the epilogue itself and no workspace exists. Tile sizes and split
-  counts are a pure function of (M, N, K, dtype, SM count) (:func:`w8a16_decode_config`), never autotuned: the
+  counts are a pure function of (path, M, N, K, SM count) (:func:`w8a16_decode_config`), never autotuned: the
   bits do not depend on which config a sweep picked, and decode never sweeps.
 - int8 -> float: no per-element I2F (a quarter-rate unit on sm_90), :func:`_int8_to`. Triton 3.6 already lowers
   ``w.to(bf16)`` of an int8 tile to the byte-permute / magic-number sequence, two lanes per instruction (sm_90
@@ -35,7 +36,8 @@ W8A16 decode (M <= 16, :func:`w8a16_path`): the weight streams once and nothing 
   GEMV's fp32 FMAs take int8 -> bf16 -> fp32 (a shift): 0 I2F, where a direct int8 -> fp32 cast is 64.
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): autotuning is skipped (one fixed config per class, or the caller's),
-and the W8A16 dot runs in fp32 because the interpreter computes bf16 arithmetic wrongly.
+the W8A16 dots run in fp32 because the interpreter computes bf16 arithmetic wrongly, and the GEMV casts int8
+straight to fp32 (the interpreter's int8 -> bf16 cast gives NaN).
 """
 from __future__ import annotations
 
