@@ -251,6 +251,7 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z,
                 Z += tl.sum(tl.where(mask & (x >= tk), tl.exp(tl.math.div_rn(x - m, T)), 0.0), axis=0)
             npass += 1
             off = tl.zeros((), tl.float32)
+        Z = tl.where(Z > 0, Z, 1.0)  # 0 only on rows with nothing to search (greedy: n = 0)
         tp, it = _threshold(base, n, tp, tl.zeros((), tl.float32), 1.0 - p, m, T, tk, Z, tl.math.div_rn(off, Z),
                             True, SEARCH_BLOCK, P, MAX_PASSES)
         npass += it
@@ -292,7 +293,8 @@ def _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, T, NCP: tl.constexpr):
     arg = tl.min(tl.where(cm_mask & (cm == m), ca, 2147483647), axis=0)  # lowest index among the maxima
     cs = tl.load(csum_ptr + row * NCHUNK + c, mask=cm_mask, other=0.0)
     live = cm_mask & (cm > float("-inf"))
-    Z = tl.sum(tl.where(live, cs * tl.exp(tl.math.div_rn(tl.where(live, cm, m) - m, T)), 0.0), axis=0)
+    d = tl.where(live, cm, 0.0) - tl.where(live, m, 0.0)  # no -inf - -inf on a row without a finite logit
+    Z = tl.sum(tl.where(live, cs * tl.exp(tl.math.div_rn(d, T)), 0.0), axis=0)
     return m, arg, Z
 
 
@@ -321,7 +323,7 @@ def sampling_stats_kernel(
         x = _load_row(base, offs, mask)
         bm = tl.max(x, axis=0)
         bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
-        e = tl.where(bm > float("-inf"), tl.exp(tl.math.div_rn(x - bm, T)), 0.0)
+        e = tl.exp(tl.math.div_rn(x - tl.where(bm > float("-inf"), bm, 0.0), T))  # all -inf: all 0
         tl.store(cmax_ptr + row * NCHUNK + c, bm)
         tl.store(carg_ptr + row * NCHUNK + c, bi)
         tl.store(csum_ptr + row * NCHUNK + c, tl.sum(e, axis=0))
@@ -354,8 +356,12 @@ def _cutoff(h, m, T, k, p, min_p, Z, V):
     # with both, 128k x N(0, 4^2) logits at p 0.9 keep 2937 candidates for 1122 kept tokens (numpy model).
     bm = _bucket(m)
     in_row = (h > 0) & (b <= bm)
-    lo_z = tl.math.div_rn(_bucket_lo(b) - m, T)
-    hi_z = tl.math.div_rn(tl.minimum(_bucket_lo(b + 1), m) - m, T)  # the next bucket's edge: <= 1 ulp over
+    # edges above the max's bucket read as m, NaN bit patterns (buckets below -inf's) as -inf: all unused
+    lo_e = tl.where(b <= bm, _bucket_lo(b), m)
+    hi_e = tl.where(b < bm, _bucket_lo(b + 1), m)  # the next bucket's lower edge: <= 1 ulp over
+    # edges below -1e30 read as -1e30: exp(z) is 0 there either way, and z stays finite in fp32 for |m| < 1e37
+    lo_z = tl.math.div_rn(tl.where(lo_e == lo_e, tl.maximum(lo_e, -1e30), -1e30) - m, T)
+    hi_z = tl.math.div_rn(tl.where(hi_e == hi_e, tl.maximum(hi_e, -1e30), -1e30) - m, T)
     hf = h.to(tl.float32)
     lb = tl.where(in_row, hf * tl.exp(tl.where(in_row, lo_z, 0.0)), 0.0)
     lb = tl.where(b == bm, 1.0 + (hf - 1.0) * tl.exp(lo_z), lb)
@@ -363,10 +369,11 @@ def _cutoff(h, m, T, k, p, min_p, Z, V):
     mass_above = tl.maximum(tl.sum(lb, axis=0) - tl.cumsum(lb, axis=0) + lb, Z - (tl.cumsum(ub, axis=0) - ub))
     b_p = tl.max(tl.where(mass_above >= p * Z * 1.001 + 1e-5 * Z, b, 0), axis=0)
     cut = tl.where(use_p & (~use_k), tl.maximum(cut, b_p), cut)
-    # min-p (z >= log(min_p), 0.01 of slack for rounding) and the race (z >= RACE_Z) drop tokens outright;
-    # with top-k and top-p both on, top-p needs the whole top-k set's mass, so they do not raise the cutoff
+    # min-p (z >= log(min_p), 0.01 of slack for exp's rounding) and the race (z >= RACE_Z) drop tokens
+    # outright; 1e-5 |m| more covers the rounding of m + T * z. With top-k and top-p both on, top-p needs the
+    # whole top-k set's mass, so they do not raise the cutoff
     lmp = tl.where(min_p > 0, tl.log(tl.where(min_p > 0, min_p, 1.0)) - 0.01, RACE_Z)
-    b_z = _bucket(m + T * tl.maximum(lmp, RACE_Z))
+    b_z = _bucket(m + T * tl.maximum(lmp, RACE_Z) - 1e-5 * tl.abs(m))
     cut = tl.where(use_k & use_p, cut, tl.maximum(cut, b_z))
     return cut, cut <= _bucket(tl.full((), float("-inf"), tl.float32))
 
