@@ -95,8 +95,8 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
         num_return_sequences: samples per prompt. Each prompt is prefilled once; its samples fork its blocks
             (reference counts: no K/V copied, except each sample's copy of a shared, partly filled last block when it
             first writes). Result row ``b * n + j`` is sample ``j`` of prompt ``b``; it draws with seed
-            ``seed[b] + j * 0x9E3779B97F4A7C15`` (int64, wrapping), so sample 0 is what ``num_return_sequences=1`` gives and
-            every sample has its own random stream.
+            ``seed[b] + j * 0x9E3779B97F4A7C15`` (int64, wrapping), so sample 0 is what ``num_return_sequences=1``
+            gives and every sample has its own random stream.
 
     Returns:
         ``GenerateResult`` (``tokens``, ``texts``, timings), one row per returned sequence.

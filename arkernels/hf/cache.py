@@ -23,10 +23,10 @@ Two ways to drive it:
   must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
 
 Beam search, parallel samples and rollback (transformers' ``Cache`` API), per group:
-- ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of block-table
-  rows plus reference counts (``BlockAllocator.fork``); no K/V byte moves. The next write into a shared, partly filled
-  last block copies that one block first (copy-on-write, ``bytes_copied``): at most one block per beam per layer per
-  step, where ``DynamicCache`` copies the whole cache on every reorder.
+- ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of
+  block-table rows plus reference counts (``BlockAllocator.fork``); no K/V byte moves. The next write into a shared,
+  partly filled last block copies that one block first (copy-on-write, ``bytes_copied``): at most one block per beam
+  per layer per step, where ``DynamicCache`` copies the whole cache on every reorder.
 - ``crop``: lengths shrink, whole blocks past the new length return to the pool; sliding groups follow
   ``DynamicSlidingWindowLayer``'s rules (only while recording their past, which generate turns on for assisted
   decoding; a recording group keeps its out-of-window blocks until the crop).
@@ -651,7 +651,8 @@ class PagedCache(Cache):
             if g.window and g.lens and max(g.lens) >= g.window and not g.record_past:
                 raise RuntimeError(
                     "`crop` was called, but the current layer does not track past states, and the sliding window size "
-                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache.")
+                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the "
+                    "cache.")
         for g in self.groups.values():
             if g.allocator is not None and g.lens:
                 g.truncate(max(max(g.lens) - n, 0))

@@ -70,10 +70,13 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     Args:
         model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
         attention: select arkernels' attention + mask functions on this model's config.
-        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache. With
-            attention too, the attention kernel reads the paged cache in place; alone, the cache hands dense K/V
-            to whatever attention the model uses.
-        sampler: draw ``do_sample=True`` tokens with ``arkernels.sample``.
+        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache, for the
+            modes it serves (greedy, sampling, beam search / sampling, assisted and prompt-lookup decoding); any
+            other request keeps transformers' cache for that call (a warning, once per kind). With attention too,
+            the attention kernel reads the paged cache in place; alone, the cache hands dense K/V to whatever
+            attention the model uses.
+        sampler: draw plain ``do_sample=True`` tokens with ``arkernels.sample`` when the requested warpers are
+            exactly what it implements (see the module docstring); otherwise the stock warpers run.
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.

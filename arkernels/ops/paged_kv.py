@@ -76,7 +76,8 @@ def paged_kv_gather(
     """
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() > 0 else 0
-    if eager_checks(check) and block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4 and block_table.numel() > 0:
+    if (eager_checks(check) and block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4
+            and block_table.numel() > 0):
         bs = k_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=block_table.device) * bs < seq_lens.to(
             block_table.device)[:, None].long()
