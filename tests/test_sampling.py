@@ -474,3 +474,31 @@ def test_signed_zero_ties_stay_together():
     assert (ncand == 40).all() and torch.equal(fast, slow)
     assert torch.equal(fast, _sample("op", xs, T, k, p, mp, seed, step)[0])
     assert (fast >= 50).any() and (fast < 30).any() and ((fast >= 10) & (fast < 70) & ((fast < 30) | (fast >= 50))).all()
+
+
+@pytest.mark.cuda
+def test_cuda_fast_path_passes_and_graph_capture():
+    """On a GPU (skipped without one): at vocab 128256 the fast path reads the row twice and draws what the
+    fallback and the CPU op draw; ``sample`` captured in a CUDA graph (no host sync, fixed launch shape)
+    replays to the eager tokens for new step values."""
+    V = 128256
+    x, T, k, p, mp = _regime_rows(V, seed=51)
+    seed, step = torch.arange(7) * 11 + 1, torch.full((7,), 4)
+    dx, dT, dk, dp, dmp, dseed, dstep = (t.cuda() for t in (x, T, k, p, mp, seed, step))
+    fast, _, (ncand, npass) = sample_triton(dx, dT, dk, dp, dmp, dseed, dstep, debug=True)
+    slow, _ = sample_triton(dx, dT, dk, dp, dmp, dseed, dstep, cap=1)
+    assert (ncand[:6] > 0).all() and (npass[:6] == 2).all()
+    assert torch.equal(fast, slow) and torch.equal(fast.cpu(), _sample("op", x, T, k, p, mp, seed, step)[0])
+    run = lambda: arkernels.sample(dx, temperature=dT, top_k=dk, top_p=dp, min_p=dmp, seed=dseed, step=dstep)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for s in (5, 6):
+        dstep.fill_(s)
+        graph.replay()
+        assert torch.equal(out, run())
