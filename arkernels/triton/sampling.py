@@ -15,14 +15,17 @@ distribution (``sampling_probs``), with transformers' semantics (see arkernels/o
      picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the bucket holding
      the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
      reaches p * Z; min-p: ``z >= log(min_p)``; the draw: ``z >= -21`` (a token below can never win the
-     race, see below). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
+     race, see below); with top-k and top-p both on, the top-k bucket alone (top-p needs the whole top-k
+     set's mass). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
      column order; each program's offset is the candidate count of the programs before it, read from their
      histograms (exact integers: deterministic, no atomics). More than ``cap`` candidates: the row is
      flagged and falls back.
   3. ``sampling_draw_kernel``, grid ``(batch,)``: the exact top-k / top-p / min-p thresholds and the draw,
      on the <= cap candidates (fast path) or, for a flagged row, on the whole row (the full-row search).
-     Both give the same token: the thresholds are exact on either set and the race scores are the same
-     floats (see tests/test_sampling.py).
+     Both give the same token: top-k counts are exact on either set and the race scores are the same
+     floats; only the top-p mass is summed in another order (candidates vs the whole row), so the two can
+     differ only for a top_p within fp32 rounding of a decision boundary, as CPU and GPU can (tests and a
+     fuzz of 250 rows agree token for token).
 
 ``sampling_probs``: one program per row, the full-row search (``sampling_probs_kernel``).
 
@@ -61,7 +64,7 @@ SEARCH_BLOCK = 512  # elements per block in the search passes ([SEARCH_BLOCK, PI
 NB = tl.constexpr(4096)  # histogram buckets = the top 12 bits of the fp32 key: 8 buckets per octave (16 KB)
 BUCKET_SHIFT = tl.constexpr(20)  # 32 - 12
 CAND_CAP = 4096  # candidates per row on the fast path: 32 KB of scratch per row (value + column)
-MAX_SPLITS = 8  # programs per row at most: each reads all of its row's histograms (8 x 16 KB) once
+MAX_SPLITS = 8  # programs per row at most: each compaction program reads its row's histograms (8 x 16 KB) twice
 TARGET_PROGRAMS = 264  # 2 per SM on an H200 (132 SMs)
 RACE_Z = tl.constexpr(-21.0)  # U in [2^-25, 1 - 2^-25]: -log(-log U) in [-2.85, 17.33], so z < -20.2 never wins
 
