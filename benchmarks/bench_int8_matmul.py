@@ -1,21 +1,33 @@
-"""int8 matmul: W8A16 (weight-only) and W8A8 (int8 tensor cores) against F.linear in bf16 and torch._int_mm.
+"""int8 matmul: W8A16 (weight-only) and W8A8 (int8 tensor cores) against bf16 F.linear, torch._int_mm and a
+torch.compile'd plain-torch int8 weight-only linear, all measured in one run.
 
-Shapes: the Llama-8B projections (N x K) 4096x4096 (q/o), 14336x4096 (gate/up), 4096x14336 (down), M from 1
-(decode) to 8192 (prefill). TFLOP/s counts 2*M*N*K; GB/s counts the bytes each implementation must move at least
-(activations, weights, scales, output: an int8 weight is half the bytes of a bf16 one, which is where W8A16's
-decode speed-up comes from). ``ratio_vs_linear`` is the F.linear time (bf16 on a GPU, fp32 on the CPU) over
-this implementation's time, both measured in this run. Every implementation is checked against the float64
-reference (a few rows) before timing.
+Shapes: the Llama-3-8B projections (N x K = out x in features) 4096x4096 (q/o), 6144x4096 (fused qkv),
+14336x4096 (gate/up), 4096x14336 (down). Decode rows M = 1, 2, 4, 8, 16 are memory bound: the unit is GB/s of the
+bytes each implementation must move at least (activations, weights, scales, output: an int8 weight is half the
+bytes of a bf16 one) and ``pct_copy_bw``, that rate over the device-to-device copy bandwidth measured at the start
+of the same run. Prefill rows M = 512 .. 8192 are compute bound: TFLOP/s (2*M*N*K). ``ratio_vs_linear`` is the
+F.linear time (bf16 on a GPU, fp32 on the CPU) over this implementation's time.
 
-The first GPU run includes Triton's autotune sweeps: one per (kernel, M class, N, K, output dtype), about 36 for
-the default sweep; ``--shapes 14336x4096 --ms 1 16 4096`` is the short form that covers both goals.
+Baselines: ``F.linear`` (cuBLAS), ``torch._int_mm`` (cuBLAS int8, int32 out, no scales; CUDA needs M > 16), and
+``torch-int8-wo``: torchao's / gpt-fast's int8 weight-only recipe in plain torch, ``F.linear(x,
+w_int8.to(x.dtype)) * scale``, under torch.compile (inductor fuses the cast into the matmul or, at small M, into a
+reduction kernel; eager on the CPU, where inductor would need minutes of C++ compiles in CI).
 
-GPU goals (issue 5, H200): w8a16 at M = 1..16 on 14336x4096 >= 1.8x bf16; w8a8 at M = 4096 >= 1.7x bf16.
-On the CPU (``--quick``, CI) the ops run their CPU implementations in fp32; the figures there only show the
-benchmark works.
+Weights that fit in L2 (50 MB on an H200) would be re-read from it between timed calls and overstate HBM rates
+1.5-2x: on a GPU every implementation rotates over enough weight copies (>= 256 MB) that each call reads HBM.
+Every implementation is checked against the float64 reference (a few rows) before timing.
+
+First GPU run: Triton autotune sweeps, one per (kernel, M bucket, N, K, dtype); configs compile once per kernel and
+are reused across buckets, so a bucket costs its benchmark sweep (~9 configs), not its compiles. The decode paths
+never sweep. ``--shapes 14336x4096 --ms 1 16 4096`` is the short form that covers both goals.
+
+GPU goals (issue 15, H200): w8a16 at M <= 16 >= 80% of copy bandwidth and >= 1.8x bf16 F.linear; w8a8 at
+M = 4096 >= 1.7x bf16. On the CPU (``--quick``, CI) the ops run their CPU implementations in fp32; the figures
+there only show the benchmark works.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -28,10 +40,12 @@ from _common import device_name, parser, print_table, timeit, write_results  # n
 import arkernels  # noqa: E402
 from arkernels.reference.int8_matmul import int8_matmul_ref, w8a16_matmul_ref  # noqa: E402
 
-LLAMA_8B = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N, K) = (out_features, in_features)
-MS_GPU = [1, 4, 16, 64, 256, 1024, 4096, 8192]
+LLAMA_8B = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (N, K) = (out_features, in_features)
+MS_DECODE = [1, 2, 4, 8, 16]
+MS_PREFILL = [512, 1024, 2048, 4096, 8192]
 QUICK_SHAPES = [(1024, 512), (512, 1024)]
 MS_QUICK = [1, 16, 128]
+ROTATE_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
 
 
 def _check_rows(M):
@@ -45,14 +59,20 @@ def _assert_close(got, ref, dtype, abs_terms, what):
     assert bool((err <= tol).all()), f"{what}: max error {err.max().item():.3g} exceeds the tolerance"
 
 
-def check(x, w_q, w_s, x_q, x_s, dtype):
-    """Every arkernels implementation against the float64 reference on a few rows, before any timing."""
+def int8_weight_only_linear(x, w_int8, w_scale):
+    """torchao's / gpt-fast's int8 weight-only linear in plain torch (the baseline users would otherwise compile)."""
+    return F.linear(x, w_int8.to(x.dtype)) * w_scale.to(x.dtype)
+
+
+def check(x, w_q, w_s, x_q, x_s, dtype, torch_wo):
+    """Every arkernels implementation and the plain-torch baseline against the float64 reference on a few rows."""
     rows = _check_rows(x.shape[0])
     xr, xqr, xsr = x[rows].cpu(), x_q[rows].cpu(), x_s[rows].cpu()
     wq, ws = w_q.cpu(), w_s.cpu()
-    got = arkernels.w8a16_matmul(x, w_q, w_s)[rows]
-    _assert_close(got, w8a16_matmul_ref(xr, wq, ws), dtype,
-                  w8a16_matmul_ref(xr.double().abs(), wq.double().abs(), ws), "w8a16_matmul")
+    ref, terms = w8a16_matmul_ref(xr, wq, ws), w8a16_matmul_ref(xr.double().abs(), wq.double().abs(), ws)
+    _assert_close(arkernels.w8a16_matmul(x, w_q, w_s)[rows], ref, dtype, terms, "w8a16_matmul")
+    # the baseline multiplies by a scale rounded to x's dtype: one more rounding of the output's size
+    _assert_close(torch_wo(x, w_q, w_s)[rows], ref, dtype, terms + ref.abs() * 4, "torch-int8-wo")
     got = arkernels.int8_matmul(x_q, w_q)[rows]
     assert torch.equal(got.cpu().double(), int8_matmul_ref(xqr, wq)), "int8_matmul (int32) is not exact"
     got = arkernels.int8_matmul(x_q, w_q, x_s, w_s, out_dtype=dtype)[rows]
@@ -60,35 +80,56 @@ def check(x, w_q, w_s, x_q, x_s, dtype):
                   int8_matmul_ref(xqr.double().abs(), wq.double().abs(), xsr, ws), "int8_matmul (scaled)")
 
 
-def bench_shape(M, N, K, dtype, device):
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate in GB/s (bytes read + bytes written), the roofline for memory-bound rows."""
+    n = (1 << 30) if device == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / timeit(lambda: dst.copy_(src), device=device) / 1e9
+
+
+def _rotating(make, nbytes, device):
+    """A list of independent weight sets totalling >= ROTATE_BYTES on a GPU (one on the CPU) and a cycling picker."""
+    copies = max(1, -(-ROTATE_BYTES // nbytes)) if device == "cuda" else 1
+    sets = [make() for _ in range(copies)]
+    it = itertools.cycle(sets)
+    return sets[0], lambda: next(it)
+
+
+def bench_shape(M, N, K, dtype, device, torch_wo, copy_gbps):
     gen = torch.Generator().manual_seed(M + N + K)
     x = torch.randn(M, K, generator=gen).to(dtype).to(device)
-    w = (torch.randn(N, K, generator=gen) * 0.02).to(dtype).to(device)
-    w_q, w_s = arkernels.quantize_per_channel(w)
+    e = x.element_size()
+
+    def make():
+        w = (torch.randn(N, K, generator=gen) * 0.02).to(dtype).to(device)
+        return (w, *arkernels.quantize_per_channel(w))
+
+    (w, w_q, w_s), pick = _rotating(make, N * K * (e + 1), device)
     x_q, x_s = arkernels.quantize_per_token(x)
-    check(x, w_q, w_s, x_q, x_s, dtype)
+    check(x, w_q, w_s, x_q, x_s, dtype, torch_wo)
 
-    def w8a8_with_quant():  # what Int8Linear(mode="w8a8") runs: per-token quantization, then the matmul
+    def w8a8_with_quant(ws):  # what Int8Linear(mode="w8a8") runs at M >= 17: per-token quantization, then the matmul
         xq, xs = arkernels.quantize_per_token(x)
-        return arkernels.int8_matmul(xq, w_q, xs, w_s, out_dtype=dtype)
+        return arkernels.int8_matmul(xq, ws[1], xs, ws[2], out_dtype=dtype)
 
-    e = torch.tensor([], dtype=dtype).element_size()
-    impls = {  # name: (fn, minimum bytes moved)
-        "F.linear": (lambda: F.linear(x, w), e * (M * K + N * K + M * N)),
-        "w8a16": (lambda: arkernels.w8a16_matmul(x, w_q, w_s), e * M * K + N * K + 4 * N + e * M * N),
-        "w8a8": (lambda: arkernels.int8_matmul(x_q, w_q, x_s, w_s, out_dtype=dtype),
+    impls = {  # name: (fn(weight set), minimum bytes moved)
+        "F.linear": (lambda ws: F.linear(x, ws[0]), e * (M * K + N * K + M * N)),
+        "w8a16": (lambda ws: arkernels.w8a16_matmul(x, ws[1], ws[2]), e * M * K + N * K + 4 * N + e * M * N),
+        "torch-int8-wo": (lambda ws: torch_wo(x, ws[1], ws[2]), e * M * K + N * K + 4 * N + e * M * N),
+        "w8a8": (lambda ws: arkernels.int8_matmul(x_q, ws[1], x_s, ws[2], out_dtype=dtype),
                  M * K + N * K + 4 * (M + N) + e * M * N),
-        "w8a8+quant": (w8a8_with_quant,
-                       e * M * K + M * K + N * K + 4 * (M + N) + e * M * N),  # per-token quantization included
+        "w8a8+quant": (w8a8_with_quant, e * M * K + M * K + N * K + 4 * (M + N) + e * M * N),
     }
     if device != "cuda" or M > 16:  # cuBLAS int8 (torch._int_mm) needs M > 16 on CUDA
-        impls["torch._int_mm"] = (lambda: torch._int_mm(x_q, w_q.t()), M * K + N * K + 4 * M * N)
-    times = {name: timeit(fn, device=device) for name, (fn, _) in impls.items()}
+        impls["torch._int_mm"] = (lambda ws: torch._int_mm(x_q, ws[1].t()), M * K + N * K + 4 * M * N)
+    times = {name: timeit(lambda fn=fn: fn(pick()), device=device) for name, (fn, _) in impls.items()}
     rows = []
     for name, (_, nbytes) in impls.items():
         t = times[name]
+        gbps = nbytes / t / 1e9
         rows.append(dict(shape=f"{N}x{K}", impl=name, series=f"{N}x{K} {name}", M=M, N=N, K=K, us=t * 1e6,
-                         tflops=2 * M * N * K / t / 1e12, gbps=nbytes / t / 1e9,
+                         tflops=2 * M * N * K / t / 1e12, gbps=gbps, pct_copy_bw=100 * gbps / copy_gbps,
                          ratio_vs_linear=times["F.linear"] / t, dtype=str(dtype).split(".")[-1],
                          device=device_name(device)))
     return rows
@@ -97,23 +138,35 @@ def bench_shape(M, N, K, dtype, device):
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", metavar="NxK", help="weight shapes (default: the Llama-8B ones on a GPU)")
-    p.add_argument("--ms", nargs="+", type=int, help="values of M (default: 1 to 8192 on a GPU)")
+    p.add_argument("--ms", nargs="+", type=int, help="values of M (default: 1..16 and 512..8192 on a GPU)")
     args = p.parse_args()
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the CPU path serves fp32 models
     small = args.quick or dev != "cuda"
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else (
         QUICK_SHAPES if small else LLAMA_8B)
-    ms = args.ms or (MS_QUICK if small else MS_GPU)
+    ms = args.ms or (MS_QUICK if small else MS_DECODE + MS_PREFILL)
+    torch_wo = int8_weight_only_linear
+    if dev == "cuda":  # one static compile per (M, N, K), as gpt-fast runs it; dynamo stops at 8 by default
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(shapes) * len(ms))
+        torch_wo = torch.compile(int8_weight_only_linear, dynamic=False)
+    copy_gbps = copy_bandwidth(dev)
     rows = []
     for N, K in shapes:
         for M in ms:
-            rows += bench_shape(M, N, K, dtype, dev)
+            rows += bench_shape(M, N, K, dtype, dev, torch_wo, copy_gbps)
     write_results(rows, args.out, "int8_matmul", plot=("M", "ratio_vs_linear", "series"),
                   title=f"int8 matmul vs F.linear ({str(dtype).split('.')[-1]}), {device_name(dev)}")
-    print(f"device {device_name(dev)}, baseline F.linear in {dtype}; results in {args.out}/int8_matmul.*")
-    print_table([r for r in rows if r["impl"] != "F.linear"],
-                ["shape", "impl", "M", "us", "tflops", "gbps", "ratio_vs_linear"])
+    print(f"device {device_name(dev)}, baseline F.linear in {dtype}, copy bandwidth {copy_gbps:.0f} GB/s "
+          f"(torch-int8-wo {'compiled' if dev == 'cuda' else 'eager'}); results in {args.out}/int8_matmul.*")
+    decode = [r for r in rows if r["M"] <= 16 and r["impl"] != "w8a8+quant"]
+    prefill = [r for r in rows if r["M"] > 16]
+    if decode:
+        print("decode rows (memory bound):")
+        print_table(decode, ["shape", "impl", "M", "us", "gbps", "pct_copy_bw", "ratio_vs_linear"])
+    if prefill:
+        print("prefill rows (compute bound):")
+        print_table(prefill, ["shape", "impl", "M", "us", "tflops", "ratio_vs_linear"])
 
 
 if __name__ == "__main__":

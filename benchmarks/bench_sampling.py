@@ -1,11 +1,22 @@
-"""Sampling (temperature 0.8, top-k 50, top-p 0.9, min-p 0.05): microseconds per call and GB/s of logits read,
-against the sort-based PyTorch paths users have today:
-  * ``hf``: transformers' logits warpers (Temperature, TopK, TopP, MinP) + softmax + ``torch.multinomial``;
+"""Sampling: microseconds per call and GB/s of logits read, per setting, against what users run today:
+  * ``hf``: transformers' logits warpers (Temperature, TopK, TopP, MinP as the setting asks) + softmax +
+    ``torch.multinomial`` (greedy: argmax);
   * ``sort``: the vLLM-style filter: one descending sort, top-k by rank, softmax + cumsum top-p, min-p,
-    ``torch.multinomial``.
+    ``torch.multinomial``;
+  * ``topk``: ``torch.topk(k)`` then top-p / min-p on the k values (settings with top-k, and greedy).
+Settings: greedy, temperature 0.8 only, top-k 50, top-p 0.9, top-k 50 + top-p 0.9, min-p 0.05 (all at T 0.8).
 GB/s counts the logits bytes once (batch x vocab x element size): the floor any sampler must read.
-Every configuration's kept set is checked against the float64 reference (two rows) before timing.
-GPU goals (issue 4, H200): vocab 128256 batch 1 <= 25 us; batch 256 >= 5x the sort path and >= 50% of HBM.
+``speedup_vs_sort`` / ``speedup_vs_hf``: the baselines' time over ours, measured in the same run.
+
+Passes: the Triton kernels' own debug counter (``sample_triton(debug=True)``) of full-row passes per row (max
+over the batch) and the share of sampled rows that took the fast path (candidates <= CAND_CAP) rather than
+the full-row fallback. On a GPU they come from the GPU run; on the CPU from the Triton interpreter
+(``--quick``: batch 1 x vocab 128256, every setting).
+
+On the CPU, ``arkernels.sample`` runs its CPU kernel (torch), so CPU timings say nothing about the GPU kernels.
+Each (setting, vocab)'s kept set is checked against the float64 reference (two rows, smallest batch) before timing.
+GPU goals (issue 13, H200): vocab 128k batch 1 top-k + top-p <= 25 us; batch 256 >= 5x the sort path and
+>= 50% of HBM bandwidth (4.3 TB/s) for one read of the logits.
 """
 from __future__ import annotations
 
@@ -14,47 +25,96 @@ import sys
 
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # without a GPU the Triton kernels only run interpreted
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_name, parser, print_table, timeit, write_results  # noqa: E402
 
 import arkernels  # noqa: E402
 from arkernels.reference.sampling import sampling_probs_ref  # noqa: E402
+from arkernels.triton.sampling import sample_triton  # noqa: E402
 
-T, TOP_K, TOP_P, MIN_P = 0.8, 50, 0.9, 0.05
-VOCABS = [32000, 128256, 152064]
-BATCHES = [1, 8, 64, 256, 512]
-QUICK_VOCABS, QUICK_BATCHES = [32000, 49152], [1, 8]
+T0 = 0.8
+# name: (temperature, top_k, top_p, min_p)
+SETTINGS = {
+    "greedy": (0.0, 0, 1.0, 0.0),
+    "temperature": (T0, 0, 1.0, 0.0),
+    "top_k50": (T0, 50, 1.0, 0.0),
+    "top_p0.9": (T0, 0, 0.9, 0.0),
+    "top_k50+top_p0.9": (T0, 50, 0.9, 0.0),
+    "min_p0.05": (T0, 0, 1.0, 0.05),
+}
+VOCABS = [32000, 128256, 256000]
+BATCHES = [1, 8, 64, 256]
+QUICK_VOCABS, QUICK_BATCHES = [32000], [1, 8]
+QUICK_PASS_SHAPE = (1, 128256)  # the issue's pass budget is stated at vocab 128k
 
 
-def hf_sample(logits):
+def hf_sample(logits, T, k, p, mp):
     from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 
-    scores = logits.float()
-    for w in (TemperatureLogitsWarper(T), TopKLogitsWarper(TOP_K), TopPLogitsWarper(TOP_P), MinPLogitsWarper(MIN_P)):
-        scores = w(None, scores)
+    if T == 0:
+        return logits.argmax(dim=-1)
+    scores = TemperatureLogitsWarper(T)(None, logits.float())
+    for on, w in ((k > 0, lambda: TopKLogitsWarper(k)), (p < 1, lambda: TopPLogitsWarper(p)),
+                  (mp > 0, lambda: MinPLogitsWarper(mp))):
+        if on:
+            scores = w()(None, scores)
     return torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0]
 
 
-def sort_sample(logits):
-    scores = logits.float() / T
-    sorted_s, idx = torch.sort(scores, dim=-1, descending=True)
-    ranks = torch.arange(scores.shape[1], device=scores.device)
-    sorted_s = sorted_s.masked_fill(ranks >= TOP_K, float("-inf"))
+def _filter_sorted(sorted_s, k, p, mp):
+    """top-k by rank, top-p by the mass above, min-p, on descending scores -> probabilities."""
+    if k > 0:
+        ranks = torch.arange(sorted_s.shape[1], device=sorted_s.device)
+        sorted_s = sorted_s.masked_fill(ranks >= k, float("-inf"))
     probs = torch.softmax(sorted_s, dim=-1)
-    above = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(above >= TOP_P, 0.0)
-    probs = probs.masked_fill(probs < MIN_P * probs[:, :1], 0.0)
-    pick = torch.multinomial(probs, 1)
-    return idx.gather(1, pick)[:, 0]
+    if p < 1:
+        probs = probs.masked_fill(torch.cumsum(probs, dim=-1) - probs >= p, 0.0)
+    if mp > 0:
+        probs = probs.masked_fill(probs < mp * probs[:, :1], 0.0)
+    return probs
 
 
-def check(logits):
-    got = arkernels.sampling_probs(logits[:2], temperature=T, top_k=TOP_K, top_p=TOP_P, min_p=MIN_P).cpu()
-    n = logits.shape[0] if logits.shape[0] < 2 else 2
-    want = sampling_probs_ref(logits[:n].cpu(), [T] * n, [TOP_K] * n, [TOP_P] * n, [MIN_P] * n)
+def sort_sample(logits, T, k, p, mp):
+    if T == 0:
+        return logits.argmax(dim=-1)
+    sorted_s, idx = torch.sort(logits.float() / T, dim=-1, descending=True)
+    return idx.gather(1, torch.multinomial(_filter_sorted(sorted_s, k, p, mp), 1))[:, 0]
+
+
+def topk_sample(logits, T, k, p, mp):
+    if T == 0:
+        return torch.topk(logits, 1, dim=-1).indices[:, 0]
+    vals, idx = torch.topk(logits.float() / T, k, dim=-1)  # sorted, descending
+    return idx.gather(1, torch.multinomial(_filter_sorted(vals, 0, p, mp), 1))[:, 0]
+
+
+def check(logits, T, k, p, mp):
+    n = min(2, logits.shape[0])
+    got = arkernels.sampling_probs(logits[:n], temperature=T, top_k=k, top_p=p, min_p=mp).cpu()
+    want = sampling_probs_ref(logits[:n].cpu(), [T] * n, [k] * n, [p] * n, [mp] * n)
     assert torch.equal(got > 0, want > 0), "sampling_probs: kept set differs from the reference"
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    ids = arkernels.sample(logits[:n], temperature=T, top_k=k, top_p=p, min_p=mp, seed=torch.arange(n), step=0)
+    assert bool((want.gather(1, ids.cpu()[:, None]) > 0).all()), "sample: a token outside the kept set"
+
+
+def passes(logits, T, k, p, mp):
+    """(max full-row passes over the rows, share of sampled rows on the fast path) from the debug counter."""
+    batch, dev = logits.shape[0], logits.device
+    f = lambda v, dt=torch.float32: torch.full((batch,), v, dtype=dt, device=dev)  # noqa: E731
+    _, _, (ncand, npass) = sample_triton(logits, f(T), f(k, torch.int32), f(p), f(mp), torch.arange(batch, device=dev),
+                                         f(0, torch.int64), debug=True)
+    fast = float((ncand >= 0).float().mean()) if T > 0 else 1.0
+    return int(npass.max()), fast
+
+
+def _logits(batch, vocab, dev):
+    gen = torch.Generator().manual_seed(vocab + batch)
+    return (torch.randn(batch, vocab, generator=gen) * 4).to(dev)  # peaked, as LM logits are
 
 
 def main():
@@ -63,26 +123,46 @@ def main():
     if dev == "cpu":
         torch.set_num_threads(1)  # CI's 2 cores are shared: one thread per implementation is the steadier measure
     vocabs, batches = (QUICK_VOCABS, QUICK_BATCHES) if args.quick else (VOCABS, BATCHES)
-    iters = 5 if args.quick or dev == "cpu" else 50
-    rows = []
-    for vocab in vocabs:
-        for batch in batches:
-            gen = torch.Generator().manual_seed(vocab + batch)
-            logits = (torch.randn(batch, vocab, generator=gen) * 4).to(dev)  # peaked, as LM logits are
-            check(logits)
-            seed, step = torch.arange(batch, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)
-            ours = lambda: arkernels.sample(logits, temperature=T, top_k=TOP_K, top_p=TOP_P, min_p=MIN_P,  # noqa: E731
-                                            seed=seed, step=step)
-            nbytes = logits.numel() * logits.element_size()
-            t_ours = timeit(ours, iters=iters, device=dev)
-            t_hf = timeit(lambda: hf_sample(logits), iters=iters, device=dev)
-            t_sort = timeit(lambda: sort_sample(logits), iters=iters, device=dev)
-            for impl, t in (("arkernels", t_ours), ("hf", t_hf), ("sort", t_sort)):
-                rows.append(dict(vocab=vocab, batch=batch, impl=impl, us=t * 1e6, gbps=nbytes / t / 1e9,
-                                 speedup_vs_sort=t_sort / t, device=device_name(dev)))
+    iters = 5 if args.quick or dev == "cpu" else 20  # gpu_check gives this script 60 s for 72 configurations x 4
+    count_passes = dev != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    rows, pass_rows = [], []
+    for name, (T, k, p, mp) in SETTINGS.items():
+        if count_passes and (args.quick or dev == "cpu"):
+            b, v = QUICK_PASS_SHAPE
+            n, fast = passes(_logits(b, v, dev), T, k, p, mp)
+            pass_rows.append(dict(setting=name, vocab=v, batch=b, passes=n, fast_share=fast))
+        for vocab in vocabs:
+            for batch in batches:
+                logits = _logits(batch, vocab, dev)
+                if batch == batches[0]:  # the fp64 reference costs ~0.1 s per 128k row on the host: once per vocab
+                    check(logits, T, k, p, mp)
+                seed, step = torch.arange(batch, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)
+                extra = {}
+                if count_passes and not (args.quick or dev == "cpu"):
+                    extra["passes"], extra["fast_share"] = passes(logits, T, k, p, mp)
+                nbytes = logits.numel() * logits.element_size()
+                ours = lambda: arkernels.sample(logits, temperature=T, top_k=k, top_p=p, min_p=mp,  # noqa: E731
+                                                seed=seed, step=step)
+                times = {"arkernels": timeit(ours, iters=iters, device=dev),
+                         "hf": timeit(lambda: hf_sample(logits, T, k, p, mp), iters=iters, device=dev),
+                         "sort": timeit(lambda: sort_sample(logits, T, k, p, mp), iters=iters, device=dev)}
+                if k > 0 or T == 0:
+                    times["topk"] = timeit(lambda: topk_sample(logits, T, k, p, mp), iters=iters, device=dev)
+                for impl, t in times.items():
+                    rows.append(dict(setting=name, vocab=vocab, batch=batch, impl=impl, us=t * 1e6,
+                                     gbps=nbytes / t / 1e9, speedup_vs_sort=times["sort"] / t,
+                                     speedup_vs_hf=times["hf"] / t, device=device_name(dev),
+                                     **(extra if impl == "arkernels" else {})))
     write_results(rows, args.out, "bench_sampling", plot=("batch", "us", "impl"),
-                  title=f"sampling, T={T} k={TOP_K} p={TOP_P} min_p={MIN_P} ({device_name(dev)})")
-    print_table(rows, ["vocab", "batch", "impl", "us", "gbps", "speedup_vs_sort"])
+                  title=f"sampling, all settings ({device_name(dev)})")
+    if pass_rows:
+        write_results(pass_rows, args.out, "bench_sampling_passes")
+    print_table(rows, ["setting", "vocab", "batch", "impl", "us", "gbps", "speedup_vs_sort", "speedup_vs_hf"]
+                + (["passes", "fast_share"] if rows and "passes" in rows[0] else []))
+    if pass_rows:
+        print("full-row passes of the Triton kernels (debug counter" +
+              (", Triton interpreter)" if dev == "cpu" else ")"))
+        print_table(pass_rows, ["setting", "vocab", "batch", "passes", "fast_share"])
 
 
 if __name__ == "__main__":

@@ -221,3 +221,24 @@ def test_generate_cuda_graphs_capture_and_replay(monkeypatch):
     assert res.tokens == ref.tokens
     assert len(captured) == len(set(captured)) >= 2  # one capture per bucket, replayed after
     assert all(v == 0 for v in res.cache_blocks_in_use.values())
+
+
+def test_generate_num_return_sequences_fork_the_prompt():
+    model = tiny_model("gemma3_text")  # sliding + full groups: both fork
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    kw = dict(max_new_tokens=NEW_TOKENS, temperature=1.3, eos_token_id=[], block_size=4)
+    res = arkernels.generate(model, prompts, seed=[11, 12], num_return_sequences=3, **kw)
+    assert len(res.tokens) == 6 and res.prompt_lens == [9, 9, 9, 6, 6, 6]
+    single = arkernels.generate(model, prompts, seed=[11, 12], **kw)
+    assert res.tokens[0] == single.tokens[0] and res.tokens[3] == single.tokens[1]  # sample 0 = the plain call
+    assert len({tuple(t) for t in res.tokens[:3]}) == 3  # own seed streams: 3 different samples at temperature 1.3
+    # each sample equals that prompt generated alone with the sample's seed: forked blocks hold the prompt exactly
+    seed_1 = GEN._wrap64(11 + GEN._SEED_STRIDE)
+    alone = arkernels.generate(model, [prompts[0]], seed=seed_1, **kw)
+    assert alone.tokens[0] == res.tokens[1]
+    assert all(v == 0 for v in res.cache_blocks_in_use.values())
+    greedy = arkernels.generate(model, prompts, num_return_sequences=2, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                                block_size=4)
+    assert greedy.tokens[0] == greedy.tokens[1] and greedy.tokens[2] == greedy.tokens[3]
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        arkernels.generate(model, prompts, num_return_sequences=0)

@@ -22,9 +22,13 @@ def test_mask_function_forms():
     assert arkernels_mask(2, 6, 6, attention_mask=ones) is None
     left = ones.clone()
     left[0, :2] = False
-    out = arkernels_mask(2, 1, 4, kv_offset=2, attention_mask=left)
+    out = arkernels_mask(2, 1, 4, q_offset=5, kv_offset=2, attention_mask=left)  # a sliding layer's decode step
     # row 0: 2 pad tokens (absolute); relative to keys that start at position 2: none left
     assert out.dtype == torch.int32 and out.tolist() == [[2, 0], [0, 0]]
+    # keys that do not end at the query (a static cache: all max_cache_len slots, q_offset a tensor): 4D fallback
+    for static in (arkernels_mask(2, 1, 8, q_offset=torch.tensor(5), attention_mask=left),
+                   arkernels_mask(2, 1, 8, q_offset=5, attention_mask=left)):
+        assert static.dim() == 4 and static.shape[-1] == 8 and not bool(static[1, 0, 0, 6])  # slot 6 is unwritten
     holed = ones.clone()
     holed[1, 3] = False
     full = arkernels_mask(2, 6, 6, attention_mask=holed)

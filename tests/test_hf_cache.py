@@ -70,9 +70,8 @@ def test_paged_cache_refuses_what_it_cannot_do():
     cache = PagedCache(config, block_size=4)
     k, v = _kv(3, 0)
     cache.update(k, v, 0)
-    for call in (lambda: cache.crop(-1), lambda: cache.reorder_cache(torch.tensor([0, 1, 2])),
-                 lambda: cache.batch_repeat_interleave(2)):
-        with pytest.raises(NotImplementedError, match="PagedCache"):
+    for call in (lambda: cache.layers[0].crop(-1), lambda: cache.layers[0].reorder_cache(torch.tensor([0, 1, 2]))):
+        with pytest.raises(RuntimeError, match="PagedCache"):  # layers share tables: only the cache can do it
             call()
     with pytest.raises(RuntimeError, match="every layer must see every forward"):
         cache.update(*_kv(1, 1), 0)  # layer 0 starts a new forward (length 4) ...
@@ -84,3 +83,80 @@ def test_paged_cache_refuses_what_it_cannot_do():
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         PagedCache(Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8, layer_types=None,
                                     no_rope_layers=[1, 1]))
+
+
+# beam search / rollback against DynamicCache: (tokens, op) per step; op: ("reorder", idx), ("crop", n) or None
+BEAM_STEPS = [(7, ("reorder", [0, 0, 2])), (1, ("reorder", [1, 1, 1])), (1, None), (2, ("reorder", [2, 0, 1])),
+              (3, ("crop", 2)), (1, ("reorder", [0, 2, 2])), (1, ("crop", 0)), (4, ("crop", 3)), (1, None)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_paged_cache_beams_and_crop_match_dynamic(family, block_size):
+    config = tiny_model(family).config
+    ref = DynamicCache(config=config)
+    cache = PagedCache(config, block_size=block_size, paged_attention=False)
+    ref.activate_past_recording()  # what generate does before assisted decoding: sliding layers can roll back
+    cache.activate_past_recording()
+    layers = config.num_hidden_layers
+    for step, (tokens, op) in enumerate(BEAM_STEPS):
+        used_before = dict(cache.blocks_in_use)
+        for layer in range(layers):
+            k, v = _kv(tokens, seed=100 * step + layer)
+            kv_length = ref.get_mask_sizes(tokens, layer)[0]
+            rk, rv = ref.update(k, v, layer)
+            pk, pv = cache.update(k, v, layer)
+            # while recording, 5.17's sliding layer returns its whole recorded past; the mask covers only the last
+            # kv_length keys, which is what 5.24 returns and what the paged cache hands over
+            assert pk.shape[2] == kv_length
+            assert torch.equal(pk, rk[:, :, -kv_length:]) and torch.equal(pv, rv[:, :, -kv_length:])
+            assert cache.get_mask_sizes(1, layer) == ref.get_mask_sizes(1, layer)
+        if op is not None:
+            kind, arg = op
+            if kind == "reorder":
+                copied = cache.bytes_copied
+                cache.reorder_cache(torch.tensor(arg))
+                ref.reorder_cache(torch.tensor(arg))
+                assert cache.bytes_copied == copied  # a reorder moves no K/V byte
+                assert sum(cache.blocks_in_use.values()) <= sum(used_before.values()) + BATCH * 2 * layers
+            else:
+                cache.crop(torch.tensor(-arg))  # transformers 5.17 passes a 0-d tensor
+                ref.crop(-arg)
+        for layer in range(layers):
+            assert cache.get_seq_length(layer) == ref.get_seq_length(layer)
+            # the readable cache: what the DynamicCache layer holds, gathered on demand
+            assert torch.equal(cache.layers[layer].keys, ref.layers[layer].keys)
+            assert torch.equal(cache.layers[layer].values, ref.layers[layer].values)
+    # copy-on-write copied at most one partial block per row per layer per step, never a whole cache
+    elem = HKV * HEAD_DIM * 4 * 2 * block_size
+    assert 0 < cache.bytes_copied <= len(BEAM_STEPS) * BATCH * layers * elem
+    cache.reset()
+    assert all(used == 0 for used in cache.blocks_in_use.values())
+
+
+def test_paged_cache_batch_repeat_interleave_forks():
+    config = tiny_model("gemma3_text").config
+    ref, cache = DynamicCache(config=config), PagedCache(config, block_size=4, paged_attention=False)
+    for step, tokens in enumerate([9, 1]):
+        for layer in range(2):
+            k, v = _kv(tokens, seed=step * 10 + layer)
+            ref.update(k, v, layer)
+            cache.update(k, v, layer)
+    used = dict(cache.blocks_in_use)
+    ref.batch_repeat_interleave(2)
+    cache.batch_repeat_interleave(2)
+    assert cache.blocks_in_use == used  # forked: the same blocks, more owners
+    ref.batch_select_indices(torch.tensor([5, 0, 3]))
+    cache.batch_select_indices(torch.tensor([5, 0, 3]))
+    for layer in range(2):
+        k, v = _kv(1, seed=99 + layer)
+        assert all(torch.equal(a, b) for a, b in zip(cache.update(k, v, layer), ref.update(k, v, layer)))
+    with pytest.raises(RuntimeError, match="does not track past states"):  # transformers' rule for sliding layers
+        _crop_unrecorded(config)
+
+
+def _crop_unrecorded(config):
+    cache = PagedCache(config, block_size=4, paged_attention=False)
+    for layer in range(2):
+        cache.update(*_kv(TINY_WINDOW + 1, layer), layer)
+    cache.crop(-1)

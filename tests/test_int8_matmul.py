@@ -10,6 +10,8 @@ launchers directly: on CPU tensors under TRITON_INTERPRET=1 without a GPU, on th
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import arkernels
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
@@ -269,6 +271,134 @@ def test_w8a16_matmul_triton(dtype, M, K, N, tile):
     x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias=M != 16)
     d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
     _check_w8a16(tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=tile).cpu(), x, w, w_scale, bias)
+
+
+# w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K (5..16) with the ordered split reduction. Explicit small
+# configs keep the interpreter's grids at a few programs while still making several splits and N tiles: K = 600 is
+# not a multiple of the split (256 / 192: the last split is partial, and so is its last K tile), N = 130 not one
+# of the N tile (32 x 2 / 64).
+def _gemv_cfg(M):
+    return dict(BLOCK_M=triton.next_power_of_2(M), BLOCK_N=32, BLOCK_K=256, N_TILES=2, K_PER_SPLIT=256)
+
+
+SPLITK_CFG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, N_TILES=1, K_PER_SPLIT=192)
+DECODE_CASES = [  # (path, M, K, N, bias, strided x)
+    ("gemv", 1, 600, 130, True, False), ("gemv", 2, 600, 130, False, True), ("gemv", 3, 512, 77, True, True),
+    ("gemv", 4, 600, 130, False, False), ("splitk", 5, 600, 130, True, True), ("splitk", 8, 600, 130, False, False),
+    ("splitk", 13, 512, 77, True, False), ("splitk", 16, 600, 130, True, True), ("splitk", 1, 96, 40, False, False),
+]
+
+
+def _decode_cfg(path, M):
+    return _gemv_cfg(M) if path == "gemv" else SPLITK_CFG
+
+
+@triton.jit
+def _int8_to_kernel(w_ptr, out_ptr, DTYPE: tl.constexpr):
+    r = tl.arange(0, 256)
+    tl.store(out_ptr + r, tk._int8_to(tl.load(w_ptr + r), DTYPE))
+
+
+def test_int8_to_fp16_magic_number_exact():
+    """The hand-written int8 -> fp16 conversion (bits 0x6400 | (w ^ 0x80), minus 1152) is exact for all 256 values.
+    The interpreter's own dots run in fp32, so this is where the fp16 bit trick is checked without a GPU."""
+    w = torch.arange(-128, 128, dtype=torch.int8, device=TRITON_DEVICE)
+    out = torch.empty(256, dtype=torch.float16, device=TRITON_DEVICE)
+    _int8_to_kernel[(1,)](w, out, DTYPE=tl.float16)
+    assert torch.equal(out.cpu(), w.cpu().half())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("path,M,K,N,with_bias,strided", DECODE_CASES)
+def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
+    gen = torch.Generator().manual_seed(M * 131 + K)
+    x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias)
+    if strided:  # x with K-stride 2 and a transposed (column-major) weight
+        x = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]
+        w = w.t().contiguous().t()
+    d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
+    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=_decode_cfg(path, M), path=path)
+    _check_w8a16(out.cpu(), x, w, w_scale, bias)
+
+
+@pytest.mark.parametrize("path", ["gemv", "splitk"])
+def test_w8a16_decode_deterministic_and_default_config(path):
+    """The same call twice gives the same bits (fixed split order, no atomics), with the shape-derived config."""
+    gen = torch.Generator().manual_seed(21)
+    M = 3 if path == "gemv" else 11
+    x, w, w_scale, bias = _w8a16_case(M, 2000, 40, torch.bfloat16, gen)
+    d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
+    cfg = tk.w8a16_decode_config(path, M, 40, 2000, tk._num_sms(torch.device(TRITON_DEVICE)))
+    assert triton.cdiv(2000, cfg["K_PER_SPLIT"]) > 1  # the reduction runs
+    first = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
+    second = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
+    assert torch.equal(first, second)
+    _check_w8a16(first.cpu(), x, w, w_scale, bias)
+
+
+@pytest.mark.parametrize("path", ["gemv", "splitk"])
+def test_w8a16_decode_empty_k(path):
+    """K = 0: the output is the bias (one split of nothing), never left unwritten."""
+    x, w = torch.zeros(2, 0, dtype=torch.float16), torch.zeros(24, 0, dtype=torch.int8)
+    w_scale, bias = torch.rand(24), torch.randn(24).half()
+    d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
+    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
+    assert torch.equal(out.cpu(), bias.expand(2, 24))
+
+
+def test_w8a16_path_follows_m(monkeypatch):
+    """M <= 4: GEMV; 5..16: split-K (fp16/bf16; fp32 x has no tensor-core dot, so tiles); above: tiles. The
+    launcher really takes that path when no config is given."""
+    want = {1: "gemv", 4: "gemv", 5: "splitk", 16: "splitk", 17: "tiled", 4096: "tiled"}
+    for M, path in want.items():
+        assert tk.w8a16_path(M, torch.bfloat16) == tk.w8a16_path(M, torch.float16) == path
+        assert tk.w8a16_path(M, torch.float32) == ("gemv" if M <= 4 else "tiled")
+    taken = []
+    monkeypatch.setattr(tk, "_w8a16_decode", lambda path, *a: taken.append(path))
+    monkeypatch.setattr(tk, "_launch", lambda *a: taken.append("tiled"))
+    for M in (1, 4, 5, 16, 17):
+        tk.w8a16_matmul_triton(torch.zeros(M, 32, dtype=torch.float16), torch.zeros(8, 32, dtype=torch.int8),
+                               torch.ones(8))
+    assert taken == ["gemv", "gemv", "splitk", "splitk", "tiled"]
+
+
+@pytest.mark.parametrize("N,K", [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (971, 34)])
+def test_w8a16_decode_config_fills_the_gpu(N, K):
+    """On 132 SMs (H200) the Llama-8B decode shapes get at least PROGRAMS_PER_SM programs per SM, splits start on
+    K-tile boundaries, and the split-K workspace stays under 10% of the weight bytes (it is written and read once)."""
+    for M in (1, 4, 8, 16):
+        path = tk.w8a16_path(M)
+        cfg = tk.w8a16_decode_config(path, M, N, K, 132)
+        assert cfg["K_PER_SPLIT"] % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= M
+        splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+        programs = triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]) * splits
+        if N * K >= 4096 * 4096:
+            assert 2 * splits * M * N * 4 <= 0.1 * N * K, (M, path, cfg)
+            workspace_bound = path == "splitk" and splits == K // (80 * M)
+            assert programs >= tk.PROGRAMS_PER_SM[path] * 132 or workspace_bound, (M, path, cfg, programs)
+
+
+def test_autotune_buckets_follow_m():
+    """Every power of two up to 8192 is its own tuning bucket (then one above); a bucket tries its family's configs
+    no taller than itself, always at least the family's first; the new deep-K large tiles keep wgmma's rules."""
+    Ms = [1, 2, 16, 17, 33, 64, 65, 200, 512, 4095, 4096, 8192, 8193, 100000]
+    assert [tk.tune_bucket(m) for m in Ms] == [1, 16, 16, 32, 64, 64, 128, 256, 512, 4096, 4096, 8192, tk.LARGE_M,
+                                               tk.LARGE_M]
+    for m in Ms:
+        b = tk.tune_bucket(m)
+        for fp32 in (False, True):
+            family = (tk.FP32_DOT_CONFIGS_BY_CLASS if fp32 else tk.CONFIGS_BY_CLASS)[tk.m_class(b)]
+            cfgs = tk.configs_for(b, fp32)
+            assert cfgs and cfgs[0] is family[0] and all(c.kwargs["BLOCK_M"] <= max(b, 16) for c in cfgs)
+    assert [c.kwargs["BLOCK_M"] for c in tk.configs_for(128)] == [128, 128, 128, 128, 64, 64, 128]
+    assert len(tk.configs_for(tk.LARGE_M)) == len(tk.CONFIGS_BY_CLASS[tk.LARGE_M]) == 9
+    assert all(c.kwargs["BLOCK_M"] % 64 == 0 and c.num_warps % 4 == 0 for c in tk.configs_for(8192))
+    # shared memory: every int8 config fits sm_90; w8a16 with a bf16 x drops exactly the two that do not
+    x16, i8 = torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int8)
+    assert tk._prune_by_class(tk._ALL_CONFIGS, {"M_CLASS": 8192, "a_ptr": i8}) == tk.configs_for(8192)
+    dropped = [c for c in tk.configs_for(8192) if c not in tk._prune_by_class(
+        tk._w8a16_matmul_tuned.configs, {"M_CLASS": 8192, "x_ptr": x16}, DOT_FP32=False)]
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in dropped] == [(256, 128, 3), (128, 256, 4)]
 
 
 def _strided_vectors(M, N, gen, device):

@@ -39,12 +39,34 @@ def test_int8_linear_matches_linear(mode, bias, dtype):
     assert q.weight.dtype == torch.int8 and q.weight_scale.dtype == torch.float32
     assert (q.bias is None) == (not bias) and (not bias or torch.equal(q.bias, lin.bias))
     gen = torch.Generator().manual_seed(1)
-    for shape in [(1, IN_FEATURES), (7, IN_FEATURES), (2, 5, IN_FEATURES)]:  # decode, prefill, [B, T, K]
+    # decode, small batch, [B, T, K]; 18 rows: w8a8 mode's int8 tensor-core path (fewer rows run weight-only)
+    for shape in [(1, IN_FEATURES), (7, IN_FEATURES), (2, 5, IN_FEATURES), (2, 9, IN_FEATURES)]:
         x = torch.randn(*shape, generator=gen).to(dtype)
         want = nn.functional.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
         got = q(x)
         assert got.shape == (*shape[:-1], OUT_FEATURES) and got.dtype == dtype
         assert sqnr_db(want, got) > SQNR_MIN_DB[mode], (mode, shape)
+
+
+def test_int8_linear_path_follows_m(monkeypatch):
+    """mode="w8a8" runs the weight-only op for decode row counts (M <= 16) and the int8 tensor-core op from
+    W8A8_MIN_M rows on; mode="w8a16" always the weight-only op. Checked on the ops forward really calls, with M
+    counted over every leading dimension ([2, 9, K] is 18 rows)."""
+    from arkernels import quant
+
+    calls = []
+    for name in ("w8a16_matmul", "int8_matmul"):
+        op = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _op=op, _name=name, **k: calls.append(_name) or _op(*a, **k))
+    assert quant.W8A8_MIN_M == 17
+    for mode in MODES:
+        q = Int8Linear.from_linear(_linear(True), mode=mode)
+        for lead, M in [((1,), 1), ((16,), 16), ((17,), 17), ((2, 9), 18), ((4, 4), 16)]:
+            want = "w8a8" if mode == "w8a8" and M >= 17 else "w8a16"
+            calls.clear()
+            out = q(torch.randn(*lead, IN_FEATURES))
+            assert q.path(M) == want and out.shape == (*lead, OUT_FEATURES)
+            assert calls == [{"w8a16": "w8a16_matmul", "w8a8": "int8_matmul"}[want]], (mode, lead, calls)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -13,7 +13,7 @@ from scipy import stats
 
 import arkernels
 from arkernels.reference.sampling import sample_ref, sampling_probs_ref
-from arkernels.triton.sampling import sample_triton, sampling_probs_triton
+from arkernels.triton.sampling import _row_key_torch, _uniform_torch, sample_triton, sampling_probs_triton
 from conftest import DEVICES
 
 VOCABS = [111, 32003]  # odd small vocab, and a 32k-scale one (not a power of two)
@@ -357,3 +357,148 @@ def test_cuda_matches_cpu(device):
                            min_p=mp.to(device), seed=seed.to(device), step=step.to(device))
     assert torch.equal(ids.cpu(), arkernels.sample(x, temperature=T, top_k=k, top_p=p, min_p=mp, seed=seed,
                                                    step=step))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fast path (truncate, compact, search the candidates) against the full-row fallback
+# ---------------------------------------------------------------------------------------------------------
+FAST_CAP = 256  # a small candidate bound keeps the interpreter grids small; the default (CAND_CAP) is 4096
+
+
+@pytest.mark.parametrize("impl", ["reference", "op", "triton_probs", "triton_fast", "triton_fallback"])
+def test_top_p_matches_transformers_at_float_boundary(impl):
+    """transformers' own TopPLogitsWarper test row: log([0.3, 0.1, 0.1, 0.5]) at top_p 0.8 drops both 0.1
+    tokens (their fp32 mass from below, 0.2, is <= 1 - 0.8), although the fp64 mass above them,
+    0.8000000042, is below fp32 0.8 = 0.8000000119: every path must compare as transformers does."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    x = torch.log(torch.tensor([[0.3, 0.1, 0.1, 0.5]]))
+    hf_kept = TopPLogitsWarper(0.8)(None, x.clone())[0] > float("-inf")
+    assert hf_kept.tolist() == [True, False, False, True]
+    n = 24  # 24 seeds of the same row: were the 0.1 tokens kept, the race would pick one for some (checked below)
+    xs, T, k = x.expand(n, 4), torch.ones(n), torch.zeros(n, dtype=torch.int32)
+    p, mp, seed, step = torch.full((n,), 0.8), torch.zeros(n), torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    if impl in ("reference", "op", "triton_probs"):
+        fn = {"reference": sampling_probs_ref, "op": lambda *a: _probs("op", *a),
+              "triton_probs": lambda *a: _probs("triton", *a)}[impl]
+        assert torch.equal(fn(x, T[:1], k[:1], p[:1], mp[:1])[0] > 0, hf_kept)
+        return
+    if impl == "op":
+        ids = arkernels.sample(xs, top_p=0.8, seed=seed)
+    else:
+        ids, _, (ncand, _) = sample_triton(xs, T, k, p, mp, seed, step, cap=FAST_CAP if impl == "triton_fast" else 1,
+                                           debug=True)
+        assert bool((ncand >= 0).all()) == (impl == "triton_fast")
+    assert hf_kept[ids].all() and len(set(ids.tolist())) == 2
+    # the test can fail: the same race over all four tokens picks a 0.1 token for some of these seeds
+    u = _uniform_torch(_row_key_torch(seed, step)[:, None], torch.arange(4)[None, :])
+    assert not hf_kept[(x - torch.log(-torch.log(u))).argmax(dim=1)].all()
+
+
+def _regime_rows(vocab, seed):
+    """One row per regime: top-k, top-p alone, top-k + top-p, min-p, temperature only on a peaked row, all
+    four, greedy. Parameters sit between float decision boundaries (see _safe_top_p)."""
+    x = _logits(7, vocab, seed=seed, scale=4.0)
+    x[4] *= 3.0  # peaked: temperature alone leaves few tokens within reach of the race (z >= -21)
+    T = torch.tensor([1.0, 0.8, 0.9, 1.0, 1.0, 0.7, 0.0])
+    k = torch.tensor([50, 0, 40, 0, 0, 30, 0], dtype=torch.int32)
+    p = torch.tensor([1.0, _safe_top_p(x[1], 0.8, 0, 0.9), _safe_top_p(x[2], 0.9, 40, 0.9), 1.0, 1.0,
+                      _safe_top_p(x[5], 0.7, 30, 0.8), 1.0])
+    mp = torch.tensor([0.0, 0.0, 0.0, _safe_min_p(x[3], 1.0, 0.002), 0.0, 0.02, 0.0])
+    return x, T, k, p, mp
+
+
+def test_fast_path_and_fallback_draw_the_same_tokens():
+    """Every regime row takes the fast path with the default bound and the fallback with a bound of 1: the
+    same tokens (several steps), the same as the CPU op, inside the reference's kept set; the fast path reads
+    the row twice, the fallback more often."""
+    V = 4099  # not a multiple of any block
+    x, T, k, p, mp = _regime_rows(V, seed=31)
+    seed = torch.arange(7) * 101 + 5
+    kept = sampling_probs_ref(x, T, k, p, mp) > 0
+    for s in (1,):
+        step = torch.full((7,), s, dtype=torch.int64)
+        fast, valid, (nc_fast, pass_fast) = sample_triton(x, T, k, p, mp, seed, step, debug=True)
+        slow, _, (nc_slow, pass_slow) = sample_triton(x, T, k, p, mp, seed, step, cap=1, debug=True)
+        assert (nc_fast[:6] > 0).all() and nc_fast[6] == 0 and (nc_slow[:6] == -1).all()
+        assert torch.equal(fast, slow) and valid.all()
+        assert torch.equal(fast, _sample("op", x, T, k, p, mp, seed, step)[0])
+        assert kept.gather(1, fast[:, None]).all()
+        assert (pass_fast[:6] == 2).all() and (pass_slow[:6] >= 2).all() and (pass_slow[[0, 2, 5]] >= 3).all()
+
+
+def test_rows_at_and_over_the_candidate_bound():
+    """A row whose top-k bucket holds exactly the bound takes the fast path; one more token and it falls
+    back; a flat row under top-p 0.99 overflows the default bound. All draw what the CPU op draws."""
+    V, cap = 5003, FAST_CAP  # the flat row (2) has > 4096 candidates: over the default bound too
+    gen = torch.Generator().manual_seed(2)
+    x = torch.full((3, V), -6.0) - torch.rand(3, V, generator=gen)  # buckets far below [5, 5.5)
+    x[0, 7:7 + cap] = 5.0 + 0.4 * torch.rand(cap, generator=gen)  # cap tokens in one bucket
+    x[1, 11:12 + cap] = 5.0 + 0.4 * torch.rand(cap + 1, generator=gen)  # cap + 1 tokens
+    x[2] = torch.randn(V, generator=gen) * 0.05  # flat
+    T = torch.ones(3)
+    k = torch.tensor([cap, cap + 1, 0], dtype=torch.int32)
+    p = torch.tensor([1.0, 1.0, 0.99])
+    mp, seed, step = torch.zeros(3), torch.tensor([3, 4, 5]), torch.zeros(3, dtype=torch.int64)
+    ids, _, (ncand, _) = sample_triton(x, T, k, p, mp, seed, step, cap=cap, debug=True)
+    assert ncand.tolist() == [cap, -1, -1]
+    assert torch.equal(ids, _sample("op", x, T, k, p, mp, seed, step)[0])
+    assert 7 <= ids[0] < 7 + cap and 11 <= ids[1] < 12 + cap
+    ids_default, _, (ncand, _) = sample_triton(x[2:], T[2:], k[2:], p[2:], mp[2:], seed[2:], step[2:], debug=True)
+    assert ncand.tolist() == [-1] and ids_default[0] == ids[2]
+
+
+def test_several_programs_per_row_draw_what_one_program_draws():
+    """Batch 1 over one program and over the default split (8 programs for 9 chunks: one program has 2
+    chunks, one none): the same candidates and the same token."""
+    V = 9000
+    x, T, k, p, mp = _regime_rows(V, seed=41)
+    for b in (1, 3, 5):  # top-p alone, min-p, all four
+        args = (x[b:b + 1], T[b:b + 1], k[b:b + 1], p[b:b + 1], mp[b:b + 1], torch.tensor([b + 9]),
+                torch.tensor([2]))
+        got = [sample_triton(*args, splits=s, debug=True) for s in (1, None)]
+        assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[2][0], got[0][2][0]) for g in got)
+        assert got[0][2][0][0] > 0
+
+
+def test_signed_zero_ties_stay_together():
+    """+0.0 and -0.0 are tied logits but have different order-preserving keys (histogram buckets): a
+    top-k whose k-th value is 0 keeps both signs on the fast path too."""
+    V, n = 111, 16
+    x = -1.0 - torch.rand(V, generator=torch.Generator().manual_seed(6))
+    x[10:30], x[50:70] = 0.0, -0.0
+    xs, T, k = x.expand(n, V), torch.ones(n), torch.full((n,), 5, dtype=torch.int32)
+    p, mp, seed, step = torch.ones(n), torch.zeros(n), torch.arange(n) + 77, torch.zeros(n, dtype=torch.int64)
+    fast, _, (ncand, _) = sample_triton(xs, T, k, p, mp, seed, step, debug=True)
+    slow, _ = sample_triton(xs, T, k, p, mp, seed, step, cap=1)
+    assert (ncand == 40).all() and torch.equal(fast, slow)
+    assert torch.equal(fast, _sample("op", xs, T, k, p, mp, seed, step)[0])
+    assert (fast >= 50).any() and (fast < 30).any() and ((fast >= 10) & (fast < 70) & ((fast < 30) | (fast >= 50))).all()
+
+
+@pytest.mark.cuda
+def test_cuda_fast_path_passes_and_graph_capture():
+    """On a GPU (skipped without one): at vocab 128256 the fast path reads the row twice and draws what the
+    fallback and the CPU op draw; ``sample`` captured in a CUDA graph (no host sync, fixed launch shape)
+    replays to the eager tokens for new step values."""
+    V = 128256
+    x, T, k, p, mp = _regime_rows(V, seed=51)
+    seed, step = torch.arange(7) * 11 + 1, torch.full((7,), 4)
+    dx, dT, dk, dp, dmp, dseed, dstep = (t.cuda() for t in (x, T, k, p, mp, seed, step))
+    fast, _, (ncand, npass) = sample_triton(dx, dT, dk, dp, dmp, dseed, dstep, debug=True)
+    slow, _ = sample_triton(dx, dT, dk, dp, dmp, dseed, dstep, cap=1)
+    assert (ncand[:6] > 0).all() and (npass[:6] == 2).all()
+    assert torch.equal(fast, slow) and torch.equal(fast.cpu(), _sample("op", x, T, k, p, mp, seed, step)[0])
+    run = lambda: arkernels.sample(dx, temperature=dT, top_k=dk, top_p=dp, min_p=dmp, seed=dseed, step=dstep)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for s in (5, 6):
+        dstep.fill_(s)
+        graph.replay()
+        assert torch.equal(out, run())

@@ -33,10 +33,16 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     """transformers mask function (``AttentionMaskInterface``): left padding as int32 ``[2, batch]``, or None.
 
     ``attention_mask`` is the 2D padding mask ``[batch, >= kv_offset + kv_length]`` (True = real token) or None.
-    Falls back to ``sdpa_mask`` (a 4D bool mask) for padding that is not left padding and for custom overlays
-    (``use_vmap``), which the kernels cannot express.
+    Falls back to ``sdpa_mask`` (a 4D bool mask) for padding that is not left padding, custom overlays (``use_vmap``)
+    and keys that do not end at the last query (a static cache), which the kernels cannot express, and while
+    ``torch.compile`` traces.
     """
-    if kwargs.get("use_vmap", False):
+    # keys that do not end at the last query (a StaticCache hands over all max_cache_len slots, filled or not, and
+    # gives q_offset as a tensor; dynamic and paged caches give ints), custom overlays (use_vmap), and tracing under
+    # torch.compile (the left-padding test below syncs with the host): the kernel's bottom-right alignment cannot
+    # express these, so transformers' own 4D mask (and sdpa) serve them
+    if (kwargs.get("use_vmap", False) or isinstance(q_offset, torch.Tensor)
+            or q_offset + q_length != kv_offset + kv_length or torch.compiler.is_compiling()):
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                           **kwargs)
     if attention_mask is None:

@@ -22,6 +22,16 @@ Two ways to drive it:
   extra rows have slot -1 (nothing written) and seq_len 0 (the kernel outputs zeros). The block tables and pools
   must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
 
+Beam search, parallel samples and rollback (transformers' ``Cache`` API), per group:
+- ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of
+  block-table rows plus reference counts (``BlockAllocator.fork``); no K/V byte moves. The next write into a shared,
+  partly filled last block copies that one block first (copy-on-write, ``bytes_copied``): at most one block per beam
+  per layer per step, where ``DynamicCache`` copies the whole cache on every reorder.
+- ``crop``: lengths shrink, whole blocks past the new length return to the pool; sliding groups follow
+  ``DynamicSlidingWindowLayer``'s rules (only while recording their past, which generate turns on for assisted
+  decoding; a recording group keeps its out-of-window blocks until the crop).
+- ``layer.keys`` / ``layer.values``: dense tensors gathered on demand (see ``PagedLayer.keys`` for the cost).
+
 ``get_seq_length`` and ``get_mask_sizes`` agree with ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` for the same
 updates: transformers sizes its masks and positions from them.
 """
@@ -37,6 +47,14 @@ try:
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as e:  # pragma: no cover - transformers is an optional dependency
     raise ImportError("arkernels.hf needs transformers>=5.17: pip install 'arkernels[hf]'") from e
+
+try:
+    from packaging.version import Version
+    import transformers as _tf
+
+    _LEGACY_POSITIVE_CROP = Version(_tf.__version__) < Version("5.18")  # 5.17: crop(n > 0) = keep n positions
+except Exception:  # pragma: no cover
+    _LEGACY_POSITIVE_CROP = False
 
 SCRATCH_BLOCK = 0  # reserved in every group, never handed to a row: freed / unused table entries point here
 
@@ -93,6 +111,9 @@ class _Group:
         self._forward_len: list[int] = []  # lens before this forward (per row of the plan)
         self.generation = 0  # +1 whenever the table or the pools are reallocated
         self.static: tuple[torch.Tensor, PagedStep] | None = None  # (slots [bucket], step) of a static decode step
+        self.record_past = False  # sliding: keep out-of-window blocks until crop (transformers' rollback protocol)
+        self.bytes_copied = 0  # K/V bytes copied by copy-on-write (every layer of the group, K and V)
+        self.kept_from = 0  # sliding: the first position DynamicSlidingWindowLayer would still hold (readable keys)
 
     # ---- allocation ----------------------------------------------------------------------------------------
     def init(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
@@ -133,18 +154,18 @@ class _Group:
         ``make_slots=False`` (static decode) leaves ``self.slots`` unset: the caller computes them on the host."""
         bs, W = self.block_size, self.window
         dirty = False
-        if W:
+        if W and not self.record_past:
             for r in rows:
-                first_visible = self.lens[r] - W + 1  # the earliest key any query of this forward can see
-                blocks = self.rows[r]
-                done = [i for i in range(min(len(blocks), max(first_visible, 0) // bs)) if blocks[i] is not None]
-                if done:
-                    self.allocator.free([blocks[i] for i in done])
-                    for i in done:
-                        blocks[i] = None
-                    self.table[r, done[0]: done[-1] + 1] = SCRATCH_BLOCK
-        need = sum(-(-(self.lens[r] + n) // bs) - len(self.rows[r]) for r, n in zip(rows, q_lens))
+                self._free_out_of_window(r)
+        # copy-on-write: a row about to write into a partly filled last block that other rows share (beams forked by
+        # reorder_cache / batch_repeat_interleave) gets its own copy first; the last owner writes in place
+        cow = [r for r, n in zip(rows, q_lens)
+               if n > 0 and self.lens[r] % bs and self.allocator.refcount(self.rows[r][-1]) > 1]
+        need = sum(-(-(self.lens[r] + n) // bs) - len(self.rows[r]) for r, n in zip(rows, q_lens)) + len(cow)
         self._ensure_free(need)
+        for r in cow:
+            if self.allocator.refcount(self.rows[r][-1]) > 1:  # an earlier copy may have left this row the last owner
+                self._copy_last_block(r)
         self._ensure_width(max(-(-(self.lens[r] + n) // bs) for r, n in zip(rows, q_lens)))
         for r, n in zip(rows, q_lens):
             extra = -(-(self.lens[r] + n) // bs) - len(self.rows[r])
@@ -157,8 +178,69 @@ class _Group:
         self._forward_len = [self.lens[r] for r in rows]
         for r, n in zip(rows, q_lens):
             self.lens[r] += n
+        if W and not self.record_past:  # a DynamicSlidingWindowLayer keeps W - 1 keys unless recording its past
+            self.kept_from = max(max(self.lens) - W + 1, 0)
         self.plan = (rows, q_lens)
         self.slots = self._slots(rows, q_lens, dirty) if make_slots else None
+
+    def _free_out_of_window(self, r: int) -> None:
+        """Return row ``r``'s blocks that lie wholly before the earliest key its next query can see."""
+        bs, blocks = self.block_size, self.rows[r]
+        first_visible = self.lens[r] - self.window + 1
+        done = [i for i in range(min(len(blocks), max(first_visible, 0) // bs)) if blocks[i] is not None]
+        if done:
+            self.allocator.free([blocks[i] for i in done])
+            for i in done:
+                blocks[i] = None
+            self.table[r, done[0]: done[-1] + 1] = SCRATCH_BLOCK
+
+    def _copy_last_block(self, r: int) -> None:
+        """Give row ``r`` a private copy of its shared last block, in every layer of the group (copy-on-write)."""
+        old = self.rows[r][-1]
+        (new,) = self.allocator.allocate(1)
+        for layer in self.layers:
+            if layer.k_pool is not None:
+                layer.k_pool[new].copy_(layer.k_pool[old])
+                layer.v_pool[new].copy_(layer.v_pool[old])
+                self.bytes_copied += 2 * layer.k_pool[new].numel() * layer.k_pool.element_size()
+        self.allocator.free([old])
+        self.rows[r][-1] = new
+        self.table[r, len(self.rows[r]) - 1] = new
+
+    # ---- beam search, parallel samples, rollback: block-table rows and reference counts, no K/V copy -----------
+    def select_rows(self, indices: list[int]) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` (repeats allowed): the rows share its blocks by reference count;
+        a shared, partly filled last block is copied only when a row writes to it (``advance``)."""
+        if self.allocator is None:
+            return
+        for i in indices:  # take the new references before dropping the old ones: shared blocks never hit 0
+            self.allocator.fork([b for b in self.rows[i] if b is not None])
+        for blocks in self.rows:
+            self.allocator.free([b for b in blocks if b is not None])
+        self.rows = [list(self.rows[i]) for i in indices]
+        self.lens = [self.lens[i] for i in indices]
+        self.table = self.table.index_select(0, torch.tensor(indices, dtype=torch.int64, device=self.table.device))
+        self.plan = self.step = None
+        self.generation += 1
+
+    def truncate(self, new_len: int) -> None:
+        """Every row back to ``new_len`` positions: whole blocks past it return to the pool. Sliding groups then drop
+        what falls out of the window of ``new_len`` (what ``DynamicSlidingWindowLayer.crop`` keeps: W - 1 keys)."""
+        if self.allocator is None:
+            return
+        bs = self.block_size
+        keep = -(-new_len // bs)
+        for r, blocks in enumerate(self.rows):
+            if len(blocks) > keep:
+                self.allocator.free([b for b in blocks[keep:] if b is not None])
+                del blocks[keep:]
+                self.table[r, keep:] = SCRATCH_BLOCK
+            self.lens[r] = min(self.lens[r], new_len)
+            if self.window:
+                self._free_out_of_window(r)
+        if self.window:
+            self.kept_from = max(new_len - self.window + 1, 0)
+        self.plan = self.step = None
 
     def _slots(self, rows, q_lens, dirty) -> torch.Tensor:
         bs = self.block_size
@@ -173,11 +255,21 @@ class _Group:
             slots.append(self.table[r, pos // bs].to(torch.int64) * bs + pos % bs)
         return torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=dev)
 
+    def fork_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` (empty) starts as a copy of row ``src`` sharing its blocks (reference counts, no K/V copy)."""
+        self.release_row(dst)
+        self.rows[dst] = list(self.rows[src])
+        self.allocator.fork([b for b in self.rows[dst] if b is not None])
+        self.lens[dst] = self.lens[src]
+        self.table[dst] = self.table[src]
+
     def release_row(self, r: int) -> None:
         """Return all blocks of row ``r`` to the pool (the row's length becomes 0)."""
         self.allocator.free([b for b in self.rows[r] if b is not None])
         self.rows[r] = []
         self.lens[r] = 0
+        if not any(self.lens):
+            self.kept_from = 0
         self.table[r].fill_(SCRATCH_BLOCK)
 
     @property
@@ -189,7 +281,7 @@ class PagedLayer(CacheLayerMixin):
     """One layer of ``PagedCache``: K/V pools ``[num_blocks, block_size, Hkv, D]`` addressed by its group's table."""
 
     is_compileable = False  # generate() would auto-compile the forward otherwise (KNOWLEDGE.md)
-    is_croppable = False
+    is_croppable = True  # crop releases whole blocks; sliding layers follow DynamicSlidingWindowLayer's rules
 
     def __init__(self, group: _Group, cache: "PagedCache"):
         super().__init__()
@@ -230,6 +322,7 @@ class PagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         g, cache = self.group, self.cache
+        cache.version += 1
         batch, hkv, tokens, dim = key_states.shape
         if g.static is not None:  # static decode: tensor ops only, nothing read from the host
             slots, step = g.static
@@ -285,15 +378,63 @@ class PagedLayer(CacheLayerMixin):
 
     def _dense(self, rows, tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """What a DynamicLayer / DynamicSlidingWindowLayer returns from the same update (rows advance together)."""
+        length = self.group.lens[rows[0]]
+        start = max(length - tokens - self.group.window + 1, 0) if self.group.window else 0
+        return self._gather(rows, start, length)
+
+    def _gather(self, rows: list[int], start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``[len(rows), Hkv, length - start, D]`` keys/values of positions ``start .. length-1`` (zeros past a
+        shorter row's length)."""
         g, bs = self.group, self.group.block_size
-        length = g.lens[rows[0]]
-        start = max(length - tokens - g.window + 1, 0) if g.window else 0
         first_block = start // bs
         table = g.table[torch.tensor(rows, device=g.table.device), first_block:].contiguous()
-        lens = torch.full((len(rows),), length - first_block * bs, dtype=torch.int32, device=table.device)
+        lens = torch.tensor([max(min(g.lens[r], length) - first_block * bs, 0) for r in rows], dtype=torch.int32,
+                            device=table.device)
         k, v = paged_kv_gather(self.k_pool, self.v_pool, table, lens, length - first_block * bs, check=False)
         skip = start - first_block * bs
         return k[:, :, skip:], v[:, :, skip:]
+
+    # ---- readable cache: what DynamicLayer / DynamicSlidingWindowLayer hold, gathered on demand --------------------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Dense ``[rows, Hkv, S, D]`` keys, as a DynamicLayer holds them (sliding: the last ``min(S, W - 1)``
+        positions, as DynamicSlidingWindowLayer keeps); None before the first update.
+
+        Cost: one ``paged_kv_gather`` of this layer's K and V (``2 * rows * S * Hkv * D`` elements written to a new
+        tensor) on first access after any change to the cache; ``values`` then comes from the same gather. Nothing
+        in the decode path reads it: it is for code that inspects, copies or saves the returned cache."""
+        return self._stored()[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._set_stored(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Dense ``[rows, Hkv, S, D]`` values; see ``keys`` (same gather, same cost)."""
+        return self._stored()[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._set_stored(value)
+
+    def _set_stored(self, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ sets None; anything else would be silently lost
+            raise AttributeError("PagedCache: keys / values are read-only views of the paged pools")
+
+    def _stored(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        g = self.group
+        if not getattr(self, "is_initialized", False) or g.allocator is None or not g.rows:
+            return None, None
+        version = self.cache.version
+        cached = self.__dict__.get("_stored_cache")
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        length = max(g.lens)
+        start = min(g.kept_from, length) if g.window else 0
+        out = self._gather(list(range(len(g.rows))), start, length)
+        self.__dict__["_stored_cache"] = (version, out)
+        return out
 
     # ---- what transformers asks ------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -319,17 +460,29 @@ class PagedLayer(CacheLayerMixin):
     def prefetch(self):
         raise NotImplementedError("PagedCache: offloading is not supported")
 
+    # layers of a group share one block table: these act on the whole cache (PagedCache's methods), never per layer
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PagedCache: crop (assisted/speculative decoding) is not supported")
+        raise RuntimeError("PagedCache: crop the cache (PagedCache.crop), not one layer: layers share block tables")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("PagedCache: beam search is not supported")
+        raise RuntimeError("PagedCache: reorder the cache (PagedCache.reorder_cache), not one layer")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("PagedCache: num_return_sequences > 1 / beam search is not supported")
+        raise RuntimeError("PagedCache: call PagedCache.batch_repeat_interleave, not one layer's")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("PagedCache: batch selection is not supported")
+        raise RuntimeError("PagedCache: call PagedCache.batch_select_indices, not one layer's")
+
+    @property
+    def record_past(self) -> bool:
+        return self.group.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self.group.record_past = bool(value)
+
+    def activate_past_recording(self) -> None:
+        self.group.record_past = True
 
 
 def _layer_windows(config) -> list[int]:
@@ -384,6 +537,7 @@ class PagedCache(Cache):
         self.plan: tuple[list[int], list[int]] | None = None
         self.num_rows = 0
         self.kv_start: torch.Tensor | None = None
+        self.version = 0  # +1 on every change that the dense keys/values views must see
         super().__init__(layers=[PagedLayer(self.groups[w], self) for w in windows])
         for i, layer in enumerate(self.layers):
             layer.layer_idx = i
@@ -438,9 +592,79 @@ class PagedCache(Cache):
             if g.allocator is not None:
                 g.release_row(r)
 
+    def fork_row(self, src: int, dst: int) -> None:
+        """``arkernels.generate``: row ``dst`` continues from row ``src``'s cache (parallel samples of one prompt share
+        its blocks; a shared, partly filled last block is copied when a row first writes to it)."""
+        for g in self.groups.values():
+            if g.allocator is not None:
+                g.fork_row(src, dst)
+        if self.kv_start is not None:
+            self.kv_start[dst] = self.kv_start[src]
+        self.version += 1
+
     def row_length(self, r: int) -> int:
         g = next(iter(self.groups.values()))
         return g.lens[r] if g.lens else 0
+
+    # ---- beam search, parallel samples, assisted decoding (transformers' Cache API) ----------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues old row ``beam_idx[i]``. A permutation of block-table rows plus reference
+        counts: beams that share a block share it; no K/V byte moves here. A shared, partly filled last block is
+        copied when a beam first writes to it (one block per layer per such beam, counted in ``bytes_copied``)."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (in that order, repeats allowed), sharing their blocks; see ``reorder_cache``."""
+        idx = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
+        for g in self.groups.values():
+            g.select_rows(idx)
+        if self.kv_start is not None:
+            self.kv_start = self.kv_start[torch.tensor(idx, device=self.kv_start.device)]
+        self.version += 1
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` rows (beams, ``num_return_sequences``) that share the row's blocks (a fork:
+        reference counts, no K/V copy)."""
+        rows = max((len(g.rows) for g in self.groups.values()), default=0)
+        self.batch_select_indices([r for r in range(rows) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions of every row (assisted / prompt-lookup decoding roll back
+        rejected candidates): lengths shrink, whole blocks past the new length return to the pool, nothing is copied.
+
+        The rules are transformers': a positive value is an absolute length on transformers < 5.18 and an error
+        after; a sliding layer that has reached its window can only be cropped while recording its past
+        (``activate_past_recording``, which generate calls for assisted decoding), and ``crop(0)`` then releases what
+        fell out of the window."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
+        length = self.get_seq_length()
+        if tokens_to_remove > 0:
+            if not _LEGACY_POSITIVE_CROP:
+                raise ValueError(
+                    f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. Please use a "
+                    "negative integer to remove that number of tokens from the cache instead.")
+            if tokens_to_remove >= length:
+                return
+            tokens_to_remove = tokens_to_remove - length
+        n = abs(tokens_to_remove)
+        for g in self.groups.values():
+            if g.window and g.lens and max(g.lens) >= g.window and not g.record_past:
+                raise RuntimeError(
+                    "`crop` was called, but the current layer does not track past states, and the sliding window size "
+                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the "
+                    "cache.")
+        for g in self.groups.values():
+            if g.allocator is not None and g.lens:
+                g.truncate(max(max(g.lens) - n, 0))
+        for layer in self.layers:
+            layer.length = max(layer.length - n, 0)
+        self.version += 1
+
+    @property
+    def bytes_copied(self) -> int:
+        """K/V bytes copied so far by copy-on-write (all layers, K and V); DynamicCache's reorder copies the whole
+        cache every beam step instead."""
+        return sum(g.bytes_copied for g in self.groups.values())
 
     # ---- bookkeeping -----------------------------------------------------------------------------------
     @property
@@ -456,3 +680,4 @@ class PagedCache(Cache):
         for layer in self.layers:
             layer.length = 0
         self.kv_start = None
+        self.version += 1

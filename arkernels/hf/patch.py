@@ -4,14 +4,21 @@ Three independent pieces, each undone by the handle:
 - attention: our attention + mask functions registered under ``arkernels.hf.attention.NAME`` and selected on this
   model's config (``set_attn_implementation``); the registries are global, the selection is per instance.
 - cache: an instance attribute wrapping ``_prepare_cache_for_generation``: where generate would build its default
-  ``DynamicCache``, it gets a ``PagedCache`` sized for the call (prompt + max_new_tokens).
-- sampler: an instance attribute wrapping ``_get_logits_processor``: with ``do_sample=True`` the temperature / top-k /
-  top-p / min-p warpers are replaced by one processor that draws with ``arkernels.sample`` and hands generate a
-  one-hot distribution (so its own multinomial returns exactly our draw). Greedy decoding is left untouched.
+  ``DynamicCache`` for a mode the paged cache serves (greedy, sampling, beam search, beam sampling, assisted and
+  prompt-lookup decoding), it gets a ``PagedCache`` sized for the call (prompt + max_new_tokens). Any other cache
+  request (``cache_implementation="static"`` and the other compiled caches, a cache the user passed, a mode outside
+  that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once.
+- sampler: an instance attribute wrapping ``_get_logits_processor``: for plain sampling (``do_sample=True``, one beam,
+  no assistant, no ``output_scores``) whose warpers are exactly a trailing run of temperature / top-k / top-p / min-p
+  (transformers' order, ``min_tokens_to_keep`` 1), those warpers are replaced by one processor that draws with
+  ``arkernels.sample`` and hands generate a one-hot distribution (so its own multinomial returns exactly our draw).
+  Anything else (other warpers, a processor after them, beams, assisted decoding, ``output_scores``) keeps the stock
+  warpers for that call. Greedy decoding is left untouched.
 """
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
@@ -63,10 +70,13 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     Args:
         model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
         attention: select arkernels' attention + mask functions on this model's config.
-        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache. With
-            attention too, the attention kernel reads the paged cache in place; alone, the cache hands dense K/V
-            to whatever attention the model uses.
-        sampler: draw ``do_sample=True`` tokens with ``arkernels.sample``.
+        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache, for the
+            modes it serves (greedy, sampling, beam search / sampling, assisted and prompt-lookup decoding); any
+            other request keeps transformers' cache for that call (a warning, once per kind). With attention too,
+            the attention kernel reads the paged cache in place; alone, the cache hands dense K/V to whatever
+            attention the model uses.
+        sampler: draw plain ``do_sample=True`` tokens with ``arkernels.sample`` when the requested warpers are
+            exactly what it implements (see the module docstring); otherwise the stock warpers run.
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
@@ -80,18 +90,34 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
 
         saved_attn = model.config._attn_implementation
         model.set_attn_implementation(register())
-    if cache:
-        model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size)
+    state = {"mode": None}  # this call's generation mode (the cache hook runs before the logits-processor hook)
+    if cache or sampler:
+        model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
+                                                          state, swap=cache)
         attrs.append("_prepare_cache_for_generation")
     if sampler:
-        model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor)
+        model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
         attrs.append("_get_logits_processor")
     handle = PatchHandle(model, saved_attn, attrs)
     model.__dict__[_PATCH_ATTR] = handle
     return handle
 
 
-def _wrap_cache(model, original, block_size: int):
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _paged_modes():
+    """The generation modes a PagedCache serves (names of transformers' ``GenerationMode``)."""
+    return ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+
+
+def _wrap_cache(model, original, block_size: int, state: dict, swap: bool):
     from transformers import DynamicCache
 
     from arkernels.hf.attention import NAME
@@ -102,12 +128,26 @@ def _wrap_cache(model, original, block_size: int):
     def _prepare_cache_for_generation(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         generation_config, model_kwargs = bound.arguments["generation_config"], bound.arguments["model_kwargs"]
+        mode = bound.arguments.get("generation_mode")
+        state["mode"] = getattr(mode, "value", mode)
         original(*args, **kwargs)
+        if not swap:
+            return
         if generation_config.cache_implementation not in (None, "dynamic"):
+            # static / hybrid / offloaded / quantized caches exist for compiled forwards and memory layouts the paged
+            # cache does not reproduce: transformers' cache serves this call (arkernels attention still runs)
+            _warn_once(f"impl:{generation_config.cache_implementation}",
+                       f"arkernels.patch: cache_implementation={generation_config.cache_implementation!r} keeps "
+                       "transformers' own cache for this call (the paged cache has no compiled static step in "
+                       "generate yet)")
             return
         for name in ("cache", "past_key_values"):  # 5.24 renamed the argument
             made = model_kwargs.get(name)
             if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False):
+                if state["mode"] not in _paged_modes():
+                    _warn_once(f"mode:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} keeps "
+                               "transformers' DynamicCache for this call")
+                    return
                 model_kwargs[name] = PagedCache(
                     model.config, block_size=block_size, max_length=bound.arguments.get("max_cache_length"),
                     paged_attention=model.config._attn_implementation == NAME)
@@ -137,24 +177,54 @@ class ArkernelsSampler:
         return out
 
 
-def _wrap_logits_processor(original):
+def _fused_params(processors) -> tuple[int, dict] | None:
+    """``(first, params)`` when the processors end with a run of temperature / top-k / top-p / min-p warpers in
+    transformers' order, each at most once and keeping at least one token (what ``arkernels.sample`` implements);
+    ``first`` is where that run starts. None when anything else would run among or after them."""
     from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
-    warpers = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    first, rank = len(processors), len(order)
+    for i in range(len(processors) - 1, -1, -1):
+        p = processors[i]
+        r = next((j for j, cls in enumerate(order) if type(p) is cls), None)
+        if r is None:
+            break
+        if r >= rank or getattr(p, "min_tokens_to_keep", 1) != 1:
+            return None  # out of order, repeated, or keeping more than one token
+        if isinstance(p, TemperatureLogitsWarper):
+            params["temperature"] = float(p.temperature)
+        elif isinstance(p, TopKLogitsWarper):
+            params["top_k"] = int(p.top_k)
+        elif isinstance(p, TopPLogitsWarper):
+            params["top_p"] = float(p.top_p)
+        else:
+            params["min_p"] = float(p.min_p)
+        first, rank = i, r
+    if any(isinstance(p, order) for p in processors[:first]):
+        return None  # one of ours runs before another processor: the fused sampler cannot move it
+    return first, params
+
+
+def _wrap_logits_processor(original, state: dict):
     signature = inspect.signature(original)
 
     def _get_logits_processor(*args, **kwargs):
         processors = original(*args, **kwargs)
         config = signature.bind(*args, **kwargs).arguments["generation_config"]
-        if not config.do_sample:
+        # only plain sampling: beams draw several candidates from the warped scores, assisted decoding compares
+        # distributions, output_scores returns the warped scores: a one-hot row would change all three
+        if (not config.do_sample or state.get("mode") not in (None, "sample") or (config.num_beams or 1) != 1
+                or config.output_scores):
             return processors
-        kept = type(processors)(p for p in processors if not isinstance(p, warpers))
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        kept.append(ArkernelsSampler(
-            temperature=1.0 if config.temperature is None else float(config.temperature),
-            top_k=int(config.top_k or 0), top_p=1.0 if config.top_p is None else float(config.top_p),
-            min_p=float(config.min_p or 0.0), seed=seed))
+        fused = _fused_params(processors)
+        if fused is None:
+            return processors
+        first, params = fused
+        kept = type(processors)(processors[:first])
+        kept.append(ArkernelsSampler(**params, seed=int(torch.randint(0, 2**62, (1,)).item())))
         return kept
 
     return _get_logits_processor

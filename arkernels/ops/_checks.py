@@ -4,6 +4,16 @@ from __future__ import annotations
 import torch
 
 
+def eager_checks(check: bool) -> bool:
+    """Whether a wrapper should run its value checks: ``check`` and not inside ``torch.compile`` tracing.
+
+    The value checks read index tensors back to the host (``bool(bad.any())``, ``.nonzero()``), which dynamo cannot
+    trace under ``fullgraph=True`` (a data-dependent branch). Compiled code skips them; the kernels never read or
+    write outside the cache whatever the indices (each wrapper's docstring says how), so a bad index there gives
+    masked keys / skipped slots, never memory corruption. Run the function eagerly once to get the errors."""
+    return check and not torch.compiler.is_compiling()
+
+
 def expect(cond: bool, op: str, msg: str, exc: type[Exception] = ValueError) -> None:
     """Raise ``exc("<op>: <msg>")`` when ``cond`` is false."""
     if not cond:

@@ -177,7 +177,9 @@ def w8a16_matmul(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-only int8 matmul: ``x @ (w_int8 * w_scale[:, None]).T + bias``, weights dequantised in registers
-    (never materialised in memory on CUDA).
+    (never materialised in memory on CUDA). On CUDA the kernel follows the row count M = prod(x.shape[:-1]) (a
+    shape: no host sync): M <= 4 a GEMV (fp32 FMAs, split over K), 5..16 split-K tensor-core tiles, larger the
+    autotuned tile kernel; the split-K partial sums are added in a fixed order, so equal inputs give equal bits.
 
     Args:
         x: ``[..., K]`` float16 or bfloat16 (float32 is accepted too: the CPU path serves fp32 models, the CUDA

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library)
-from arkernels.ops._checks import expect
+from arkernels.ops._checks import eager_checks
 
 _ops = torch.ops.arkernels
 
@@ -33,9 +33,10 @@ def paged_kv_append(
             ``slot_mapping[t]``; tokens past ``n`` are ignored (CUDA-graph padding). A negative slot is
             padding and is skipped. A slot at or past ``num_blocks * block_size`` is never written.
         check: validate the slots first (one host sync) and raise ``ValueError`` naming the first slot past
-            the cache. ``False`` skips that for hot paths whose slots come from our own allocator.
+            the cache. ``False`` skips that for hot paths whose slots come from our own allocator. Skipped while
+            ``torch.compile`` traces (``_checks.eager_checks``): compiled code never syncs.
     """
-    if check and slot_mapping.numel() > 0 and slot_mapping.dtype in (torch.int32, torch.int64):
+    if eager_checks(check) and slot_mapping.numel() > 0 and slot_mapping.dtype in (torch.int32, torch.int64):
         num_slots = k_cache.shape[0] * k_cache.shape[1] if k_cache.dim() == 4 else 0
         bad = (slot_mapping >= num_slots).nonzero()
         if bad.numel() > 0:
@@ -66,7 +67,8 @@ def paged_kv_gather(
             never read.
         seq_lens: int32 ``[batch]``.
         max_seq_len: the output length; default ``max(seq_lens)`` (one host sync). Give it to stay sync-free.
-        check: validate the block-table entries within each length (one host sync).
+        check: validate the block-table entries within each length (one host sync); skipped while
+            ``torch.compile`` traces (``_checks.eager_checks``).
 
     Returns:
         ``(key, value)``, each ``[batch, num_kv_heads, max_seq_len, head_dim]`` (transformers' layout),
@@ -74,7 +76,8 @@ def paged_kv_gather(
     """
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() > 0 else 0
-    if check and block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4 and block_table.numel() > 0:
+    if (eager_checks(check) and block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4
+            and block_table.numel() > 0):
         bs = k_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=block_table.device) * bs < seq_lens.to(
             block_table.device)[:, None].long()

@@ -4,15 +4,18 @@ Semantics (transformers' order and conventions, the same on every device):
   * ``z = (x - max) / T``; temperature 0 is greedy: the lowest index among the maximal logits.
   * top-k keeps every token tied with the k-th largest logit (``top_k`` 0 or ``>= vocab``: off).
   * top-p, over the renormalised top-k set, keeps a token iff the mass strictly above it is ``< top_p``
-    (the crossing token and its ties are kept; the maximum always is; ``top_p`` 1: off).
+    (the crossing token and its ties are kept; the maximum always is; ``top_p`` 1: off). At the float
+    boundary it compares as transformers' TopPLogitsWarper does: fp32 probabilities summed from the bottom,
+    a token dropped iff its group's cumulative mass is ``<= 1 - top_p`` in fp32.
   * min-p keeps ``p_i >= min_p * p_max``.
   * NaN logits count as -inf; +inf logits count as the largest float (the tokens at +inf share the mass).
     A row with no finite logit (all -inf / NaN) returns token 0 and ``valid`` False; its
     ``sampling_probs`` row is all zeros. It never disturbs other rows.
   * the draw is keyed on (seed, step, vocab column), never on the row's position in the batch.
 
-The CUDA kernel is the Triton kernel in arkernels/triton/sampling.py; the CPU kernel (below the fakes) is a
-vectorised torch version of the same algorithm, using the same hash, so both draw the same tokens.
+The CUDA kernels are the Triton kernels in arkernels/triton/sampling.py (``sample``: truncate to <= 4096
+candidates, then search; ``sampling_probs``: the full-row search); the CPU kernel (below the fakes) is a
+vectorised torch version of the same thresholds, using the same hash, so both draw the same tokens.
 """
 from __future__ import annotations
 
@@ -174,7 +177,7 @@ def _sampling_probs_cuda(logits, temperature, top_k, top_p, min_p):
 
 def _keep_cpu(logits, temperature, top_k, top_p, min_p):
     """The kernel's filter on the CPU, vectorised over the batch: returns ``(z, e, keep, arg, valid,
-    sampled)``, all ``[batch, vocab]`` or ``[batch]``. Same thresholds as the Triton kernel (only float
+    sampled)``, all ``[batch, vocab]`` or ``[batch]``. Same thresholds as the Triton kernels (only float
     sums are taken in another order)."""
     batch, vocab = logits.shape
     x = logits.float()
@@ -196,24 +199,26 @@ def _keep_cpu(logits, temperature, top_k, top_p, min_p):
         tk[use_k] = vals.gather(1, (top_k[use_k].long() - 1)[:, None])[:, 0]
     in_k = x >= tk[:, None]
 
-    # top-p over the top-k set: the largest z whose upper set holds p of the mass. Only tokens with
-    # e >= (1-p) * mass / vocab can hold the crossing token (all below hold < (1-p) of the mass together),
-    # so only those are sorted: a handful for a peaked distribution instead of the whole vocabulary.
+    # top-p over the top-k set, compared the way transformers' TopPLogitsWarper does: fp32 probabilities
+    # e / mass summed from the bottom, a token dropped iff the mass strictly below it plus its own is
+    # <= 1 - top_p (ties: the group is kept when its top member would be). tp is the largest z whose mass
+    # strictly below is <= 1 - top_p. Tokens with probability < (1 - p) / vocab hold < 1 - p together, so
+    # all are dropped: only the others are sorted (a handful for a peaked row), the rest enter as one sum.
     tp = torch.full((batch,), float("-inf"))
     use_p = sampled & (top_p < 1)
     if bool(use_p.any()):
         rows = use_p.nonzero()[:, 0]
         eK = torch.where(in_k[rows], e[rows], 0.0)
-        mass = eK.sum(dim=1)
-        target = top_p[rows] * mass
-        eps = (1 - top_p[rows]) * mass / vocab * (1 - 1e-3)
-        n_cand = int((eK >= eps[:, None]).sum(dim=1).max())
-        zK = torch.where(in_k[rows], z[rows], float("-inf"))
-        vals = torch.topk(zK, n_cand, dim=1).values  # descending
-        csum = torch.exp(vals).cumsum(dim=1)
-        hit = csum >= target[:, None]
-        first = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), -1)
-        tp[rows] = torch.where(first >= 0, vals.gather(1, first.clamp(min=0)[:, None])[:, 0], float("-inf"))
+        pr = eK / eK.sum(dim=1, keepdim=True)
+        q = 1 - top_p[rows]  # fp32, as transformers' fp32 cumsum against 1 - top_p
+        cand = in_k[rows] & (pr >= (q / vocab * (1 - 1e-3))[:, None])
+        n_cand = int(cand.sum(dim=1).max())
+        rest = torch.where(cand, 0.0, pr).sum(dim=1)
+        vals, idx = torch.topk(torch.where(cand, z[rows], float("-inf")), n_cand, dim=1)
+        vals, idx = vals.flip(1), idx.flip(1)  # ascending, as transformers' cumsum
+        pc = torch.where(vals > float("-inf"), pr.gather(1, idx), 0.0)
+        below = rest[:, None] + (pc.cumsum(dim=1) - pc)
+        tp[rows] = torch.where(below <= q[:, None], vals, float("-inf")).max(dim=1).values
 
     keep = sampled[:, None] & in_k & (z >= tp[:, None]) & (e >= min_p[:, None])
     return z, e, keep, arg, valid, sampled

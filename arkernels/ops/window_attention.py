@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library)
-from arkernels.ops._checks import expect
+from arkernels.ops._checks import eager_checks, expect
 
 _ops = torch.ops.arkernels
 _OP = "window_attention"
@@ -102,11 +102,13 @@ def window_attention(
         ``out`` shaped like ``query`` (contiguous) in its dtype; with ``return_lse``, ``(out, lse)`` where
         ``lse`` is fp32 ``[num_queries, num_q_heads]``. A query with no visible key gets zeros and lse -inf.
     """
-    if check:
+    if eager_checks(check):  # no host sync while torch.compile traces
         _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len)
     if max_q_len is None:
         if cu_seqlens_q is None:
             max_q_len = 1
+        elif torch.compiler.is_compiling():  # no sync while tracing: every query row is a safe upper bound
+            max_q_len = query.shape[0]
         else:
             max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)

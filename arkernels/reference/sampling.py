@@ -1,4 +1,5 @@
-"""Naive sampling reference: one row at a time in float64, a stable sort per filter, obviously correct and
+"""Naive sampling reference: one row at a time in float64 (top-p in fp32, step for step as transformers'
+TopPLogitsWarper, whose float boundary is the one users see), a stable sort per filter, obviously correct and
 slow on purpose. Shares no code with the kernels (the random stream is re-derived here from its spec with
 Python integers)."""
 from __future__ import annotations
@@ -34,15 +35,15 @@ def sampling_probs_ref(logits, temperature, top_k, top_p, min_p) -> torch.Tensor
             keep &= x >= kth  # every token tied with the k-th value stays
         p = float(top_p[b])
         if p < 1:
-            q = torch.where(keep, torch.exp(z), torch.zeros(()))
-            q = q / q.sum()
-            # mass strictly above token i (a stable descending sort; ties share the mass above their group)
-            s, order = torch.sort(q, descending=True, stable=True)
-            above_sorted = torch.cumsum(s, 0) - s
-            first = torch.searchsorted(-s, -s, right=False)  # first position of each value's tie group
-            above = torch.empty_like(q)
-            above[order] = above_sorted[first]
-            keep &= above < p
+            # transformers' TopPLogitsWarper, literally: fp32 softmax, ascending sort, fp32 cumsum, drop where
+            # the cumsum is <= 1 - top_p (fp32); a tie group is kept when its last (top) member is kept
+            q = torch.softmax(torch.where(keep, z, -math.inf).float(), dim=0)
+            s, order = torch.sort(q, descending=False, stable=True)
+            cum = torch.cumsum(s, 0)
+            last = torch.searchsorted(s, s, right=True) - 1  # last position of each value's tie group
+            drop = torch.empty(vocab, dtype=torch.bool)
+            drop[order] = cum[last] <= torch.tensor(1.0, dtype=torch.float32) - torch.tensor(p, dtype=torch.float32)
+            keep &= ~drop
         q = torch.where(keep, torch.exp(z), torch.zeros(()))
         q = q / q.sum()
         mp = float(min_p[b])

@@ -9,18 +9,39 @@ tiles so neighbouring programs share B tiles in L2; the K loop walks BLOCK_K at 
 M/N are clamped to row 0 for the loads (no masks) and masked only at the store; ``EVEN_K`` drops the K masks when
 BLOCK_K divides K: those two together are the fast path for aligned shapes.
 
-Shape classes: autotune is keyed on ``(M_CLASS, N, K)`` with M bucketed as 1, <=16, <=64, larger, and each class
-only benchmarks its own configs. A decode step (M = batch <= 16) therefore hits the cache after the first step of
-the first layer of each shape, never a sweep per new M. Small M is memory bound (a GEMV over the weight): BLOCK_M
-16, narrow N tiles so there are enough programs to cover 132 SMs even for N = 4096, and deep K tiles / pipelines
-to keep bytes in flight. Large M uses the tensor cores: BLOCK_M % 64 == 0 and num_warps % 4 == 0 so Hopper emits
-int8 wgmma rather than mma.sync.
+Shape classes: autotune is keyed on ``(M_CLASS, N, K)`` where the M_CLASS argument carries the tuning bucket of
+M (:func:`tune_bucket`): 1, 16 (2..16), then every power of two 32, 64, ..., 8192, and one bucket above 8192. A
+prefill of 4096 rows therefore gets its own sweep instead of reusing the config that won at the first prefill
+length. Each bucket benchmarks only the configs of its family (:func:`m_class`: 1, <=16, <=64, larger) whose
+BLOCK_M is not taller than the bucket (a 256-row tile at M = 128 computes half zeros). Large M uses the tensor
+cores: BLOCK_M % 64 == 0 and num_warps % 4 == 0 so Hopper emits int8 wgmma rather than mma.sync.
+
+W8A16 decode (M <= 16, :func:`w8a16_path`): the weight streams once and nothing else matters.
+- M <= 4: ``_w8a16_gemv_kernel``, no tensor cores. A program owns one BLOCK_K slice of K (its split) and keeps
+  the activation rows of that slice in registers (``[BLOCK_M, BLOCK_K]`` fp32, 16 registers at 4 x 512 over
+  128 threads) while it streams N_TILES weight tiles of ``[BLOCK_N, BLOCK_K]`` past them: x is read once per
+  N_TILES tiles, not once per tile, and only the M real rows (no 16-row padding).
+- 5 <= M <= 16 (fp16/bf16): ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of
+  K_PER_SPLIT; K is split so that about two programs per SM exist even for N = 4096 (64 N tiles of 64), unless
+  the split workspace would pass 10% of the weight bytes (K = 4096 at M = 16: 3 splits, 192 programs).
+- Split-K reduction: partial fp32 sums go to a ``[SPLIT_K, M, N]`` workspace and ``_splitk_reduce_kernel`` adds
+  them in split order (0, 1, ...), then applies scale and bias: no atomics, so the same inputs give the same bits.
+  With one split the matmul kernel applies the epilogue itself and no workspace exists. Tile sizes and split
+  counts are a pure function of (path, M, N, K, SM count) (:func:`w8a16_decode_config`), never autotuned: the
+  bits do not depend on which config a sweep picked, and decode never sweeps.
+- int8 -> float: no per-element I2F (a quarter-rate unit on sm_90), :func:`_int8_to`. Triton 3.6 already lowers
+  ``w.to(bf16)`` of an int8 tile to the byte-permute / magic-number sequence, two lanes per instruction (sm_90
+  offline compile: 64 weights per thread -> 32 HADD2 + ~33 PRMT, 2 I2F in the whole kernel), but ``w.to(fp16)`` to
+  one I2F per weight (64 I2F for the same tile): fp16 takes the magic number by hand (0 I2F, 32 HADD2). The
+  GEMV's fp32 FMAs take int8 -> bf16 -> fp32 (a shift): 0 I2F, where a direct int8 -> fp32 cast is 64.
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): autotuning is skipped (one fixed config per class, or the caller's),
-and the W8A16 dot runs in fp32 because the interpreter computes bf16 arithmetic wrongly.
+the W8A16 dots run in fp32 because the interpreter computes bf16 arithmetic wrongly, and the GEMV casts int8
+straight to fp32 (the interpreter's int8 -> bf16 cast gives NaN).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,12 +53,23 @@ LARGE_M = 1 << 30  # the M class "larger than 64"
 ONE_PASS_MAX_K = 16384  # rows up to this length stay in registers: one read of x instead of two
 
 
+TUNE_MAX_M = 8192  # the last power-of-two tuning bucket of M; anything larger shares LARGE_M
+
+
 def m_class(M: int) -> int:
-    """Autotune bucket of M: 1, 16 (<= 16), 64 (<= 64) or LARGE_M."""
+    """Config family of M: 1, 16 (<= 16), 64 (<= 64) or LARGE_M. Which configs a bucket may try."""
     for bound in (1, 16, 64):
         if M <= bound:
             return bound
     return LARGE_M
+
+
+def tune_bucket(M: int) -> int:
+    """Autotune bucket of M (the value of the kernels' M_CLASS key): 1, 16 for 2..16 (decode batch sizes share one
+    sweep), the next power of two for 17..8192, LARGE_M above."""
+    if M <= 16:
+        return m_class(M)
+    return triton.next_power_of_2(M) if M <= TUNE_MAX_M else LARGE_M
 
 
 def interpreting() -> bool:
@@ -133,6 +165,8 @@ _MID_M = [_cfg(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
 _LARGE_M = [_cfg(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
     (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3),
     (64, 128, 128, 4, 4), (256, 128, 64, 8, 3), (64, 256, 128, 8, 3),
+    # deep-K tall/wide tiles for the M >= 256 buckets (48 KB of int8 operands per stage: 144 / 192 KB of 227)
+    (256, 128, 128, 8, 3), (128, 256, 128, 8, 4),
 ]]
 CONFIGS_BY_CLASS = {1: _SMALL_M, 16: _SMALL_M, 64: _MID_M, LARGE_M: _LARGE_M}
 _ALL_CONFIGS = _SMALL_M + _MID_M + _LARGE_M
@@ -152,15 +186,47 @@ INTERPRET_CONFIGS = {
 }
 
 
+def configs_for(bucket: int, dot_fp32: bool = False) -> list:
+    """The configs a tuning bucket tries: its family's, less the tiles taller than the bucket (the family's
+    first is always kept: BLOCK_M 16, 32 or 64 <= the smallest bucket of that family, checked by the tests)."""
+    family = (FP32_DOT_CONFIGS_BY_CLASS if dot_fp32 else CONFIGS_BY_CLASS)[m_class(bucket)]
+    return [c for c in family if c.kwargs["BLOCK_M"] <= max(bucket, 16)]
+
+
+SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
+
+
+def smem_bytes(config, a_bytes: int) -> int:
+    """Pipelined operand tiles of a config: num_stages x (A tile at ``a_bytes`` per element + int8 B tile). It
+    separates the configs triton 3.6 fits into sm_90's 227 KB from those it does not (offline compile: w8a16 bf16
+    256x128x128 x3 stages needs 256 KB, 128x256x128 x4 288 KB; both fit at int8, 144 / 192 KB)."""
+    kw = config.kwargs
+    return config.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a_bytes + kw["BLOCK_N"])
+
+
 def _prune_by_class(configs, named_args, **kwargs):
-    mc = named_args.get("M_CLASS", kwargs.get("M_CLASS"))
-    table = FP32_DOT_CONFIGS_BY_CLASS if kwargs.get("DOT_FP32", False) else CONFIGS_BY_CLASS
-    ids = {id(c) for c in table[mc]}
-    return [c for c in configs if id(c) in ids]
+    bucket = named_args.get("M_CLASS", kwargs.get("M_CLASS"))
+    ids = {id(c) for c in configs_for(bucket, kwargs.get("DOT_FP32", False))}
+    a = named_args.get("x_ptr", named_args.get("a_ptr"))  # bf16 x doubles the A tile of the w8a16 kernel
+    a_bytes = a.element_size() if isinstance(a, torch.Tensor) else 1
+    return [c for c in configs if id(c) in ids and smem_bytes(c, a_bytes) <= SMEM_LIMIT]
 
 
 def _even_k(args):
     return args["K"] % args["BLOCK_K"] == 0
+
+
+@triton.jit
+def _int8_to(w, DTYPE: tl.constexpr):
+    """int8 tile -> DTYPE (fp16 or bf16), exact, without an I2F (quarter-rate) per element. bf16: triton's own cast
+    is already the byte-permute sequence. fp16: triton 3.6 emits one I2F per element, so the magic number by hand:
+    ``w ^ 0x80`` as a byte is ``w + 128``; under fp16's exponent of 1024 (0x6400, 10-bit mantissa) it is the float
+    ``1024 + w + 128``, and one subtraction of 1152 leaves ``w`` (LOP3 + HADD2, two lanes per instruction)."""
+    if DTYPE == tl.float16:  # compile-time branches, one return (triton 3.6 rejects typed early returns)
+        out = ((w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    else:
+        out = w.to(DTYPE)
+    return out
 
 
 @triton.jit
@@ -209,7 +275,7 @@ def _int8_matmul_kernel(
     a_scale_ptr, b_scale_ptr, bias_ptr,  # fp32 [M], fp32 [N], float [N] (each used only when HAS_*)
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    M_CLASS,  # autotune key only: 1, 16, 64 or LARGE_M
+    M_CLASS,  # autotune key only: tune_bucket(M)
     HAS_A_SCALE: tl.constexpr, HAS_B_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,  # False: store the exact int32 accumulator
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -253,19 +319,19 @@ def _grid(M, N):
 
 
 def _launch(tuned, kernel, M, N, args, flags, config):
-    mc = m_class(M)
+    bucket = tune_bucket(M)
     if config is None and autotuning():
-        tuned[_grid(M, N)](*args, mc, **flags)
+        tuned[_grid(M, N)](*args, bucket, **flags)
         return
     if config is not None:
         cfg = dict(config)
     elif interpreting():
-        cfg = dict(INTERPRET_CONFIGS[mc])
-    else:  # ARKERNELS_AUTOTUNE=0 on a GPU: the class's first config, as the autotuner would have pruned them
-        first = (FP32_DOT_CONFIGS_BY_CLASS if flags.get("DOT_FP32", False) else CONFIGS_BY_CLASS)[mc][0]
+        cfg = dict(INTERPRET_CONFIGS[m_class(M)])
+    else:  # ARKERNELS_AUTOTUNE=0 on a GPU: the bucket's first config, as the autotuner would have pruned them
+        first = configs_for(bucket, flags.get("DOT_FP32", False))[0]
         cfg = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
-    kernel[_grid(M, N)(cfg)](*args, mc, **flags, **cfg, **launch)
+    kernel[_grid(M, N)(cfg)](*args, bucket, **flags, **cfg, **launch)
 
 
 def int8_matmul_triton(a, b, a_scale=None, b_scale=None, bias=None, out_dtype=None, *, config=None):
@@ -300,7 +366,7 @@ def _w8a16_matmul_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,  # x [M, K], w int8 [N, K], w_scale fp32 [N], bias [N]?, out [M, N]
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    M_CLASS,  # autotune key only
+    M_CLASS,  # autotune key only: tune_bucket(M)
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (which gets bf16 arithmetic wrong): an exact fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -320,7 +386,7 @@ def _w8a16_matmul_kernel(
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+            acc = tl.dot(x, _int8_to(w, x.dtype), acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     out = acc * tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
@@ -334,17 +400,235 @@ _w8a16_matmul_tuned = triton.autotune(configs=_ALL_CONFIGS + _FP32_SMALL_M + _FP
                                       prune_configs_by={"early_config_prune": _prune_by_class})(_w8a16_matmul_kernel)
 
 
-def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None):
+def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
     """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]``, w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
-    -> ``[M, N]`` in x's dtype. ``config`` as for :func:`int8_matmul_triton`."""
+    -> ``[M, N]`` in x's dtype. The kernel follows M (:func:`w8a16_path`); ``path`` forces one of "gemv",
+    "splitk", "tiled". ``config``: a decode kernel's sizes (:func:`w8a16_decode_config`'s keys) with
+    ``path="gemv"`` / ``"splitk"``; without a path, the tiled kernel's tile sizes as for
+    :func:`int8_matmul_triton` (that kernel at any M)."""
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     w_scale = w_scale.contiguous()  # read at unit stride, as are the bias and the scales of int8_matmul
-    args = (x, w, w_scale, w_scale if bias is None else bias.contiguous(), out, M, N, K, x.stride(0), x.stride(1),
+    bias = None if bias is None else bias.contiguous()
+    if path is None:
+        path = "tiled" if config is not None else w8a16_path(M, x.dtype)
+    dot_fp32 = x.dtype == torch.float32 or interpreting()
+    if path != "tiled":
+        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config)
+        return out
+    args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
             w.stride(0), w.stride(1), out.stride(0), out.stride(1))
-    flags = dict(HAS_BIAS=bias is not None, DOT_FP32=x.dtype == torch.float32 or interpreting())
+    flags = dict(HAS_BIAS=bias is not None, DOT_FP32=dot_fp32)
     _launch(_w8a16_matmul_tuned, _w8a16_matmul_kernel, M, N, args, flags, config)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K tensor-core tiles (5..16), one deterministic reduction.
+# ---------------------------------------------------------------------------------------------------------------
+GEMV_MAX_M = 4  # up to 4 activation rows live in registers; beyond that a 16-row tensor-core tile wastes < 70%
+DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
+PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}  # enough programs that every SM has loads in flight (~23 KB per SM)
+REDUCE_BLOCK_N = 1024
+
+
+def w8a16_path(M: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which w8a16 kernel serves M rows: ``"gemv"`` (M <= 4), ``"splitk"`` (5..16, fp16/bf16: fp32 x has no
+    tensor-core dot) or ``"tiled"`` (the autotuned tile kernel). A pure function of a shape: no host sync."""
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    if M <= DECODE_MAX_M and dtype != torch.float32:
+        return "splitk"
+    return "tiled"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: as few, large programs as possible (~0.5 ms per program instance)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict:
+    """Tile sizes and split of a decode kernel, from the shape alone (no autotuning: same bits every run).
+
+    gemv: BLOCK_K 512 (1024 for K > 8192, which halves the partial sums of the down projection) and BLOCK_N so
+    that a weight tile is 8 KB (64 B per thread at 4 warps); SPLIT_K = cdiv(K, BLOCK_K); N_TILES (weight tiles per
+    program, sharing its x slice) as large as keeps PROGRAMS_PER_SM programs per SM. Llama-8B on 132 SMs:
+    4096x14336 -> 14 splits x 64 programs, 14336x4096 -> 8 x 112, 4096x4096 -> 8 x 128.
+    splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K so that N tiles x splits ~ 2 programs per SM
+    (4096x14336: 64 N tiles x 5 splits of 23 K blocks) unless the workspace would pass 10% of the weight bytes.
+    """
+    if path == "gemv":
+        block_k = max(32, min(1024 if K > 8192 else 512, triton.next_power_of_2(K)))
+        block_n = max(8, min(8192 // block_k, triton.next_power_of_2(N)))
+        n_blocks = triton.cdiv(N, block_n)
+        split_k = triton.cdiv(K, block_k)
+        n_tiles = 1
+        while n_tiles < 16 and n_tiles < n_blocks and \
+                triton.cdiv(n_blocks, 2 * n_tiles) * split_k >= PROGRAMS_PER_SM["gemv"] * num_sms:
+            n_tiles *= 2
+        return dict(BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles,
+                    K_PER_SPLIT=block_k, num_warps=4, num_stages=2)
+    block_k = max(16, min(128, triton.next_power_of_2(K)))
+    block_n = 64
+    k_blocks = max(1, triton.cdiv(K, block_k))
+    splits = min(k_blocks, triton.cdiv(PROGRAMS_PER_SM["splitk"] * num_sms, triton.cdiv(N, block_n)))
+    # the workspace (written, then read: 2 x splits x M x N x 4 B) stays under 10% of the weight bytes N x K; this
+    # binds for K = 4096 at M = 16 (3 splits: 192 programs, not 2 per SM)
+    splits = max(1, min(splits, K // (80 * M)))
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1,
+                K_PER_SPLIT=triton.cdiv(k_blocks, splits) * block_k, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode kernel's tile ``acc [BLOCK_M, BLOCK_N]`` fp32 for rows ``rm``, columns ``rn``: with SPLIT, the
+    partial sum of split ``pid_k`` into ``part [SPLIT_K, M, N]``; without, scale, bias and the store to out."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        base = part_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        out = acc * tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :].to(tl.int64) * stride_on
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w8a16_gemv_kernel(
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,  # as _w8a16_matmul_kernel; part fp32 [SPLIT_K, M, N]
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > BLOCK_K, partial sums to part_ptr
+    EVEN_K: tl.constexpr,  # BLOCK_K divides K: no K masks
+    INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, BLOCK_K))``: program (i, s) holds x[:, s*BLOCK_K:(s+1)*BLOCK_K]
+    in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of split s with
+    fp32 FMAs (exact products; no tensor-core padding of M)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :].to(tl.int64) * stride_xk
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+    x = x.to(tl.float32)  # [BLOCK_M, BLOCK_K], read once for N_TILES weight tiles
+    w_k = w_ptr + rk[None, :].to(tl.int64) * stride_wk
+    for t in range(N_TILES):
+        rn = (pid_n * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ln = tl.where(rn < N, rn, 0)  # past-the-edge columns read column 0 (valid), masked at the store
+        w_ptrs = w_k + ln[:, None].to(tl.int64) * stride_wn
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=rk[None, :] < K, other=0)
+        # int8 -> bf16 is triton's packed byte-permute conversion, bf16 -> fp32 a shift; both exact. A direct
+        # int8 -> fp32 is one I2F per weight (64 per tile per thread in the sm_90 SASS, a quarter-rate unit).
+        if INTERPRETER:  # its int8 -> bf16 cast gives NaN: straight to fp32 there (exact too)
+            wf = w.to(tl.float32)
+        else:  # 33 HADD2/HFMA2 + ~100 PRMT/LOP3 per 64 weights; via fp16 it is 96 HADD2
+            wf = _int8_to(w, tl.bfloat16).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        acc = tl.sum(x[:, None, :] * wf[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N], fixed reduction tree
+        _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                     HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _w8a16_splitk_kernel(
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    K_PER_SPLIT,  # a multiple of BLOCK_K: splits start on K-tile boundaries, only the last tile of K is partial
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # the interpreter (bf16 arithmetic is wrong there): an fp32 dot
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), cdiv(K, K_PER_SPLIT))``: program (i, s) multiplies the (at most 16) rows of x by
+    N tile i over K range s on the tensor cores. Rows past M are masked (zeros), not clamped: no duplicate reads."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
+    k0 = pid_k * K_PER_SPLIT
+    x_ptrs = x_ptr + k0.to(tl.int64) * stride_xk + (rm[:, None] * stride_xm + rk[None, :] * stride_xk)
+    w_ptrs = (w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn + k0.to(tl.int64) * stride_wk) + (
+        ln[None, :] * stride_wn + rk[:, None] * stride_wk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, tl.minimum(k0 + K_PER_SPLIT, K), BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < K - k), other=0.0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < K - k, other=0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, _int8_to(w, x.dtype), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                 HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr, w_scale_ptr, bias_ptr, out_ptr,  # part fp32 [SPLIT_K, M, N], w_scale fp32 [N], bias [N]?, out [M, N]
+    M, N, SPLIT_K, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid ``(M, cdiv(N, BLOCK_N))``: ``out[m, n] = (sum over s in order of part[s, m, n]) * w_scale[n] +
+    bias[n]``. The fixed order makes the result independent of which split finished first."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = rn < N
+    p_ptrs = part_ptr + m.to(tl.int64) * N + rn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for _ in range(SPLIT_K):
+        acc += tl.load(p_ptrs, mask=mask, other=0.0)
+        p_ptrs += M * N  # < 2^31: M <= 16
+    out = acc * tl.load(w_scale_ptr + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rn.to(tl.int64) * stride_on, out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config):
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = dict(config) if config is not None else w8a16_decode_config(path, M, N, K, _num_sms(x.device))
+    launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
+    k_per_split = cfg.pop("K_PER_SPLIT", cfg["BLOCK_K"])
+    if path == "gemv":
+        assert k_per_split == cfg["BLOCK_K"], "gemv: one BLOCK_K slice of K per program"
+    split_k = triton.cdiv(K, k_per_split) if K > 0 else 1
+    # K == 0: one split of nothing (zeros, then scale and bias), not an empty grid that leaves out unwritten
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
+    args = (x, w, w_scale, bias_arg, out, part, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            out.stride(0), out.stride(1))
+    flags = dict(HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=K > 0 and K % cfg["BLOCK_K"] == 0)
+    if path == "gemv":
+        grid = (triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]), split_k)
+        _w8a16_gemv_kernel[grid](*args, **flags, INTERPRETER=interpreting(), **cfg, **launch)
+    else:
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        _w8a16_splitk_kernel[grid](*args, k_per_split, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
+    if split_k > 1:
+        _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK_N))](
+            part, w_scale, bias_arg, out, M, N, split_k, out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
+            BLOCK_N=REDUCE_BLOCK_N, num_warps=4)

@@ -1,29 +1,47 @@
-"""Fused temperature -> top-k -> top-p -> min-p -> draw, one Triton kernel, no sort, no host sync.
+"""Fused temperature -> top-k -> top-p -> min-p -> draw in Triton: truncate, compact, then search; no sort,
+no host sync, a launch shape fixed by (batch, vocab), graph-capturable.
 
 What it computes: for every row of ``logits [batch, vocab]`` (fp32/fp16/bf16, rows strided by
-``stride_row``, columns contiguous) either one token id (``DRAW``) or the filtered, renormalised fp32
-distribution (``WRITE_PROBS``), with transformers' semantics (see arkernels/ops/sampling.py).
+``stride_row``, columns contiguous) either one token id (``sample``) or the filtered, renormalised fp32
+distribution (``sampling_probs``), with transformers' semantics (see arkernels/ops/sampling.py).
 
-Parallelisation: one program per row, looping over the vocabulary in blocks; every pass is a block
-reduction, so nothing is held per row beyond a few scalars and the launch is one kernel, graph-capturable
-(no host sync, no data-dependent launch shape).
+``sample``: three kernels, two full-row passes on the fast path.
+  1. ``sampling_stats_kernel``, grid ``(batch, splits)``: ``splits`` programs share a row when the batch is
+     small (<= MAX_SPLITS, about TARGET_PROGRAMS programs in all). Per chunk of STATS_BLOCK columns: max, argmax,
+     ``sum exp((x - chunk max) / T)``; per program: a histogram of the top 12 bits of the order-preserving
+     fp32 key (NB = 4096 buckets, 16 KB). Chunk partials, not program partials, so a row's floats never
+     depend on the batch around it.
+  2. ``sampling_compact_kernel``, grid ``(batch, splits)``: merges the partials (max, mass Z, histogram) and
+     picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the bucket holding
+     the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
+     reaches p * Z; min-p: ``z >= log(min_p)``; the draw: ``z >= -21`` (a token below can never win the
+     race, see below); with top-k and top-p both on, the top-k bucket alone (top-p needs the whole top-k
+     set's mass). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
+     column order; each program's offset is the candidate count of the programs before it, read from their
+     histograms (exact integers: deterministic, no atomics). More than ``cap`` candidates: the row is
+     flagged and falls back.
+  3. ``sampling_draw_kernel``, grid ``(batch,)``: the exact top-k / top-p / min-p thresholds and the draw,
+     on the <= cap candidates (fast path) or, for a flagged row, on the whole row (the full-row search).
+     Both give the same token: top-k counts are exact on either set and the race scores are the same
+     floats; only the top-p mass is summed in another order (candidates vs the whole row), so the two can
+     differ only for a top_p within fp32 rounding of a decision boundary, as CPU and GPU can (tests and a
+     fuzz of 250 rows agree token for token).
+
+``sampling_probs``: one program per row, the full-row search (``sampling_probs_kernel``).
 
 Why thresholds and not a sort: every filter keeps an *upper set* of the row, so the kept set is
-``{x_i >= t_k} & {z_i >= t_p} & {exp(z_i) >= min_p}`` (``z = (x - max) / T``). Each threshold is found
-by a multi-pivot search over the row's values:
-  * the bracket ``[lo, cand]`` always holds the answer; ``lo`` is a value whose upper-set weight was
-    *measured* to reach the target, ``cand`` the largest row value that still might;
-  * one pass evaluates ``PIVOTS`` (16) pivots spaced evenly in the order-preserving integer key space of
-    fp32, and also snaps every pivot to the nearest row values above/below it, so the bracket shrinks by
-    at least 16x per pass over the 2^32 keys (<= 8 passes) and usually far faster (it collapses as soon as
-    no row value lies strictly inside it);
-  * top-k weights are 1 (exact counts, ties at the k-th value kept), top-p weights are ``exp(z)`` over the
-    top-k set against ``p * sum``; the update only trusts measured sums and always keeps ``lo`` (a value
-    that passed) -- float prefix sums that are not monotone cannot make it drop the maximum or loop;
-    ``MAX_PASSES`` bounds the loop for graph capture anyway.
-  * min-p needs no search: ``p_i >= min_p * p_max``  <=>  ``exp(z_i) >= min_p`` since ``z_max = 0``.
-Passes over the row: 1 (max/argmax) + 1 (draw) without filters; + top-k search passes; + 1 (top-k mass)
-+ top-p search passes with top-p.
+``{x_i >= t_k} & {z_i >= t_p} & {exp(z_i) >= min_p}`` (``z = (x - max) / T``). ``_threshold`` finds a
+threshold by a multi-pivot search: the bracket ``(lo, cand]`` always holds the answer; one pass evaluates
+``PIVOTS`` (16) pivots spaced evenly in the key space and snaps them to the nearest values present, so
+the bracket shrinks >= 16x per pass over the 2^32 keys (<= 8 passes), usually far faster. top-k counts
+(ties at the k-th value kept). top-p compares the way transformers' TopPLogitsWarper does: fp32
+probabilities ``exp(z) / Z`` summed from the bottom (the mass strictly below a token), a token dropped iff
+that sum is ``<= 1 - top_p`` in fp32 -- transformers' own row ``log([0.3, 0.1, 0.1, 0.5])`` at top_p 0.8
+drops both 0.1 tokens, where comparing the mass above (0.8000000042) with fp32 0.8 (0.8000000119) kept
+them. min-p needs no search: ``p_i >= min_p * p_max  <=>  exp(z_i) >= min_p``.
+
+Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback 1 + the search
+passes (top-k: 1 per search pass, top-p: 1 for the mass with top-k + its search passes) + 1 (draw).
 
 Why an exponential race for the draw: ``argmax_i z_i - log(E_i)`` with ``E_i ~ Exp(1)`` draws ``i`` with
 probability ``p_i`` (Gumbel-max); it needs no normalisation, no prefix sum and one pass, and ``E_i``
@@ -41,7 +59,14 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read 
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
 MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop for graphs
 DRAW_BLOCK = 2048  # elements per block in the streaming passes
+STATS_BLOCK = 1024  # elements per stats chunk; with 16 warps: 128 registers, 0 spills (2048: 800 B spilled, sm_90)
 SEARCH_BLOCK = 512  # elements per block in the search passes ([SEARCH_BLOCK, PIVOTS] tiles)
+NB = tl.constexpr(4096)  # histogram buckets = the top 12 bits of the fp32 key: 8 buckets per octave (16 KB)
+BUCKET_SHIFT = tl.constexpr(20)  # 32 - 12
+CAND_CAP = 4096  # candidates per row on the fast path: 32 KB of scratch per row (value + column)
+MAX_SPLITS = 8  # programs per row at most: each compaction program reads its row's histograms (8 x 16 KB) twice
+TARGET_PROGRAMS = 264  # 2 per SM on an H200 (132 SMs)
+RACE_Z = tl.constexpr(-21.0)  # U in [2^-25, 1 - 2^-25]: -log(-log U) in [-2.85, 17.33], so z < -20.2 never wins
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,9 +143,11 @@ def _uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _load_row(base, offs, mask):
     """Logits as fp32 (loads in any float dtype, arithmetic only after the upcast); NaN -> -inf,
-    +inf -> FLT_MAX (tokens at +inf share the mass), masked lanes -> -inf."""
+    +inf -> FLT_MAX (tokens at +inf share the mass), masked lanes -> -inf, -0.0 -> +0.0 (equal as floats,
+    but their keys differ: a top-k bucket holding +0.0 would miss the tied -0.0 tokens)."""
     x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("-inf"), x)
+    x = tl.where(x == 0.0, 0.0, x)
     return tl.minimum(x, FLT_MAX)
 
 
@@ -138,13 +165,27 @@ def _unkey(k):
 
 
 @triton.jit
-def _threshold(base, V, lo, cand, target, m, T, tk,
-               MASS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """Largest row value ``t`` with ``W(t) = sum_{v_i >= t} w_i >= target``.
+def _bucket(x):
+    """fp32 -> histogram bucket in [0, NB): the key's top 12 bits, monotone in x."""
+    return (_key(x) >> BUCKET_SHIFT) + NB // 2
 
-    MASS False: ``v = x``, ``w = 1`` (top-k). MASS True: ``v = z = (x - m) / T``, ``w = exp(z)`` over the
-    tokens with ``x >= tk`` (top-p over the top-k set). ``lo`` must satisfy the target (or be -inf: keep
-    all), ``cand`` bounds the answer from above (the row's largest ``v``)."""
+
+@triton.jit
+def _bucket_lo(b):
+    """The smallest fp32 value in bucket ``b``."""
+    return _unkey((b - NB // 2) << BUCKET_SHIFT)
+
+
+@triton.jit
+def _threshold(base, V, lo, cand, target, m, T, tk, Z, off,
+               BELOW: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """The largest row value ``t`` that passes, found by a pivot search over ``base[:V]``.
+
+    BELOW False (top-k): ``v = x``; passes iff ``#{x_i >= t} >= target``.
+    BELOW True (top-p, transformers' comparison): ``v = z = (x - m) / T`` over the top-k set (``x >= tk``);
+    passes iff ``off + sum_{z_i < t} fp32(exp(z_i) / Z) <= target`` (``target = 1 - p``, ``off``: the mass of
+    set members not in ``base``). ``lo`` must pass (or be -inf: keep all), ``cand`` bounds the answer from
+    above. Returns ``(t, passes)``."""
     j = tl.arange(0, P)
     it = 0
     while (cand > lo) & (it < MAX_PASSES):
@@ -158,38 +199,301 @@ def _threshold(base, V, lo, cand, target, m, T, tk,
             offs = start + tl.arange(0, BLOCK)
             mask = offs < V
             x = _load_row(base, offs, mask)
-            if MASS:
+            if BELOW:
                 v = tl.math.div_rn(x - m, T)
-                w = tl.exp(v)
+                w = tl.math.div_rn(tl.exp(v), Z)
                 inset = mask & (x >= tk)
             else:
                 v = x
                 w = tl.full([BLOCK], 1.0, tl.float32)
                 inset = mask
             ge = (v[:, None] >= piv[None, :]) & inset[:, None]
-            W += tl.sum(tl.where(ge, w[:, None], 0.0), axis=0)
-            up = tl.minimum(up, tl.min(tl.where(ge, v[:, None], float("inf")), axis=0))
             below = inset[:, None] & (v[:, None] < piv[None, :])
+            if BELOW:
+                W += tl.sum(tl.where(below, w[:, None], 0.0), axis=0)
+            else:
+                W += tl.sum(tl.where(ge, w[:, None], 0.0), axis=0)
+            up = tl.minimum(up, tl.min(tl.where(ge, v[:, None], float("inf")), axis=0))
             down = tl.maximum(down, tl.max(tl.where(below, v[:, None], float("-inf")), axis=0))
+        if BELOW:
+            ok = (W + off) <= target
+        else:
+            ok = W >= target
         # the largest passing pivot; pivots above it all failed (whatever the float sums did)
-        J = tl.max(tl.where(W >= target, j, -1), axis=0)
+        J = tl.max(tl.where(ok, j, -1), axis=0)
         lo = tl.where(J >= 0, tl.max(tl.where(j == J, up, float("-inf")), axis=0), lo)
         cand = tl.where(J + 1 < P, tl.max(tl.where(j == J + 1, down, float("-inf")), axis=0), lo)
         it += 1
-    return lo
+    return lo, it
+
+
+@triton.jit
+def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z,
+             BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """top-k then top-p thresholds over ``base[:n]`` (the whole row, or a superset of the kept set).
+    ``lo_k``: a value <= every element (or -inf). ``USE_ROW_Z`` (runtime; only without top-k): take the
+    mass ``Z_row`` and the mass ``off_row`` of the tokens missing from ``base`` instead of a pass over it.
+    Returns ``(tk, tp, full-length passes)``."""
+    npass = 0
+    tk = tl.full((), float("-inf"), tl.float32)
+    if (k > 0) & (k < V):
+        tk, it = _threshold(base, n, lo_k, m, k.to(tl.float32), m, T, tk, 1.0, 0.0,
+                            False, SEARCH_BLOCK, P, MAX_PASSES)
+        npass += it
+    tp = tl.full((), float("-inf"), tl.float32)
+    if p < 1.0:
+        if USE_ROW_Z:
+            Z = Z_row
+            off = off_row
+        else:
+            Z = tl.zeros((), tl.float32)
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                x = _load_row(base, offs, mask)
+                Z += tl.sum(tl.where(mask & (x >= tk), tl.exp(tl.math.div_rn(x - m, T)), 0.0), axis=0)
+            npass += 1
+            off = tl.zeros((), tl.float32)
+        Z = tl.where(Z > 0, Z, 1.0)  # 0 only on rows with nothing to search (greedy: n = 0)
+        tp, it = _threshold(base, n, tp, tl.zeros((), tl.float32), 1.0 - p, m, T, tk, Z, tl.math.div_rn(off, Z),
+                            True, SEARCH_BLOCK, P, MAX_PASSES)
+        npass += it
+    return tk, tp, npass
+
+
+@triton.jit
+def _race(base, idx_ptr, n, m, T, tk, tp, min_p, key, USE_IDX: tl.constexpr, BLOCK: tl.constexpr):
+    """The exponential race over the kept tokens of ``base[:n]``: the winner's vocab column (its index, or
+    ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend along ``base``)."""
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.zeros((), tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = _load_row(base, offs, mask)
+        if USE_IDX:
+            cols = tl.load(idx_ptr + offs, mask=mask, other=0)
+        else:
+            cols = offs
+        z = tl.math.div_rn(x - m, T)
+        keep = mask & (x >= tk) & (z >= tp) & (tl.exp(z) >= min_p)
+        score = tl.where(keep, z - tl.log(-tl.log(_uniform(key, cols))), float("-inf"))
+        bs = tl.max(score, axis=0)
+        bi = tl.min(tl.where(keep & (score == bs), cols, 2147483647), axis=0)
+        best_i = tl.where(bs > best, bi, best_i)
+        best = tl.maximum(best, bs)
+    return best_i
+
+
+@triton.jit
+def _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, T, NCP: tl.constexpr):
+    """Merge a row's chunk partials (in chunk order, a fixed tree: batch-invariant) -> (max, argmax, Z)."""
+    c = tl.arange(0, NCP)
+    cm_mask = c < NCHUNK
+    cm = tl.load(cmax_ptr + row * NCHUNK + c, mask=cm_mask, other=float("-inf"))
+    m = tl.max(cm, axis=0)
+    ca = tl.load(carg_ptr + row * NCHUNK + c, mask=cm_mask, other=2147483647)
+    arg = tl.min(tl.where(cm_mask & (cm == m), ca, 2147483647), axis=0)  # lowest index among the maxima
+    cs = tl.load(csum_ptr + row * NCHUNK + c, mask=cm_mask, other=0.0)
+    live = cm_mask & (cm > float("-inf"))
+    d = tl.where(live, cm, 0.0) - tl.where(live, m, 0.0)  # no -inf - -inf on a row without a finite logit
+    Z = tl.sum(tl.where(live, cs * tl.exp(tl.math.div_rn(d, T)), 0.0), axis=0)
+    return m, arg, Z
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The kernel
+# sample: stats -> compaction -> draw
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def sampling_kernel(
+def sampling_stats_kernel(
     logits_ptr, stride_row, V,  # [batch, V] any float dtype, row stride in elements
+    temp_ptr,  # [batch] fp32
+    cmax_ptr, carg_ptr, csum_ptr,  # [batch, NCHUNK] fp32, int32, fp32: per-chunk max, argmax, sum exp((x - max) / T)
+    hist_ptr,  # [batch, S, NB] int32: per-program bucket counts
+    passes_ptr,  # [batch] int32 (DEBUG only): full-row passes
+    NCHUNK, CPS, S,  # chunks per row, chunks per program, programs per row
+    BLOCK: tl.constexpr, DEBUG: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    base = logits_ptr + row * stride_row
+    T = tl.load(temp_ptr + row)
+    T = tl.where(T > 0, T, 1.0)  # greedy rows: Z is unused
+    hist = tl.zeros([NB], tl.int32)
+    for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = _load_row(base, offs, mask)
+        bm = tl.max(x, axis=0)
+        bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
+        e = tl.exp(tl.math.div_rn(x - tl.where(bm > float("-inf"), bm, 0.0), T))  # all -inf: all 0
+        tl.store(cmax_ptr + row * NCHUNK + c, bm)
+        tl.store(carg_ptr + row * NCHUNK + c, bi)
+        tl.store(csum_ptr + row * NCHUNK + c, tl.sum(e, axis=0))
+        # masked lanes are -inf: they land in bucket(-inf), which the cutoff never admits
+        hist += tl.histogram(_bucket(x), NB)
+    tl.store(hist_ptr + (row * S + s) * NB + tl.arange(0, NB), hist)
+    if DEBUG:
+        if s == 0:
+            tl.store(passes_ptr + row, 1)
+
+
+@triton.jit
+def _cutoff(h, m, T, k, p, min_p, Z, V):
+    """The lowest bucket that may hold a kept token (from the row histogram ``h [NB]``), and whether a row
+    must fall back anyway (a cutoff at or below bucket(-inf) would admit -inf tokens and masked lanes)."""
+    b = tl.arange(0, NB)
+    tot = tl.sum(h, axis=0)
+    above = tot - tl.cumsum(h, axis=0) + h  # tokens in buckets >= b
+    use_k = (k > 0) & (k < V)
+    use_p = p < 1.0
+    cut = tl.zeros((), tl.int32)
+    # top-k: the bucket holding the k-th largest logit (ties with it are in it too)
+    b_k = tl.max(tl.where(above >= k, b, 0), axis=0)
+    cut = tl.where(use_k, b_k, cut)
+    # top-p without top-k: a token below bucket b has mass above it >= the larger of two bounds: the buckets
+    # >= b at their lower edges (the maximum counted as exactly 1), and Z minus the buckets < b at their
+    # upper edges. Once that clears p * Z by a margin far above fp32 rounding (1e-3), every token below b is
+    # dropped by the exact comparison too. The second bound matters: a bucket is 1/8 octave wide (1-2 logits
+    # near 10-30), so lower edges alone undercount by e^1-e^2.5 and never reach 0.9 Z on Gaussian logits;
+    # with both, 128k x N(0, 4^2) logits at p 0.9 keep 2937 candidates for 1122 kept tokens (numpy model).
+    bm = _bucket(m)
+    in_row = (h > 0) & (b <= bm)
+    # edges above the max's bucket read as m, NaN bit patterns (buckets below -inf's) as -inf: all unused
+    lo_e = tl.where(b <= bm, _bucket_lo(b), m)
+    hi_e = tl.where(b < bm, _bucket_lo(b + 1), m)  # the next bucket's lower edge: <= 1 ulp over
+    # edges below -1e30 read as -1e30: exp(z) is 0 there either way, and z stays finite in fp32 for |m| < 1e37
+    lo_z = tl.math.div_rn(tl.where(lo_e == lo_e, tl.maximum(lo_e, -1e30), -1e30) - m, T)
+    hi_z = tl.math.div_rn(tl.where(hi_e == hi_e, tl.maximum(hi_e, -1e30), -1e30) - m, T)
+    hf = h.to(tl.float32)
+    lb = tl.where(in_row, hf * tl.exp(tl.where(in_row, lo_z, 0.0)), 0.0)
+    lb = tl.where(b == bm, 1.0 + (hf - 1.0) * tl.exp(lo_z), lb)
+    ub = tl.where(in_row, hf * tl.exp(tl.where(in_row, hi_z, 0.0)), 0.0)
+    mass_above = tl.maximum(tl.sum(lb, axis=0) - tl.cumsum(lb, axis=0) + lb, Z - (tl.cumsum(ub, axis=0) - ub))
+    b_p = tl.max(tl.where(mass_above >= p * Z * 1.001 + 1e-5 * Z, b, 0), axis=0)
+    cut = tl.where(use_p & (~use_k), tl.maximum(cut, b_p), cut)
+    # min-p (z >= log(min_p), 0.01 of slack for exp's rounding) and the race (z >= RACE_Z) drop tokens
+    # outright; 1e-5 |m| more covers the rounding of m + T * z. With top-k and top-p both on, top-p needs the
+    # whole top-k set's mass, so they do not raise the cutoff
+    lmp = tl.where(min_p > 0, tl.log(tl.where(min_p > 0, min_p, 1.0)) - 0.01, RACE_Z)
+    b_z = _bucket(m + T * tl.maximum(lmp, RACE_Z) - 1e-5 * tl.abs(m))
+    cut = tl.where(use_k & use_p, cut, tl.maximum(cut, b_z))
+    return cut, cut <= _bucket(tl.full((), float("-inf"), tl.float32))
+
+
+@triton.jit
+def sampling_compact_kernel(
+    logits_ptr, stride_row, V,
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [batch] fp32, int32, fp32, fp32
-    seed_ptr, step_ptr,  # [batch] int64 (DRAW only)
-    ids_ptr, valid_ptr,  # [batch] int64, bool (DRAW only)
-    probs_ptr, stride_probs,  # [batch, V] fp32 (WRITE_PROBS only)
-    DRAW: tl.constexpr, WRITE_PROBS: tl.constexpr,
+    cmax_ptr, carg_ptr, csum_ptr, hist_ptr,  # from sampling_stats_kernel
+    cval_ptr, cidx_ptr,  # [batch, CAP] fp32, int32: candidates (logit, column) in column order
+    ncand_ptr,  # [batch] int32: candidate count, -1: fallback
+    passes_ptr,
+    NCHUNK, CPS, S, CAP,
+    BLOCK: tl.constexpr, NCP: tl.constexpr, DEBUG: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    base = logits_ptr + row * stride_row
+    T = tl.load(temp_ptr + row)
+    k = tl.load(topk_ptr + row)
+    p = tl.load(topp_ptr + row)
+    min_p = tl.load(minp_ptr + row)
+    Tg = tl.where(T > 0, T, 1.0)
+    m, arg, Z = _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, Tg, NCP)
+    if (m > float("-inf")) & (T > 0):
+        b = tl.arange(0, NB)
+        h = tl.zeros([NB], tl.int32)
+        for t in range(0, S):
+            h += tl.load(hist_ptr + (row * S + t) * NB + b)
+        cut, low = _cutoff(h, m, Tg, k, p, min_p, Z, V)
+        total = tl.zeros((), tl.int32)
+        before = tl.zeros((), tl.int32)
+        for t in range(0, S):
+            ct = tl.sum(tl.where(b >= cut, tl.load(hist_ptr + (row * S + t) * NB + b), 0), axis=0)
+            total += ct
+            before += tl.where(t < s, ct, 0)
+        fast = (~low) & (total <= CAP)
+        if s == 0:
+            tl.store(ncand_ptr + row, tl.where(fast, total, -1))
+        if fast:
+            pos = before
+            for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < V
+                x = _load_row(base, offs, mask)
+                keep = (mask & (_bucket(x) >= cut)).to(tl.int32)
+                dest = pos + tl.cumsum(keep, axis=0) - keep
+                tl.store(cval_ptr + row * CAP + dest, x, mask=keep != 0)
+                tl.store(cidx_ptr + row * CAP + dest, offs, mask=keep != 0)
+                pos += tl.sum(keep, axis=0)
+            if DEBUG:
+                if s == 0:
+                    tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
+    else:
+        if s == 0:
+            tl.store(ncand_ptr + row, 0)
+
+
+@triton.jit
+def sampling_draw_kernel(
+    logits_ptr, stride_row, V,
+    temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+    seed_ptr, step_ptr,  # [batch] int64
+    cmax_ptr, carg_ptr, csum_ptr, cval_ptr, cidx_ptr, ncand_ptr,  # from the kernels above
+    ids_ptr, valid_ptr,  # [batch] int64, bool
+    passes_ptr,
+    NCHUNK, CAP,
+    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr,
+    NCP: tl.constexpr, DEBUG: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    T = tl.load(temp_ptr + row)
+    k = tl.load(topk_ptr + row)
+    p = tl.load(topp_ptr + row)
+    min_p = tl.load(minp_ptr + row)
+    Tg = tl.where(T > 0, T, 1.0)
+    m, arg, Z = _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, Tg, NCP)
+    valid = m > float("-inf")
+    best_i = arg  # greedy / invalid rows: the argmax (0 for a row with no finite logit)
+    if valid & (T > 0):
+        key = _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
+        n = tl.load(ncand_ptr + row)
+        row_z = (k <= 0) | (k >= V)  # no top-k: the top-p mass is the row's Z, already merged
+        if n >= 0:
+            cb = cval_ptr + row * CAP
+            # the candidates' minimum (a top-k search bracket) and mass (the rest of Z lies below them)
+            cmin = tl.full((), float("inf"), tl.float32)
+            Zc = tl.zeros((), tl.float32)
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                x = _load_row(cb, offs, mask)
+                cmin = tl.minimum(cmin, tl.min(tl.where(mask, x, float("inf")), axis=0))
+                Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, Tg)), 0.0), axis=0)
+            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z,
+                                     BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
+            best_i = _race(cb, cidx_ptr + row * CAP, n, m, Tg, tk, tp, min_p, key, True, BLOCK)
+        else:
+            ninf = tl.full((), float("-inf"), tl.float32)
+            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z,
+                                     BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
+            best_i = _race(base, base, V, m, Tg, tk, tp, min_p, key, False, BLOCK)
+            if DEBUG:
+                tl.store(passes_ptr + row, tl.load(passes_ptr + row) + npass + 1)
+    tl.store(ids_ptr + row, best_i.to(tl.int64))
+    tl.store(valid_ptr + row, valid)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sampling_probs: one program per row, the full-row search
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def sampling_probs_kernel(
+    logits_ptr, stride_row, V,
+    temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+    probs_ptr, stride_probs,  # [batch, V] fp32
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -216,88 +520,33 @@ def sampling_kernel(
     sampled = valid & (T > 0)
     T = tl.where(sampled, T, 1.0)
     Vs = tl.where(sampled, V, 0)  # greedy and invalid rows skip every further pass
+    tk, tp, npass = _filters(base, Vs, mn, m, T, k, p, V, 1.0, 0.0, False, BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
 
-    # top-k: the k-th largest logit, ties kept
-    tk = tl.full((), float("-inf"), tl.float32)
-    if (k > 0) & (k < V):
-        tk = _threshold(base, Vs, mn, m, k.to(tl.float32), m, T, tk,
-                        False, SEARCH_BLOCK, P, MAX_PASSES)
-
-    # top-p over the renormalised top-k set: keep z >= tp, the crossing token's z
-    tp = tl.full((), float("-inf"), tl.float32)
-    if p < 1.0:
-        mass = tl.zeros((), tl.float32)
-        for start in range(0, Vs, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < V
-            x = _load_row(base, offs, mask)
-            z = tl.math.div_rn(x - m, T)
-            mass += tl.sum(tl.where(mask & (x >= tk), tl.exp(z), 0.0), axis=0)
-        tp = _threshold(base, Vs, tp, tl.zeros((), tl.float32), p * mass, m, T, tk, True, SEARCH_BLOCK, P, MAX_PASSES)
-
-    if DRAW:
-        key = _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
-        best = tl.full((), float("-inf"), tl.float32)
-        best_i = arg  # greedy / invalid rows: the argmax (0 for a row with no finite logit)
-        for start in range(0, Vs, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < V
-            x = _load_row(base, offs, mask)
-            z = tl.math.div_rn(x - m, T)
-            keep = mask & (x >= tk) & (z >= tp) & (tl.exp(z) >= min_p)
-            score = tl.where(keep, z - tl.log(-tl.log(_uniform(key, offs))), float("-inf"))
-            bs = tl.max(score, axis=0)
-            bi = tl.min(tl.where(keep & (score == bs), offs, V), axis=0)
-            best_i = tl.where(bs > best, bi, best_i)
-            best = tl.maximum(best, bs)
-        tl.store(ids_ptr + row, best_i.to(tl.int64))
-        tl.store(valid_ptr + row, valid)
-
-    if WRITE_PROBS:
-        total = tl.zeros((), tl.float32)
-        for start in range(0, Vs, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < V
+    total = tl.zeros((), tl.float32)
+    for start in range(0, Vs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = _load_row(base, offs, mask)
+        z = tl.math.div_rn(x - m, T)
+        e = tl.exp(z)
+        total += tl.sum(tl.where(mask & (x >= tk) & (z >= tp) & (e >= min_p), e, 0.0), axis=0)
+    out = probs_ptr + row * stride_probs
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        if sampled:
             x = _load_row(base, offs, mask)
             z = tl.math.div_rn(x - m, T)
             e = tl.exp(z)
-            total += tl.sum(tl.where(mask & (x >= tk) & (z >= tp) & (e >= min_p), e, 0.0), axis=0)
-        out = probs_ptr + row * stride_probs
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < V
-            if sampled:
-                x = _load_row(base, offs, mask)
-                z = tl.math.div_rn(x - m, T)
-                e = tl.exp(z)
-                pr = tl.where((x >= tk) & (z >= tp) & (e >= min_p), e / total, 0.0)
-            else:  # greedy: one-hot at the argmax; no finite logit: all zeros
-                pr = tl.where(offs == arg, 1.0, 0.0) * valid.to(tl.float32)
-            tl.store(out + offs, pr, mask=mask)
+            pr = tl.where((x >= tk) & (z >= tp) & (e >= min_p), e / total, 0.0)
+        else:  # greedy: one-hot at the argmax; no finite logit: all zeros
+            pr = tl.where(offs == arg, 1.0, 0.0) * valid.to(tl.float32)
+        tl.store(out + offs, pr, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Launchers (inputs already validated and converted by arkernels/ops/sampling.py)
 # ---------------------------------------------------------------------------------------------------------
-def _launch(logits, temperature, top_k, top_p, min_p, seed, step, draw: bool, write_probs: bool):
-    batch, vocab = logits.shape
-    dev = logits.device
-    ids = torch.empty(batch, dtype=torch.int64, device=dev)
-    valid = torch.empty(batch, dtype=torch.bool, device=dev)
-    probs = torch.empty((batch, vocab) if write_probs else (1, 1), dtype=torch.float32, device=dev)
-    if seed is None:
-        seed = step = ids  # unused when DRAW is False
-    if batch > 0:
-        with torch.cuda.device(dev) if dev.type == "cuda" else _null():
-            sampling_kernel[(batch,)](
-                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
-                ids, valid, probs, probs.stride(0),
-                DRAW=draw, WRITE_PROBS=write_probs, BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK,
-                P=PIVOTS, MAX_PASSES=MAX_PASSES, num_warps=8,
-            )
-    return ids, valid, probs
-
-
 class _null:
     def __enter__(self):
         return None
@@ -306,12 +555,66 @@ class _null:
         return False
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step):
-    """The ``arkernels::sample`` kernel: ``(ids int64 [batch], valid bool [batch])``."""
-    ids, valid, _ = _launch(logits, temperature, top_k, top_p, min_p, seed, step, True, False)
+def _on(dev):
+    return torch.cuda.device(dev) if dev.type == "cuda" else _null()
+
+
+def sampling_splits(batch: int, vocab: int) -> int:
+    """Programs per row: enough for ~TARGET_PROGRAMS in all at small batch, at most MAX_SPLITS, whole chunks."""
+    nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
+    s = max(1, min(MAX_SPLITS, nchunk, triton.cdiv(TARGET_PROGRAMS, max(batch, 1))))
+    return triton.cdiv(nchunk, triton.cdiv(nchunk, s))
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, *, cap: int = CAND_CAP,
+                  splits: int | None = None, debug: bool = False):
+    """The ``arkernels::sample`` kernels: ``(ids int64 [batch], valid bool [batch])``.
+
+    ``cap``: candidates per row on the fast path; ``splits``: programs per row (default
+    ``sampling_splits``); both change no token. ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
+    the row's candidate count (-1: it took the full-row fallback; 0: greedy / no finite logit) and its
+    full-row passes."""
+    batch, vocab = logits.shape
+    dev = logits.device
+    ids = torch.empty(batch, dtype=torch.int64, device=dev)
+    valid = torch.empty(batch, dtype=torch.bool, device=dev)
+    nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
+    S = splits if splits is not None else sampling_splits(batch, vocab)
+    cps = triton.cdiv(nchunk, S)
+    S = triton.cdiv(nchunk, cps)
+    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+    cmax, carg, csum = torch.empty(batch, nchunk, **f32), torch.empty(batch, nchunk, **i32), torch.empty(batch, nchunk, **f32)
+    hist = torch.empty(batch, S, NB.value, **i32)
+    cval, cidx = torch.empty(batch, cap, **f32), torch.empty(batch, cap, **i32)
+    ncand = torch.empty(batch, **i32)
+    passes = torch.zeros(batch if debug else 1, **i32)
+    ncp = triton.next_power_of_2(nchunk)
+    if batch > 0 and vocab > 0:
+        with _on(dev):
+            sampling_stats_kernel[(batch, S)](
+                logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes,
+                nchunk, cps, S, BLOCK=STATS_BLOCK, DEBUG=debug, num_warps=16)  # see STATS_BLOCK
+            sampling_compact_kernel[(batch, S)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist,
+                cval, cidx, ncand, passes, nchunk, cps, S, cap, BLOCK=STATS_BLOCK, NCP=ncp, DEBUG=debug,
+                num_warps=8)
+            sampling_draw_kernel[(batch,)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
+                cmax, carg, csum, cval, cidx, ncand, ids, valid, passes, nchunk, cap,
+                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp,
+                DEBUG=debug, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 128, 8 B spilled)
+    if debug:
+        return ids, valid, (ncand, passes)
     return ids, valid
 
 
 def sampling_probs_triton(logits, temperature, top_k, top_p, min_p):
     """The ``arkernels::sampling_probs`` kernel: fp32 ``[batch, vocab]``."""
-    return _launch(logits, temperature, top_k, top_p, min_p, None, None, False, True)[2]
+    batch, vocab = logits.shape
+    probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
+    if batch > 0:
+        with _on(logits.device):
+            sampling_probs_kernel[(batch,)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, probs, probs.stride(0),
+                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, num_warps=8)
+    return probs

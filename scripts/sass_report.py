@@ -1,0 +1,464 @@
+#!/usr/bin/env python3
+"""SASS report of the built CUDA kernels: resources, occupancy, design-revealing instructions; fails on local memory.
+
+    python scripts/sass_report.py [--so PATH] [--arch sm_90] [--json OUT]
+
+Reads only the built extension (arkernels/_C*.so), never the sources, so it does not care how csrc/ is laid out.
+Per kernel and per cubin arch it prints registers, stack frame / local memory bytes, static and dynamic shared
+memory, theoretical occupancy on that arch's reference GPU (sm_80: A100, sm_90: H100/H200), and static counts of
+the SASS instructions that show the design:
+  LDG128  128-bit global loads (LDG.E.128[.CONSTANT]): 16-byte vector loads
+  LDGSTS  cp.async (global -> shared without registers)      LDSM   ldmatrix
+  HMMA    mma.sync / WMMA tensor-core instructions             HGMMA  Hopper wgmma
+  SHFL    warp shuffles                                        BAR    barriers (__syncthreads, named barriers)
+  STL/LDL local memory stores/loads: register spills or local arrays. Any of them, or a nonzero frame, fails.
+Exit status: 0 clean, 1 some kernel uses local memory (listed), 2 the tools or the cubins are missing.
+
+Tools: cuobjdump and nvdisasm from $CUOBJDUMP (its folder must hold nvdisasm too), else Triton's wheel
+(triton/backends/nvidia/bin: the CUDA toolkit on our machines lacks both), else PATH / $CUDA_HOME/bin.
+Cost: about 3 s per arch on one core (cuobjdump -sass of the 2-arch .so is ~100k lines per arch).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------------------------------------------- GPU specs
+# Per-SM limits used for theoretical occupancy (CUDA programming guide, "compute capabilities" table, and the
+# occupancy calculator's constants). smem_sm: shared memory per SM at the largest carveout, the 1 KB per-CTA
+# reservation included; smem_block: per-block opt-in limit (what cudaFuncAttributeMaxDynamicSharedMemorySize admits).
+GPU_SPECS = {
+    "sm_80": dict(gpu="A100", regs=65536, reg_unit=256, sub_partitions=4, max_warps=64, max_ctas=32,
+                  smem_sm=164 * 1024, smem_block=163 * 1024, smem_unit=128, reserved=1024),
+    "sm_90": dict(gpu="H100/H200", regs=65536, reg_unit=256, sub_partitions=4, max_warps=64, max_ctas=32,
+                  smem_sm=228 * 1024, smem_block=227 * 1024, smem_unit=128, reserved=1024),
+}
+
+# ------------------------------------------------------------------------------------ launch facts not in the cubin
+# Threads per CTA when the kernel carries no __launch_bounds__ (no EIATTR_MAX_THREADS in its ELF info): the first
+# prefix of the kernel's short name that matches. Keep in step with each launcher's block size.
+FALLBACK_THREADS = [
+    ("paged_kv_", 256),          # kThreads in the paged_kv launcher
+    ("window_attention_", 128),  # kThreads (all three kernels also declare __launch_bounds__(128))
+]
+
+
+def prefill_tile_smem(d: int, bn: int) -> int:
+    """PrefillTile<D, BN>::smem (window_attention prefill): the one dynamic shared memory plan, in bytes.
+
+    Mirrors the struct in the window_attention sources: 64 query rows (4 warps x 16), rows skewed by 8 halves
+    (Q, K, V, P) or 4 floats (S, O) against bank conflicts, then per-key int64 K/V offsets and per-row fp32 alphas.
+    D=64: 72960 (71.2 KB); D=128, BN=64: 113920 (111.2 KB); D=256, BN=32: 149248 (145.8 KB).
+    """
+    bm = 64
+    ldq = ldk = d + 8
+    lds, ldp, ldo = bn + 4, bn + 8, d + 4
+    q_bytes, k_bytes = bm * ldq * 2, bn * ldk * 2
+    s_bytes, p_bytes, o_bytes = bm * lds * 4, bm * ldp * 2, bm * ldo * 4
+    return q_bytes + 2 * k_bytes + s_bytes + p_bytes + o_bytes + 2 * bn * 8 + bm * 4
+
+
+# Dynamic shared memory per launch: (regex on the short name, bytes from the match). THE place to update when a
+# kernel's shared memory plan changes or a kernel with `extern __shared__` is added; kernels matching none get 0.
+DYNAMIC_SMEM = [
+    (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, (\d+), (\d+)>$"),
+     lambda m: prefill_tile_smem(int(m.group(1)), int(m.group(2)))),
+]
+
+# SASS instruction classes: column -> predicate on the opcode (mnemonic with its modifiers, e.g. LDG.E.128.CONSTANT).
+INSN_CLASSES = {
+    "LDG128": lambda op: op.startswith("LDG.") and ".128" in op,
+    "STG128": lambda op: op.startswith("STG.") and ".128" in op,  # JSON only
+    # JSON only: generic-address loads (the compiler could not tell shared from global: no LDSM, no 128-bit LDS;
+    # bf16 WMMA fragment loads compile to 96 of them in prefill D=128 where fp16 gets 24 LDSM)
+    "LD_GENERIC": lambda op: op.split(".")[0] == "LD",
+    # JSON only: any shared memory access; with no static smem and no DYNAMIC_SMEM entry it means a missing entry
+    "SMEM_OPS": lambda op: op.split(".")[0] in ("LDS", "STS", "LDSM", "LDGSTS", "ATOMS", "REDS", "STSM"),
+    "LDGSTS": lambda op: op.startswith("LDGSTS"),
+    "LDSM": lambda op: op.startswith("LDSM"),
+    "HMMA": lambda op: op.split(".")[0] == "HMMA",
+    "HGMMA": lambda op: op.split(".")[0] == "HGMMA",
+    "SHFL": lambda op: op.split(".")[0] == "SHFL",
+    "BAR": lambda op: op.split(".")[0] == "BAR",
+    "STL": lambda op: op.split(".")[0] == "STL",
+    "LDL": lambda op: op.split(".")[0] == "LDL",
+}
+
+
+# ------------------------------------------------------------------------------------------------------ tools
+def find_tool(name: str) -> str | None:
+    env = os.environ.get(name.upper())
+    if env:
+        return env
+    spec = importlib.util.find_spec("triton")  # locates the package without importing it
+    if spec and spec.origin:
+        cand = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / name
+        if cand.is_file():
+            return str(cand)
+    for pat in glob.glob(str(REPO / ".venv" / "lib" / "python3*" / "site-packages" / "triton" / "backends" /
+                             "nvidia" / "bin" / name)):
+        return pat
+    found = shutil.which(name)
+    if found:
+        return found
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    cand = Path(cuda_home) / "bin" / name
+    return str(cand) if cand.is_file() else None
+
+
+def run_cuobjdump(cuobjdump: str, nvdisasm: str | None, args: list[str]) -> str:
+    env = dict(os.environ)
+    if nvdisasm:  # cuobjdump -sass runs nvdisasm from PATH (or NVDISASM_PATH) for sm_80+
+        env["PATH"] = str(Path(nvdisasm).parent) + os.pathsep + env.get("PATH", "")
+    res = subprocess.run([cuobjdump, *args], capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join([cuobjdump, *args])} failed ({res.returncode}): {res.stderr.strip()}")
+    return res.stdout
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Mangled -> short readable name ('window_attention_prefill_kernel<__half, 128, 64>'); mangled if no c++filt."""
+    full = dict(zip(names, names))
+    cxxfilt = shutil.which("c++filt")
+    if cxxfilt is None:
+        print("warning: c++filt not found (binutils): names stay mangled, DYNAMIC_SMEM and FALLBACK_THREADS "
+              "patterns will not match", file=sys.stderr)
+    elif names:
+        res = subprocess.run([cxxfilt], input="\n".join(names) + "\n", capture_output=True, text=True)
+        if res.returncode == 0:
+            out = res.stdout.splitlines()
+            if len(out) == len(names):
+                full = dict(zip(names, out))
+    return {m: short_name(d) for m, d in full.items()}
+
+
+def short_name(demangled: str) -> str:
+    """Drops namespaces (arkernels::(anonymous namespace)::) and the parameter list; keeps template arguments."""
+    s = demangled
+    # Cut the parameter list: the last top-level '(' (outside <>).
+    depth, cut = 0, len(s)
+    for i, c in enumerate(s):
+        if c == "<":
+            depth += 1
+        elif c == ">":
+            depth -= 1
+        elif c == "(" and depth == 0 and not s.startswith("(anonymous namespace)", i):
+            cut = i
+            break
+    s = s[:cut]
+    if s.startswith("void "):
+        s = s[5:]
+    # Strip qualifiers of the function name (before its template arguments), not those inside them.
+    lt = s.find("<")
+    head, tail = (s, "") if lt < 0 else (s[:lt], s[lt:])
+    head = head.rsplit("::", 1)[-1]
+    tail = tail.replace("(anonymous namespace)::", "")
+    return head + tail
+
+
+# ---------------------------------------------------------------------------------------------------- parsers
+_ARCH = re.compile(r"^arch = (sm_\d+a?)\s*$")
+
+
+def split_by_arch(text: str) -> list[tuple[str, str]]:
+    """cuobjdump prints one block per cubin, each opening with 'arch = sm_XX': [(arch, block text)]."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        m = _ARCH.match(line)
+        if m:
+            blocks.append((m.group(1), []))
+        elif blocks:
+            blocks[-1][1].append(line)
+    return [(a, "\n".join(lines)) for a, lines in blocks]
+
+
+_RES_FN = re.compile(r"^\s*Function (\S+):\s*$")
+_RES_KV = re.compile(r"([A-Z_]+(?:\[\d+\])?):(\d+)")
+
+
+def parse_res_usage(text: str) -> dict[tuple[str, str], dict[str, int]]:
+    """`cuobjdump -res-usage`: {(arch, mangled): {'REG':..,'STACK':..,'SHARED':..,'LOCAL':..}}."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for arch, block in split_by_arch(text):
+        fn = None
+        for line in block.splitlines():
+            m = _RES_FN.match(line)
+            if m:
+                fn = m.group(1)
+                continue
+            if fn and "REG:" in line:
+                out[(arch, fn)] = {k: int(v) for k, v in _RES_KV.findall(line)}
+                fn = None
+    return out
+
+
+_ELF_INFO = re.compile(r"^\.nv\.info\.(\S+)\s*$")
+_ELF_SECTION = re.compile(r"^\.\S+")
+
+
+def parse_elf(text: str) -> tuple[dict[tuple[str, str], int], set[str]]:
+    """`cuobjdump -elf`: ({(arch, mangled): max threads per CTA from EIATTR_MAX_THREADS}, {archs whose cubins
+    place static shared memory after the 1 KB reserved region (symbol .nv.reservedSmem.offset0)})."""
+    max_threads: dict[tuple[str, str], int] = {}
+    reserved_archs: set[str] = set()
+    for arch, block in split_by_arch(text):
+        fn, attr = None, None
+        for line in block.splitlines():
+            if ".nv.reservedSmem.offset0" in line:
+                reserved_archs.add(arch)
+            m = _ELF_INFO.match(line)
+            if m:
+                fn, attr = m.group(1), None
+                continue
+            if _ELF_SECTION.match(line):
+                fn = None
+                continue
+            if fn is None:
+                continue
+            s = line.strip()
+            if s.startswith("Attribute:"):
+                attr = s.split(None, 1)[1].strip()
+            elif s.startswith("Value:") and attr == "EIATTR_MAX_THREADS":
+                dims = [int(x, 16) for x in s.split()[1:4]]
+                max_threads[(arch, fn)] = math.prod(dims)
+    return max_threads, reserved_archs
+
+
+_SASS_FN = re.compile(r"^\s*Function : (\S+)\s*$")
+_SASS_INSN = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # access size by modifier; none: 4 bytes
+SASS_KEYS = [*INSN_CLASSES, "insns", "stl_bytes", "ldl_bytes"]
+
+
+def access_bytes(op: str) -> int:
+    return next((_WIDTH[m] for m in op.split(".")[1:] if m in _WIDTH), 4)
+
+
+def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
+    """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total) and
+    'stl_bytes' / 'ldl_bytes': the bytes the STL / LDL instructions move, each counted once (as ptxas -v counts
+    'bytes spill stores / loads', which the cubin does not record)."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for arch, block in split_by_arch(text):
+        counts = None
+        for line in block.splitlines():
+            m = _SASS_FN.match(line)
+            if m:
+                counts = out.setdefault((arch, m.group(1)), dict.fromkeys(SASS_KEYS, 0))
+                continue
+            if counts is None:
+                continue
+            m = _SASS_INSN.match(line)
+            if m:
+                op = m.group(1)
+                counts["insns"] += 1
+                for k, pred in INSN_CLASSES.items():
+                    if pred(op):
+                        counts[k] += 1
+                        if k in ("STL", "LDL"):
+                            counts[k.lower() + "_bytes"] += access_bytes(op)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- occupancy
+def occupancy(spec: dict, regs: int, threads: int, smem_block: int) -> dict:
+    """Theoretical CTAs and warps per SM (cuda_occupancy.h's rules): registers are allocated per warp in units of
+    reg_unit and split evenly over the SM's sub-partitions; shared memory per CTA is static + dynamic + the 1 KB
+    reservation, rounded up to smem_unit; smem_block is static + dynamic (what must fit the per-block opt-in)."""
+    warps = -(-threads // 32)
+    limits = {"ctas": spec["max_ctas"], "threads": spec["max_warps"] // warps}
+    if regs > 0:
+        per_warp = -(-regs * 32 // spec["reg_unit"]) * spec["reg_unit"]
+        per_side = spec["regs"] // spec["sub_partitions"]
+        assumed = per_warp * -(-warps // spec["sub_partitions"]) * spec["sub_partitions"]
+        fits = assumed <= spec["regs"] and regs <= 255  # 64K registers per block, 255 per thread
+        limits["regs"] = (per_side // per_warp) * spec["sub_partitions"] // warps if fits else 0
+    if smem_block > spec["smem_block"]:
+        limits["smem"] = 0
+    else:
+        per_cta = -(-(smem_block + spec["reserved"]) // spec["smem_unit"]) * spec["smem_unit"]
+        limits["smem"] = spec["smem_sm"] // per_cta
+    ctas = min(limits.values())
+    limiter = "/".join(k for k, v in limits.items() if v == ctas)
+    return {"ctas_per_sm": ctas, "warps_per_sm": ctas * warps, "occupancy": ctas * warps / spec["max_warps"],
+            "limiter": limiter}
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def natural_key(s: str) -> list:
+    """'..., 64>' before '..., 128>': digit runs compare as numbers."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, names: dict) -> list[dict]:
+    rows = []
+    def order(item):
+        (arch, fn), _ = item
+        return arch, natural_key(names.get(fn, fn))
+
+    for (arch, fn), r in sorted(res.items(), key=order):
+        name = names.get(fn, fn)
+        shared = r.get("SHARED", 0)
+        # sm_90 cubins place static shared memory after the 1 KB reserved region and report it included (ptxas -v
+        # does not): 23168 in the ELF for decode D=128's 22144, 1024 for kernels with none of their own (combine,
+        # prefill). We take that 1 KB to be the driver's per-CTA reservation, counted once in occupancy(); if the
+        # driver counted it twice, no CTA count in today's table would change (checked by hand for every kernel).
+        static_smem = max(shared - 1024, 0) if arch in reserved_archs and shared >= 1024 else shared
+        dyn = 0
+        for pat, fn_bytes in DYNAMIC_SMEM:
+            m = pat.match(name)
+            if m:
+                dyn = fn_bytes(m)
+                break
+        threads, threads_from = max_threads.get((arch, fn)), "launch_bounds"
+        if threads is None:
+            threads_from = "fallback"
+            threads = next((t for p, t in FALLBACK_THREADS if name.startswith(p)), None)
+        counts = sass.get((arch, fn), {})
+        row = {
+            "arch": arch, "kernel": name, "mangled": fn, "regs": r.get("REG", 0), "stack": r.get("STACK", 0),
+            "local": r.get("LOCAL", 0), "static_smem": static_smem, "dynamic_smem": dyn,
+            "threads": threads, "threads_from": threads_from if threads else "unknown",
+            **{k.lower(): counts.get(k, 0) for k in SASS_KEYS},
+        }
+        spec = GPU_SPECS.get(arch.rstrip("a"))
+        if spec and threads:
+            occ = occupancy(spec, row["regs"], threads, static_smem + dyn)
+            row.update(occ, gpu=spec["gpu"])
+        row["local_memory"] = bool(row["stl"] or row["ldl"] or row["stack"] or row["local"])
+        rows.append(row)
+    return rows
+
+
+def kb(n: int) -> str:
+    return f"{n / 1024:.1f}K" if n else "0"
+
+
+COLUMNS = [  # (header, width, row -> text)
+    ("kernel", 56, lambda r: r["kernel"]),
+    ("regs", 4, lambda r: str(r["regs"])),
+    ("stack", 5, lambda r: str(r["stack"])),
+    ("local", 5, lambda r: str(r["local"])),
+    ("smem", 6, lambda r: kb(r["static_smem"])),
+    ("dyn", 6, lambda r: kb(r["dynamic_smem"])),
+    ("thr", 4, lambda r: str(r["threads"] or "?") + ("*" if r["threads_from"] == "fallback" else "")),
+    ("cta/SM", 6, lambda r: str(r.get("ctas_per_sm", "-"))),
+    ("warps", 5, lambda r: str(r.get("warps_per_sm", "-"))),
+    ("occ", 4, lambda r: f"{round(100 * r['occupancy'])}%" if "occupancy" in r else "-"),
+    ("limit", 12, lambda r: r.get("limiter", "-")),
+    ("LDG128", 6, lambda r: str(r["ldg128"])),
+    ("LDGSTS", 6, lambda r: str(r["ldgsts"])),
+    ("LDSM", 4, lambda r: str(r["ldsm"])),
+    ("HMMA", 4, lambda r: str(r["hmma"])),
+    ("HGMMA", 5, lambda r: str(r["hgmma"])),
+    ("SHFL", 4, lambda r: str(r["shfl"])),
+    ("BAR", 3, lambda r: str(r["bar"])),
+    ("STL", 3, lambda r: str(r["stl"])),
+    ("LDL", 3, lambda r: str(r["ldl"])),
+]
+
+
+def format_table(arch: str, rows: list[dict]) -> str:
+    spec = GPU_SPECS.get(arch.rstrip("a"))
+    gpu = f"occupancy on {spec['gpu']}" if spec else "no occupancy: arch not in GPU_SPECS"
+    width = max([COLUMNS[0][1], *(len(r["kernel"]) for r in rows)])
+    cols = [(h, width if i == 0 else w, f) for i, (h, w, f) in enumerate(COLUMNS)]
+    lines = [f"== {arch} ({len(rows)} kernels; {gpu}; smem/dyn = static/dynamic shared per CTA, "
+             f"thr* = threads from the fallback table)"]
+    lines.append(" ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w, _) in enumerate(cols)))
+    for r in rows:
+        lines.append(" ".join(f(r).ljust(w) if i == 0 else f(r).rjust(w) for i, (_, w, f) in enumerate(cols)))
+    return "\n".join(lines)
+
+
+def default_so() -> Path | None:
+    cands = glob.glob(str(REPO / "arkernels" / "_C*.so"))
+    if not cands:
+        spec = importlib.util.find_spec("arkernels")  # top-level: found without importing (no torch import)
+        if spec and spec.origin:
+            cands = glob.glob(str(Path(spec.origin).parent / "_C*.so"))
+    return Path(max(cands, key=os.path.getmtime)) if cands else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--so", type=Path, default=None, help="extension to inspect (default: arkernels/_C*.so)")
+    ap.add_argument("--arch", action="append", default=None,
+                    help="cubin arch to report (sm_90); repeat for several; default: every arch in the .so")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows (all columns) to this JSON file")
+    args = ap.parse_args(argv)
+
+    so = args.so or default_so()
+    if so is None or not so.is_file():
+        print(f"sass_report: extension not found ({so or 'arkernels/_C*.so'}): build it first", file=sys.stderr)
+        return 2
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if cuobjdump is None:
+        print("sass_report: cuobjdump not found: set CUOBJDUMP, install triton (its wheel ships it) or a CUDA "
+              "toolkit that has it", file=sys.stderr)
+        return 2
+    try:
+        listing = run_cuobjdump(cuobjdump, nvdisasm, ["-lelf", str(so)])
+        in_so = sorted(set(re.findall(r"\.(sm_\d+a?)\.cubin", listing)))
+        archs = args.arch or in_so
+        missing = [a for a in archs if a not in in_so]
+        if not in_so or missing:
+            print(f"sass_report: {so.name} holds cubins for {in_so or 'no arch'}; asked for {archs}. Build with "
+                  "ARKERNELS_CUDA=1 and TORCH_CUDA_ARCH_LIST covering them.", file=sys.stderr)
+            return 2
+        res_text = run_cuobjdump(cuobjdump, nvdisasm, ["-res-usage", str(so)])
+        elf_text, sass_text = [], []
+        for a in archs:  # -arch keeps cuobjdump from disassembling archs nobody asked for
+            elf_text.append(run_cuobjdump(cuobjdump, nvdisasm, ["-elf", "-arch", a, str(so)]))
+            sass_text.append(run_cuobjdump(cuobjdump, nvdisasm, ["-sass", "-arch", a, str(so)]))
+    except (OSError, RuntimeError) as e:
+        print(f"sass_report: {e}", file=sys.stderr)
+        return 2
+
+    res = {k: v for k, v in parse_res_usage(res_text).items() if k[0] in archs}
+    max_threads, reserved_archs = parse_elf("\n".join(elf_text))
+    sass = parse_sass("\n".join(sass_text))
+    names = demangle(sorted({fn for _, fn in res}))
+    rows = build_rows(res, max_threads, reserved_archs, sass, names)
+
+    print(f"sass_report: {so} (cuobjdump: {cuobjdump})")
+    for a in archs:
+        print(format_table(a, [r for r in rows if r["arch"] == a]))
+    bad = [r for r in rows if r["local_memory"]]
+    unknown = [r for r in rows if r["threads"] is None]
+    for r in rows:
+        if r["smem_ops"] and not r["static_smem"] and not r["dynamic_smem"]:
+            print(f"warning: {r['arch']} {r['kernel']}: accesses shared memory but has no static shared memory and "
+                  "no DYNAMIC_SMEM entry: add one, or its occupancy is overstated")
+    for r in unknown:
+        print(f"warning: {r['arch']} {r['kernel']}: no __launch_bounds__ and no FALLBACK_THREADS entry: "
+              "occupancy not computed")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"so": str(so), "archs": archs, "rows": rows}, indent=1) + "\n")
+    for r in bad:
+        print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']} ({r['stl_bytes']} B), "
+              f"LDL {r['ldl']} ({r['ldl_bytes']} B), stack {r['stack']} B, local {r['local']} B")
+    n_k = len({r["kernel"] for r in rows})
+    print(f"summary: {len(rows)} kernel cubins ({n_k} kernels x {len(archs)} archs), {len(bad)} with local memory "
+          f"or spills, max regs {max((r['regs'] for r in rows), default=0)}, "
+          f"HMMA in {sum(1 for r in rows if r['hmma'])}, LDGSTS in {sum(1 for r in rows if r['ldgsts'])}, "
+          f"LDSM in {sum(1 for r in rows if r['ldsm'])}, HGMMA in {sum(1 for r in rows if r['hgmma'])}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""scripts/sass_report.py's parsers and occupancy arithmetic on stored cuobjdump text (no .so, no GPU, < 1 s).
+
+The samples are cut from cuobjdump 13.1's output on our extension (sm_80 + sm_90 cubins); one invented kernel
+(`spilly_kernel`, with STL/LDL and a stack frame) exercises the failure path.
+"""
+import importlib.util
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("sass_report", ROOT / "scripts" / "sass_report.py")
+sr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sr)
+
+NS_WA = "_ZN9arkernels52_GLOBAL__N__b279223b_19_window_attention_cu_db9532b5"
+DECODE = NS_WA + "30window_attention_decode_kernelI6__halfLi128EEEvNS0_6ParamsE"
+PREFILL = NS_WA + "31window_attention_prefill_kernelI6__halfLi128ELi64EEEvNS0_6ParamsE"
+GATHER = ("_ZN9arkernels44_GLOBAL__N__d47db4b3_11_paged_kv_cu_098fbcbe22paged_kv_gather_kernelI5uint4EEvPKT_S5_PKiS7_"
+          "PS3_S8_lllliiillllll")
+SPILLY = "_Z13spilly_kernelPf"
+
+RES_USAGE = f"""
+Fatbin elf code:
+================
+arch = sm_80
+code version = [1,8]
+host = linux
+compile_size = 64bit
+
+Resource usage:
+ Common:
+  GLOBAL:28 CONSTANT[4]:224
+ Function {DECODE}:
+  REG:72 STACK:0 SHARED:22144 LOCAL:0 CONSTANT[0]:576 TEXTURE:0 SURFACE:0 SAMPLER:0
+
+Fatbin elf code:
+================
+arch = sm_90
+code version = [1,8]
+host = linux
+compile_size = 64bit
+
+Resource usage:
+ Function {PREFILL}:
+  REG:128 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:752 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function {DECODE}:
+  REG:72 STACK:0 SHARED:23168 LOCAL:0 CONSTANT[0]:752 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function {GATHER}:
+  REG:30 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:496 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function {SPILLY}:
+  REG:255 STACK:16 SHARED:0 LOCAL:0 CONSTANT[0]:360 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+ELF = f"""
+Fatbin elf code:
+================
+arch = sm_90
+code version = [1,8]
+host = linux
+compile_size = 64bit
+
+64-bit ELF: type=ET_EXEC, ABI=8, sm=90, toolkit=13.0, flags=0x6005a04
+Sections:
+   64  c2e80   5a80  0 80                       NOBITS       43    0       4a .nv.shared.{DECODE}
+.section .symtab
+ 0x5               0             0x4     0x21        0      0     .nv.reservedSmem.offset0
+
+.nv.info
+\t<0x1>
+\tAttribute:\tEIATTR_REGCOUNT
+\tFormat:\tEIFMT_SVAL
+\tValue:\tfunction: {DECODE}(0x3e)\tregister count: 72
+
+.nv.info.{GATHER}
+\t<0x1>
+\tAttribute:\tEIATTR_KPARAM_INFO
+\tFormat:\tEIFMT_SVAL
+\tValue:\tIndex : 0x0\tOrdinal : 0x12\tOffset  : 0x88\tSize    : 0x8
+\t<0x2>
+\tAttribute:\tEIATTR_CRS_STACK_SIZE
+\tFormat:\tEIFMT_SVAL
+\tValue:\t0x0 
+
+.nv.info.{PREFILL}
+\t<0x5>
+\tAttribute:\tEIATTR_MAXREG_COUNT
+\tFormat:\tEIFMT_HVAL
+\tValue:\t0x80
+\t<0x11>
+\tAttribute:\tEIATTR_MAX_THREADS
+\tFormat:\tEIFMT_SVAL
+\tValue:\t0x80 0x1 0x1 
+
+.nv.info.{DECODE}
+\t<0x11>
+\tAttribute:\tEIATTR_MAX_THREADS
+\tFormat:\tEIFMT_SVAL
+\tValue:\t0x40 0x2 0x1 
+
+.nv.info.{SPILLY}
+\t<0x11>
+\tAttribute:\tEIATTR_MAX_THREADS
+\tFormat:\tEIFMT_SVAL
+\tValue:\t0x100 0x1 0x1 
+"""
+
+
+def _insn(addr, text):
+    return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000001016087981 */\n" \
+           f"                                                                /* 0x000fe20000000800 */\n"
+
+
+SASS = f"""
+Fatbin elf code:
+================
+arch = sm_90
+code version = [1,8]
+host = linux
+compile_size = 64bit
+
+\tcode for sm_90
+\t.target\tsm_90
+
+\t\tFunction : {PREFILL}
+\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+""" + "".join(_insn(16 * i, t) for i, t in enumerate([
+    "LDG.E.128.CONSTANT R8, desc[UR16][R22.64]",
+    "@P0 LDG.E.128 R28, desc[UR12][R32.64]",
+    "LDG.E.U16 R4, desc[UR4][R2.64]",
+    "STG.E.128 desc[UR4][R2.64], R8",
+    "LDSM.16.M88.4 R4, [R3]",
+    "@!P1 LDSM.16.MT88.4 R8, [R3+0x400]",
+    "HMMA.16816.F32 R16, R4, R8, R16",
+    "HFMA2.MMA R3, -RZ, RZ, 0, 0",  # a half2 FMA on the MMA pipe, not a tensor-core op
+    "LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64]",
+    "BAR.SYNC.DEFER_BLOCKING 0x0",
+    "SHFL.BFLY PT, R5, R4, 0x1, 0x1f",
+    "EXIT",
+])) + f"""
+\t\tFunction : {SPILLY}
+\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+""" + "".join(_insn(16 * i, t) for i, t in enumerate([
+    "STL.64 [R1], R4",
+    "@P0 LDL R6, [R1+0x8]",
+    "HGMMA.64x128x16.F32 R24, gdesc[UR4], R24",
+    "EXIT",
+]))
+
+
+def test_parse_res_usage_splits_archs():
+    res = sr.parse_res_usage(RES_USAGE)
+    assert res[("sm_80", DECODE)]["SHARED"] == 22144
+    assert res[("sm_90", DECODE)]["SHARED"] == 23168
+    assert res[("sm_90", PREFILL)]["REG"] == 128
+    assert res[("sm_90", SPILLY)]["STACK"] == 16
+    assert len(res) == 5
+
+
+def test_parse_elf_max_threads_and_reserved_smem():
+    max_threads, reserved = sr.parse_elf(ELF)
+    assert max_threads == {("sm_90", PREFILL): 128, ("sm_90", DECODE): 128, ("sm_90", SPILLY): 256}
+    assert reserved == {"sm_90"}
+
+
+def test_parse_sass_counts():
+    sass = sr.parse_sass(SASS)
+    p, s = sass[("sm_90", PREFILL)], sass[("sm_90", SPILLY)]
+    assert (p["LDG128"], p["STG128"], p["LDSM"], p["HMMA"], p["LDGSTS"], p["BAR"], p["SHFL"]) == (2, 1, 2, 1, 1, 1, 1)
+    assert (p["HGMMA"], p["STL"], p["LDL"], p["insns"]) == (0, 0, 0, 12)
+    assert (s["STL"], s["LDL"], s["HGMMA"], s["HMMA"], s["insns"]) == (1, 1, 1, 0, 4)
+    assert (s["stl_bytes"], s["ldl_bytes"], p["stl_bytes"]) == (8, 4, 0)  # STL.64, LDL
+
+
+def test_short_name():
+    name = sr.short_name("void arkernels::(anonymous namespace)::window_attention_prefill_kernel<__half, 128, 64>"
+                         "(arkernels::(anonymous namespace)::Params)")
+    assert name == "window_attention_prefill_kernel<__half, 128, 64>"
+    assert sr.short_name("void arkernels::(anonymous namespace)::paged_kv_append_kernel<uint4, long>(uint4 const*, "
+                         "long const*, long)") == "paged_kv_append_kernel<uint4, long>"
+    assert sr.short_name("spilly_kernel(float*)") == "spilly_kernel"
+
+
+def test_prefill_tile_smem_matches_source_comment():
+    # window_attention's resource table: 71.2 KB (D=64), 111.2 KB (D=128), 81.8 KB (D=128, BN=32), 145.8 KB (D=256)
+    assert [sr.prefill_tile_smem(d, bn) for d, bn in [(64, 64), (128, 64), (128, 32), (256, 32)]] == \
+        [72960, 113920, 83712, 149248]
+
+
+@pytest.mark.parametrize("arch,regs,threads,smem,ctas,limiter", [
+    ("sm_90", 72, 128, 22144, 7, "regs"),              # decode D=128: 2304 regs/warp, 7 warps per sub-partition
+    ("sm_90", 96, 128, 42624, 5, "regs/smem"),         # decode D=256: (42624 + 1024) B -> 5 in 228 KB
+    ("sm_80", 96, 128, 42624, 3, "smem"),              # same on A100's 164 KB
+    ("sm_90", 128, 128, 113920, 2, "smem"),            # prefill D=128 BN=64
+    ("sm_80", 128, 128, 113920, 1, "smem"),
+    ("sm_90", 30, 256, 0, 8, "threads/regs"),          # 32 regs/thread after rounding: 64 warps either way
+    ("sm_90", 24, 32, 0, 32, "ctas"),                 # one-warp CTAs: the 32-CTA cap binds
+    ("sm_90", 32, 128, 232448 + 1, 0, "smem"),         # over the 227 KB opt-in: cannot launch
+    ("sm_80", 255, 1024, 0, 0, "regs"),                # 255 x 1024 > 64K registers per block
+])
+def test_occupancy(arch, regs, threads, smem, ctas, limiter):
+    occ = sr.occupancy(sr.GPU_SPECS[arch], regs, threads, smem)
+    assert (occ["ctas_per_sm"], occ["limiter"]) == (ctas, limiter)
+    assert occ["warps_per_sm"] == ctas * threads // 32
+
+
+needs_cxxfilt = pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt (binutils) not installed")
+
+
+@needs_cxxfilt
+def test_build_rows():
+    res = sr.parse_res_usage(RES_USAGE)
+    max_threads, reserved = sr.parse_elf(ELF)
+    names = sr.demangle(sorted({fn for _, fn in res}))
+    rows = {(r["arch"], r["kernel"]): r for r in sr.build_rows(res, max_threads, reserved, sr.parse_sass(SASS), names)}
+    dec90, dec80 = rows[("sm_90", "window_attention_decode_kernel<__half, 128>")], \
+        rows[("sm_80", "window_attention_decode_kernel<__half, 128>")]
+    assert dec90["static_smem"] == dec80["static_smem"] == 22144  # sm_90's in-cubin 1 KB reservation taken out
+    assert (dec90["threads"], dec90["threads_from"]) == (128, "launch_bounds")  # 64 x 2 x 1
+    assert (dec80["threads"], dec80["threads_from"]) == (128, "fallback")
+    pre = rows[("sm_90", "window_attention_prefill_kernel<__half, 128, 64>")]
+    assert (pre["static_smem"], pre["dynamic_smem"], pre["ctas_per_sm"], pre["hmma"]) == (0, 113920, 2, 1)
+    gat = rows[("sm_90", "paged_kv_gather_kernel<uint4>")]
+    assert (gat["threads"], gat["threads_from"], gat["dynamic_smem"]) == (256, "fallback", 0)
+    assert [k for k, r in rows.items() if r["local_memory"]] == [("sm_90", "spilly_kernel")]
+
+
+@needs_cxxfilt
+def test_main_with_stored_output_fails_on_local_memory(tmp_path, monkeypatch, capsys):
+    # A stand-in cuobjdump that prints the stored samples: the whole CLI path, exit status and JSON.
+    for name, text in [("lelf", "ELF file    1: x.1.sm_80.cubin\nELF file    2: x.2.sm_90.cubin\n"),
+                       ("res", RES_USAGE), ("elf", ELF), ("sass", SASS)]:
+        (tmp_path / f"{name}.txt").write_text(text)
+    fake = tmp_path / "cuobjdump"
+    fake.write_text(f"""#!/bin/sh
+d={tmp_path}
+case "$1" in -lelf) cat $d/lelf.txt;; -res-usage) cat $d/res.txt;; -elf) cat $d/elf.txt;; -sass) cat $d/sass.txt;;
+  *) exit 3;; esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"")
+    monkeypatch.setenv("CUOBJDUMP", str(fake))
+    out_json = tmp_path / "rows.json"
+    assert sr.main(["--so", str(so), "--arch", "sm_90", "--json", str(out_json)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL local memory: sm_90 spilly_kernel: STL 1 (8 B), LDL 1 (4 B), stack 16 B" in out
+    assert "window_attention_prefill_kernel<__half, 128, 64>" in out and "summary: 4 kernel cubins" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {r["arch"] for r in rows} == {"sm_90"} and len(rows) == 4
+    assert "warning" not in out
+    assert sr.main(["--so", str(so), "--arch", "sm_86"]) == 2  # an arch the .so lacks: an error, not a pass
+    # A kernel that touches shared memory with neither static nor tabled dynamic bytes is called out.
+    monkeypatch.setattr(sr, "DYNAMIC_SMEM", [])
+    capsys.readouterr()
+    assert sr.main(["--so", str(so), "--arch", "sm_90"]) == 1
+    assert "warning: sm_90 window_attention_prefill_kernel<__half, 128, 64>: accesses shared memory" in \
+        capsys.readouterr().out
