@@ -383,6 +383,38 @@ def test_window_attention_decode_traffic(device, heads, window):
     assert totals["block_table"][1] == totals["seq_lens"][1] == 0  # index tensors are never written
 
 
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("gpu", ["sm_80", "sm_89", "sm_90"])
+def test_window_attention_planning_per_gpu(device, gpu):
+    """The launch planning of each GPU in the emulator's table runs and stays right: split counts follow the SM
+    count (108 / 142 / 132), prefill takes 64-key tiles where 111.2 KB fit (sm_80, sm_90) and 32-key tiles on a
+    99 KB GPU (sm_89), where head_dim 256 prefill is refused with a clear error."""
+    import arkernels.simt
+
+    gen = torch.Generator().manual_seed(31)
+    lens = [700, 90]
+    k, v, table = _paged(lens, 16, 2, 128, torch.bfloat16, device, gen)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    with arkernels.simt.emulate(gpu):
+        query = torch.randn(2, 8, 128, generator=gen).bfloat16()
+        out, lse = window_attention(query, k, v, table, lens_t, return_lse=True)
+        _check(out, lse, query, k, v, table, lens, None, 0, 128 ** -0.5, 0.0)
+        cu = [0, 70, 90]
+        query = torch.randn(cu[-1], 8, 128, generator=gen).bfloat16()
+        out, lse = window_attention(query, k, v, table, lens_t, window=48, return_lse=True,
+                                    cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+        _check(out, lse, query, k, v, table, lens, cu, 48, 128 ** -0.5, 0.0)
+        k256 = torch.zeros(2, 16, 1, 256, dtype=torch.bfloat16)
+        args = (torch.zeros(2, 1, 256, dtype=torch.bfloat16), k256, k256, torch.zeros(1, 1, dtype=torch.int32),
+                torch.full((1,), 2, dtype=torch.int32))
+        if gpu == "sm_89":
+            with pytest.raises(RuntimeError, match="prefill with head_dim 256 needs 149248 bytes of shared memory"):
+                window_attention(*args, cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32))
+        else:
+            out = window_attention(*args, cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32))
+            assert bool((out == 0).all())  # zero values: zero output
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_window_attention_no_visible_keys(device):
     """seq_len 0 (decode at position -1) and a query left of kv_start: zeros and lse -inf, never NaN."""
