@@ -275,10 +275,12 @@ def test_w8a16_matmul_triton(dtype, M, K, N, tile):
 
 # w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K (5..16) with the ordered split reduction. Explicit small
 # configs keep the interpreter's grids at a few programs while still making several splits and N tiles: K = 600 is
-# not a multiple of the split (256 / 192: the last split is partial, and so is its last K tile), N = 130 not one
-# of the N tile (32 x 2 / 64).
-def _gemv_cfg(M):
-    return dict(BLOCK_M=triton.next_power_of_2(M), BLOCK_N=32, BLOCK_K=256, N_TILES=2, K_PER_SPLIT=256)
+# not a multiple of the split (2 x 128 / 192: the last split is partial, the GEMV's second half of it entirely past
+# K), N = 130 not one of the N tile (32 x 2 / 64). The GEMV's tensor-core dot (fp16/bf16) needs 16 rows; fp32 x
+# takes its FMA path with the rows rounded up to a power of two.
+def _gemv_cfg(M, dtype):
+    block_m = triton.next_power_of_2(M) if dtype == torch.float32 else 16
+    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, N_TILES=2, K_HALVES=2, K_PER_SPLIT=256)
 
 
 SPLITK_CFG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, N_TILES=1, K_PER_SPLIT=192)
@@ -289,8 +291,8 @@ DECODE_CASES = [  # (path, M, K, N, bias, strided x)
 ]
 
 
-def _decode_cfg(path, M):
-    return _gemv_cfg(M) if path == "gemv" else SPLITK_CFG
+def _decode_cfg(path, M, dtype):
+    return _gemv_cfg(M, dtype) if path == "gemv" else SPLITK_CFG
 
 
 @triton.jit
@@ -317,7 +319,7 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
         x = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]
         w = w.t().contiguous().t()
     d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
-    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=_decode_cfg(path, M), path=path)
+    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=_decode_cfg(path, M, dtype), path=path)
     _check_w8a16(out.cpu(), x, w, w_scale, bias)
 
 
@@ -328,7 +330,7 @@ def test_w8a16_decode_deterministic_and_default_config(path):
     M = 3 if path == "gemv" else 11
     x, w, w_scale, bias = _w8a16_case(M, 2000, 40, torch.bfloat16, gen)
     d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
-    cfg = tk.w8a16_decode_config(path, M, 40, 2000, tk._num_sms(torch.device(TRITON_DEVICE)))
+    cfg = tk.w8a16_decode_config(path, M, 40, 2000, tk._num_sms(torch.device(TRITON_DEVICE)), torch.bfloat16)
     assert triton.cdiv(2000, cfg["K_PER_SPLIT"]) > 1  # the reduction runs
     first = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
     second = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
