@@ -430,7 +430,7 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
 # ---------------------------------------------------------------------------------------------------------------
 # w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K tensor-core tiles (5..16), one deterministic reduction.
 # ---------------------------------------------------------------------------------------------------------------
-GEMV_MAX_M = 4  # up to 4 activation rows live in registers; beyond that a 16-row tensor-core tile wastes < 70%
+GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
 DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
 PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}  # enough programs that every SM has loads in flight (~23 KB per SM)
 REDUCE_BLOCK_N = 1024
