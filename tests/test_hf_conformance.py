@@ -19,6 +19,8 @@ import warnings
 import pytest
 import torch
 
+from transformers import DynamicCache
+
 import arkernels
 from arkernels.hf.cache import PagedCache
 from arkernels.hf.tiny import tiny_model
@@ -123,6 +125,7 @@ def test_generate_mode_matches_stock(family, mode):
         assert not isinstance(cache, PagedCache)
     else:
         assert isinstance(cache, PagedCache)  # the mode really ran on the paged cache
+        assert isinstance(cache, DynamicCache)  # user code that checks for the default cache type keeps working
         for layer, ref_layer in zip(cache.layers, _cache_of(ref).layers):  # the returned cache reads like stock's
             torch.testing.assert_close(layer.keys, ref_layer.keys, rtol=0, atol=1e-4)
             torch.testing.assert_close(layer.values, ref_layer.values, rtol=0, atol=1e-4)

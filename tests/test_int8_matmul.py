@@ -275,10 +275,9 @@ def test_w8a16_matmul_triton(dtype, M, K, N, tile):
 
 # w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K (5..16) with the ordered split reduction. Explicit small
 # configs keep the interpreter's grids at a few programs while still making several splits and N tiles: K = 600 is
-# not a multiple of the split (256 / 192: the last split is partial, and so is its last K tile), N = 130 not one
-# of the N tile (32 x 2 / 64).
-def _gemv_cfg(M):
-    return dict(BLOCK_M=triton.next_power_of_2(M), BLOCK_N=32, BLOCK_K=256, N_TILES=2, K_PER_SPLIT=256)
+# not a multiple of the split (2 x 128 / 192: the last split is partial, the GEMV's second half of it entirely past
+# K), N = 130 not one of the N tile (32 x 2 / 64). fp32 x is served by the tiled kernel unless forced, as here.
+GEMV_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, N_TILES=2, K_HALVES=2, K_PER_SPLIT=256)
 
 
 SPLITK_CFG = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, N_TILES=1, K_PER_SPLIT=192)
@@ -289,8 +288,6 @@ DECODE_CASES = [  # (path, M, K, N, bias, strided x)
 ]
 
 
-def _decode_cfg(path, M):
-    return _gemv_cfg(M) if path == "gemv" else SPLITK_CFG
 
 
 @triton.jit
@@ -317,7 +314,8 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
         x = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]
         w = w.t().contiguous().t()
     d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
-    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=_decode_cfg(path, M), path=path)
+    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=GEMV_CFG if path == "gemv" else SPLITK_CFG,
+                                 path=path)
     _check_w8a16(out.cpu(), x, w, w_scale, bias)
 
 
@@ -347,12 +345,12 @@ def test_w8a16_decode_empty_k(path):
 
 
 def test_w8a16_path_follows_m(monkeypatch):
-    """M <= 4: GEMV; 5..16: split-K (fp16/bf16; fp32 x has no tensor-core dot, so tiles); above: tiles. The
-    launcher really takes that path when no config is given."""
+    """M <= 4: GEMV; 5..16: split-K; above, and for fp32 x (no tensor-core dot): tiles. The launcher really takes
+    that path when no config is given."""
     want = {1: "gemv", 4: "gemv", 5: "splitk", 16: "splitk", 17: "tiled", 4096: "tiled"}
     for M, path in want.items():
         assert tk.w8a16_path(M, torch.bfloat16) == tk.w8a16_path(M, torch.float16) == path
-        assert tk.w8a16_path(M, torch.float32) == ("gemv" if M <= 4 else "tiled")
+        assert tk.w8a16_path(M, torch.float32) == "tiled"
     taken = []
     monkeypatch.setattr(tk, "_w8a16_decode", lambda path, *a: taken.append(path))
     monkeypatch.setattr(tk, "_launch", lambda *a: taken.append("tiled"))

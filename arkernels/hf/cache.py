@@ -44,7 +44,7 @@ from arkernels.kv_cache import BlockAllocator
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 except ImportError as e:  # pragma: no cover - transformers is an optional dependency
     raise ImportError("arkernels.hf needs transformers>=5.17: pip install 'arkernels[hf]'") from e
 
@@ -511,7 +511,7 @@ def _layer_windows(config) -> list[int]:
     return windows
 
 
-class PagedCache(Cache):
+class PagedCache(DynamicCache):
     """Paged K/V for every layer of a decoder, usable as ``past_key_values`` / ``cache`` of a transformers model.
 
     Args:
@@ -538,7 +538,10 @@ class PagedCache(Cache):
         self.num_rows = 0
         self.kv_start: torch.Tensor | None = None
         self.version = 0  # +1 on every change that the dense keys/values views must see
-        super().__init__(layers=[PagedLayer(self.groups[w], self) for w in windows])
+        # a DynamicCache to user code (isinstance checks, iteration over (keys, values)), but built as a plain Cache:
+        # DynamicCache adds only its layer-building __init__ and __iter__ (which reads the gathered keys / values);
+        # generate tests type(...) is DynamicCache, so it still treats this cache as a custom one
+        Cache.__init__(self, layers=[PagedLayer(self.groups[w], self) for w in windows])
         for i, layer in enumerate(self.layers):
             layer.layer_idx = i
 

@@ -43,7 +43,9 @@ def sampling_probs_ref(logits, temperature, top_k, top_p, min_p) -> torch.Tensor
             last = torch.searchsorted(s, s, right=True) - 1  # last position of each value's tie group
             drop = torch.empty(vocab, dtype=torch.bool)
             drop[order] = cum[last] <= torch.tensor(1.0, dtype=torch.float32) - torch.tensor(p, dtype=torch.float32)
-            keep &= ~drop
+            # min_tokens_to_keep=1: the top token (here its tie group) stays even when the fp32 total rounds
+            # to <= 1 - top_p (top_p 1e-6 over 6000 tokens)
+            keep &= ~drop | (q == q.max())
         q = torch.where(keep, torch.exp(z), torch.zeros(()))
         q = q / q.sum()
         mp = float(min_p[b])

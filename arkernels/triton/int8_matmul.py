@@ -16,12 +16,14 @@ length. Each bucket benchmarks only the configs of its family (:func:`m_class`: 
 BLOCK_M is not taller than the bucket (a 256-row tile at M = 128 computes half zeros). Large M uses the tensor
 cores: BLOCK_M % 64 == 0 and num_warps % 4 == 0 so Hopper emits int8 wgmma rather than mma.sync.
 
-W8A16 decode (M <= 16, :func:`w8a16_path`): the weight streams once and nothing else matters.
-- M <= 4: ``_w8a16_gemv_kernel``, no tensor cores. A program owns one BLOCK_K slice of K (its split) and keeps
-  the activation rows of that slice in registers (``[BLOCK_M, BLOCK_K]`` fp32, 16 registers at 4 x 512 over
-  128 threads) while it streams N_TILES weight tiles of ``[BLOCK_N, BLOCK_K]`` past them: x is read once per
-  N_TILES tiles, not once per tile, and only the M real rows (no 16-row padding).
-- 5 <= M <= 16 (fp16/bf16): ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of
+W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once and nothing else matters.
+- M <= 4: ``_w8a16_gemv_kernel``. A program owns one BLOCK_K slice of K (its split) and keeps the activation
+  rows of that slice in registers (``[16, 512]`` bf16 as two dot operands: 32 registers per thread, rows past M
+  zero and never read) while it streams N_TILES weight tiles of ``[512, 32]`` past them through the tensor cores:
+  x is read once per N_TILES tiles, not once per tile. The K reduction on the tensor cores matters: the sm_90
+  SASS of an fp32 FMA + shuffle-reduction version of this loop had 9.7 instructions per weight at M = 1 and 21.7
+  at M = 4, past the ~7.7 an SM can issue per weight byte at 4.3 TB/s (128 lanes/clk / 16.5 B/clk).
+- 5 <= M <= 16: ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of
   K_PER_SPLIT; K is split so that about two programs per SM exist even for N = 4096 (64 N tiles of 64), unless
   the split workspace would pass 10% of the weight bytes (K = 4096 at M = 16: 3 splits, 192 programs).
 - Split-K reduction: partial fp32 sums go to a ``[SPLIT_K, M, N]`` workspace and ``_splitk_reduce_kernel`` adds
@@ -32,12 +34,11 @@ W8A16 decode (M <= 16, :func:`w8a16_path`): the weight streams once and nothing 
 - int8 -> float: no per-element I2F (a quarter-rate unit on sm_90), :func:`_int8_to`. Triton 3.6 already lowers
   ``w.to(bf16)`` of an int8 tile to the byte-permute / magic-number sequence, two lanes per instruction (sm_90
   offline compile: 64 weights per thread -> 32 HADD2 + ~33 PRMT, 2 I2F in the whole kernel), but ``w.to(fp16)`` to
-  one I2F per weight (64 I2F for the same tile): fp16 takes the magic number by hand (0 I2F, 32 HADD2). The
-  GEMV's fp32 FMAs take int8 -> bf16 -> fp32 (a shift): 0 I2F, where a direct int8 -> fp32 cast is 64.
+  one I2F per weight (64 I2F for the same tile): fp16 takes the magic number by hand (0 I2F, 32 HADD2).
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): autotuning is skipped (one fixed config per class, or the caller's),
-the W8A16 dots run in fp32 because the interpreter computes bf16 arithmetic wrongly, and the GEMV casts int8
-straight to fp32 (the interpreter's int8 -> bf16 cast gives NaN).
+and the W8A16 dots run in fp32 because the interpreter computes bf16 arithmetic wrongly (its int8 -> bf16 cast
+gives NaN too).
 """
 from __future__ import annotations
 
@@ -429,20 +430,19 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
 # ---------------------------------------------------------------------------------------------------------------
 # w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K tensor-core tiles (5..16), one deterministic reduction.
 # ---------------------------------------------------------------------------------------------------------------
-GEMV_MAX_M = 4  # up to 4 activation rows live in registers; beyond that a 16-row tensor-core tile wastes < 70%
+GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
 DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
 PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}  # enough programs that every SM has loads in flight (~23 KB per SM)
 REDUCE_BLOCK_N = 1024
 
 
 def w8a16_path(M: int, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Which w8a16 kernel serves M rows: ``"gemv"`` (M <= 4), ``"splitk"`` (5..16, fp16/bf16: fp32 x has no
-    tensor-core dot) or ``"tiled"`` (the autotuned tile kernel). A pure function of a shape: no host sync."""
-    if M <= GEMV_MAX_M:
-        return "gemv"
-    if M <= DECODE_MAX_M and dtype != torch.float32:
-        return "splitk"
-    return "tiled"
+    """Which w8a16 kernel serves M rows: ``"gemv"`` (M <= 4), ``"splitk"`` (5..16) or ``"tiled"`` (the autotuned
+    tile kernel; always for fp32 x, which has no tensor-core dot: its own shallow-K FMA tiles compile without
+    spills, the decode kernels' fp32 dots would not be). A pure function of a shape: no host sync."""
+    if dtype == torch.float32 or M > DECODE_MAX_M:
+        return "tiled"
+    return "gemv" if M <= GEMV_MAX_M else "splitk"
 
 
 @functools.lru_cache(maxsize=None)
@@ -455,24 +455,27 @@ def _num_sms(device: torch.device) -> int:
 def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict:
     """Tile sizes and split of a decode kernel, from the shape alone (no autotuning: same bits every run).
 
-    gemv: BLOCK_K 512 (1024 for K > 8192, which halves the partial sums of the down projection) and BLOCK_N so
-    that a weight tile is 8 KB (64 B per thread at 4 warps); SPLIT_K = cdiv(K, BLOCK_K); N_TILES (weight tiles per
-    program, sharing its x slice) as large as keeps PROGRAMS_PER_SM programs per SM. Llama-8B on 132 SMs:
-    4096x14336 -> 14 splits x 64 programs, 14336x4096 -> 8 x 112, 4096x4096 -> 8 x 128.
+    gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512);
+    N_TILES (weight tiles per program, sharing its x slice) as large as keeps PROGRAMS_PER_SM programs per SM.
+    BLOCK_M 16 (the dot's smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274
+    instead of 539 sm_90 loop instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272).
+    Llama-8B on 132 SMs: 4096x14336 -> 28 splits x 32 programs, 14336x4096 -> 8 x 112, 4096x4096 -> 8 x 128;
+    the workspace is 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
     splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K so that N tiles x splits ~ 2 programs per SM
     (4096x14336: 64 N tiles x 5 splits of 23 K blocks) unless the workspace would pass 10% of the weight bytes.
     """
     if path == "gemv":
-        block_k = max(32, min(1024 if K > 8192 else 512, triton.next_power_of_2(K)))
-        block_n = max(8, min(8192 // block_k, triton.next_power_of_2(N)))
+        block_k = max(32, min(256, triton.next_power_of_2(K)))
+        halves = 2 if K > block_k else 1
+        block_n = max(16, min(32, triton.next_power_of_2(N)))
         n_blocks = triton.cdiv(N, block_n)
-        split_k = triton.cdiv(K, block_k)
+        split_k = triton.cdiv(K, halves * block_k)
         n_tiles = 1
         while n_tiles < 16 and n_tiles < n_blocks and \
                 triton.cdiv(n_blocks, 2 * n_tiles) * split_k >= PROGRAMS_PER_SM["gemv"] * num_sms:
             n_tiles *= 2
-        return dict(BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles,
-                    K_PER_SPLIT=block_k, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
+                    K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=2)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = 64
     k_blocks = max(1, triton.cdiv(K, block_k))
@@ -502,44 +505,64 @@ def _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_
 
 
 @triton.jit
-def _w8a16_gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,  # as _w8a16_matmul_kernel; part fp32 [SPLIT_K, M, N]
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > BLOCK_K, partial sums to part_ptr
-    EVEN_K: tl.constexpr,  # BLOCK_K divides K: no K masks
-    INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
-):
-    """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, BLOCK_K))``: program (i, s) holds x[:, s*BLOCK_K:(s+1)*BLOCK_K]
-    in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of split s with
-    fp32 FMAs (exact products; no tensor-core padding of M)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+def _gemv_load(x_ptr, w_ptr, rm, rk, M, K, stride_xm, stride_xk, stride_wk, EVEN_K: tl.constexpr):
+    """x rows ``rm`` (past M: zeros, never read) at K lanes ``rk`` -> ``[BLOCK_M, BLOCK_K]``, and the K-lane offsets
+    of the weight (``[BLOCK_K, 1]``: the tile is read K-major, as a dot's B operand)."""
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :].to(tl.int64) * stride_xk
     if EVEN_K:
         x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
     else:
         x = tl.load(x_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-    x = x.to(tl.float32)  # [BLOCK_M, BLOCK_K], read once for N_TILES weight tiles
-    w_k = w_ptr + rk[None, :].to(tl.int64) * stride_wk
+    return x, w_ptr + rk[:, None].to(tl.int64) * stride_wk
+
+
+@triton.jit
+def _gemv_step(acc, x, w_k, ln, rk, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``acc [16, BLOCK_N] += x [16, BLOCK_K] @ w[ln, rk].T`` for one weight tile ``[BLOCK_K, BLOCK_N]``."""
+    w_ptrs = w_k + ln[None, :].to(tl.int64) * stride_wn
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=rk[:, None] < K, other=0)
+    if DOT_FP32:
+        acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, _int8_to(w, x.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _w8a16_gemv_kernel(
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,  # as _w8a16_matmul_kernel; part fp32 [SPLIT_K, M, N]
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > K_HALVES * BLOCK_K, partial sums to part_ptr
+    EVEN_K: tl.constexpr,  # K_HALVES * BLOCK_K divides K: no K masks
+    DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (bf16 arithmetic is wrong there): the dot in fp32
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+    K_HALVES: tl.constexpr,  # 1 or 2 x slices of BLOCK_K per program: 2 halves the split workspace
+):
+    """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, K_HALVES * BLOCK_K))``: program (i, s) holds the x slice of
+    split s in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of it, one
+    ``[K_HALVES * BLOCK_K, BLOCK_N]`` weight tile at a time."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rk0 = pid_k * (K_HALVES * BLOCK_K) + tl.arange(0, BLOCK_K)
+    rk1 = rk0 + BLOCK_K
+    x0, w_k0 = _gemv_load(x_ptr, w_ptr, rm, rk0, M, K, stride_xm, stride_xk, stride_wk, EVEN_K)
+    x1, w_k1 = _gemv_load(x_ptr, w_ptr, rm, rk1 if K_HALVES == 2 else rk0, M, K, stride_xm, stride_xk, stride_wk,
+                          EVEN_K)  # K_HALVES 1: an unused copy of the first half, compiled out
+    if DOT_FP32:
+        x0 = x0.to(tl.float32)
+        x1 = x1.to(tl.float32)
     for t in range(N_TILES):
         rn = (pid_n * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         ln = tl.where(rn < N, rn, 0)  # past-the-edge columns read column 0 (valid), masked at the store
-        w_ptrs = w_k + ln[:, None].to(tl.int64) * stride_wn
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=rk[None, :] < K, other=0)
-        # int8 -> bf16 is triton's packed byte-permute conversion, bf16 -> fp32 a shift; both exact. A direct
-        # int8 -> fp32 is one I2F per weight (64 per tile per thread in the sm_90 SASS, a quarter-rate unit).
-        if INTERPRETER:  # its int8 -> bf16 cast gives NaN: straight to fp32 there (exact too)
-            wf = w.to(tl.float32)
-        else:  # 33 HADD2/HFMA2 + ~100 PRMT/LOP3 per 64 weights; via fp16 it is 96 HADD2
-            wf = _int8_to(w, tl.bfloat16).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        acc = tl.sum(x[:, None, :] * wf[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N], fixed reduction tree
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _gemv_step(acc, x0, w_k0, ln, rk0, K, stride_wn, EVEN_K, DOT_FP32)
+        if K_HALVES == 2:
+            acc = _gemv_step(acc, x1, w_k1, ln, rk1, K, stride_wn, EVEN_K, DOT_FP32)
         _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                      HAS_BIAS, SPLIT)
 
@@ -614,19 +637,20 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config):
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
     k_per_split = cfg.pop("K_PER_SPLIT", cfg["BLOCK_K"])
     if path == "gemv":
-        assert k_per_split == cfg["BLOCK_K"], "gemv: one BLOCK_K slice of K per program"
+        assert k_per_split == cfg["BLOCK_K"] * cfg["K_HALVES"], "gemv: one x slice of K_HALVES * BLOCK_K per program"
     split_k = triton.cdiv(K, k_per_split) if K > 0 else 1
     # K == 0: one split of nothing (zeros, then scale and bias), not an empty grid that leaves out unwritten
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
     args = (x, w, w_scale, bias_arg, out, part, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             out.stride(0), out.stride(1))
-    flags = dict(HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=K > 0 and K % cfg["BLOCK_K"] == 0)
+    flags = dict(HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=K > 0 and K % k_per_split == 0)
     if path == "gemv":
         grid = (triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]), split_k)
-        _w8a16_gemv_kernel[grid](*args, **flags, INTERPRETER=interpreting(), **cfg, **launch)
+        _w8a16_gemv_kernel[grid](*args, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
     else:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        cfg.pop("K_HALVES", None)
         _w8a16_splitk_kernel[grid](*args, k_per_split, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
     if split_k > 1:
         _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK_N))](

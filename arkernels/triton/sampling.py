@@ -19,7 +19,8 @@ distribution (``sampling_probs``), with transformers' semantics (see arkernels/o
      set's mass). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
      column order; each program's offset is the candidate count of the programs before it, read from their
      histograms (exact integers: deterministic, no atomics). More than ``cap`` candidates: the row is
-     flagged and falls back.
+     flagged and falls back; if it needs no search (no top-k, no top-p), these programs run the race over
+     their own columns instead (the winners merge in the draw kernel), so it still reads the row twice.
   3. ``sampling_draw_kernel``, grid ``(batch,)``: the exact top-k / top-p / min-p thresholds and the draw,
      on the <= cap candidates (fast path) or, for a flagged row, on the whole row (the full-row search).
      Both give the same token: top-k counts are exact on either set and the race scores are the same
@@ -40,8 +41,9 @@ that sum is ``<= 1 - top_p`` in fp32 -- transformers' own row ``log([0.3, 0.1, 0
 drops both 0.1 tokens, where comparing the mass above (0.8000000042) with fp32 0.8 (0.8000000119) kept
 them. min-p needs no search: ``p_i >= min_p * p_max  <=>  exp(z_i) >= min_p``.
 
-Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback 1 + the search
-passes (top-k: 1 per search pass, top-p: 1 for the mass with top-k + its search passes) + 1 (draw).
+Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback without top-k and
+top-p 2 (stats + split race); other fallbacks 1 + the search passes (top-k: 1 per search pass, top-p: 1 for
+the mass with top-k + its search passes) + 1 (draw).
 
 Why an exponential race for the draw: ``argmax_i z_i - log(E_i)`` with ``E_i ~ Exp(1)`` draws ``i`` with
 probability ``p_i`` (Gumbel-max); it needs no normalisation, no prefix sum and one pass, and ``E_i``
@@ -262,12 +264,13 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z,
 
 
 @triton.jit
-def _race(base, idx_ptr, n, m, T, tk, tp, min_p, key, USE_IDX: tl.constexpr, BLOCK: tl.constexpr):
-    """The exponential race over the kept tokens of ``base[:n]``: the winner's vocab column (its index, or
-    ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend along ``base``)."""
+def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, USE_IDX: tl.constexpr, BLOCK: tl.constexpr):
+    """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab
+    column)`` (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend
+    along ``base``)."""
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.zeros((), tl.int32)
-    for start in range(0, n, BLOCK):
+    for start in range(first, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         x = _load_row(base, offs, mask)
@@ -282,7 +285,7 @@ def _race(base, idx_ptr, n, m, T, tk, tp, min_p, key, USE_IDX: tl.constexpr, BLO
         bi = tl.min(tl.where(keep & (score == bs), cols, 2147483647), axis=0)
         best_i = tl.where(bs > best, bi, best_i)
         best = tl.maximum(best, bs)
-    return best_i
+    return best, best_i
 
 
 @triton.jit
@@ -387,7 +390,9 @@ def sampling_compact_kernel(
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [batch] fp32, int32, fp32, fp32
     cmax_ptr, carg_ptr, csum_ptr, hist_ptr,  # from sampling_stats_kernel
     cval_ptr, cidx_ptr,  # [batch, CAP] fp32, int32: candidates (logit, column) in column order
-    ncand_ptr,  # [batch] int32: candidate count, -1: fallback
+    ncand_ptr,  # [batch] int32: candidate count; -1: full-row fallback; -2: fallback raced here (no search)
+    seed_ptr, step_ptr,  # [batch] int64
+    rbest_ptr, rcol_ptr,  # [batch, S] fp32, int32: each program's race winner (score, column) when ncand is -2
     passes_ptr,
     NCHUNK, CPS, S, CAP,
     BLOCK: tl.constexpr, NCP: tl.constexpr, DEBUG: tl.constexpr,
@@ -414,8 +419,21 @@ def sampling_compact_kernel(
             total += ct
             before += tl.where(t < s, ct, 0)
         fast = (~low) & (total <= CAP)
+        # a row that overflows but needs no search (no top-k, no top-p: temperature / min-p on a flat row)
+        # races here, split like the stats pass, instead of in one program of the draw kernel
+        split_race = (~fast) & ((k <= 0) | (k >= V)) & (p >= 1.0)
         if s == 0:
-            tl.store(ncand_ptr + row, tl.where(fast, total, -1))
+            tl.store(ncand_ptr + row, tl.where(fast, total, tl.where(split_race, -2, -1)))
+        if split_race:
+            ninf = tl.full((), float("-inf"), tl.float32)
+            first = s * CPS * BLOCK
+            sc, col = _race(base, base, first, tl.minimum(first + CPS * BLOCK, V), m, Tg, ninf, ninf, min_p,
+                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), False, BLOCK)
+            tl.store(rbest_ptr + row * S + s, sc)
+            tl.store(rcol_ptr + row * S + s, col)
+            if DEBUG:
+                if s == 0:
+                    tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
         if fast:
             pos = before
             for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
@@ -440,12 +458,12 @@ def sampling_draw_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,
     seed_ptr, step_ptr,  # [batch] int64
-    cmax_ptr, carg_ptr, csum_ptr, cval_ptr, cidx_ptr, ncand_ptr,  # from the kernels above
+    cmax_ptr, carg_ptr, csum_ptr, cval_ptr, cidx_ptr, ncand_ptr, rbest_ptr, rcol_ptr,  # from the kernels above
     ids_ptr, valid_ptr,  # [batch] int64, bool
     passes_ptr,
-    NCHUNK, CAP,
+    NCHUNK, CAP, S,
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr,
-    NCP: tl.constexpr, DEBUG: tl.constexpr,
+    NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
@@ -474,12 +492,17 @@ def sampling_draw_kernel(
                 Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, Tg)), 0.0), axis=0)
             tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z,
                                      BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            best_i = _race(cb, cidx_ptr + row * CAP, n, m, Tg, tk, tp, min_p, key, True, BLOCK)
+            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, True, BLOCK)
+        elif n == -2:  # raced by the compaction programs: the best score, ties to the first program
+            j = tl.arange(0, SP)
+            sc = tl.load(rbest_ptr + row * S + j, mask=j < S, other=float("-inf"))
+            col = tl.load(rcol_ptr + row * S + j, mask=j < S, other=2147483647)
+            best_i = tl.min(tl.where((j < S) & (sc == tl.max(sc, axis=0)), col, 2147483647), axis=0)
         else:
             ninf = tl.full((), float("-inf"), tl.float32)
             tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z,
                                      BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            best_i = _race(base, base, V, m, Tg, tk, tp, min_p, key, False, BLOCK)
+            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, False, BLOCK)
             if DEBUG:
                 tl.store(passes_ptr + row, tl.load(passes_ptr + row) + npass + 1)
     tl.store(ids_ptr + row, best_i.to(tl.int64))
@@ -572,8 +595,8 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, *, cap: 
 
     ``cap``: candidates per row on the fast path; ``splits``: programs per row (default
     ``sampling_splits``); both change no token. ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
-    the row's candidate count (-1: it took the full-row fallback; 0: greedy / no finite logit) and its
-    full-row passes."""
+    the row's candidate count (-1: it took the full-row fallback; -2: the fallback without a search, raced by
+    the split programs; 0: greedy / no finite logit) and its full-row passes."""
     batch, vocab = logits.shape
     dev = logits.device
     ids = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -587,6 +610,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, *, cap: 
     hist = torch.empty(batch, S, NB.value, **i32)
     cval, cidx = torch.empty(batch, cap, **f32), torch.empty(batch, cap, **i32)
     ncand = torch.empty(batch, **i32)
+    rbest, rcol = torch.empty(batch, S, **f32), torch.empty(batch, S, **i32)
     passes = torch.zeros(batch if debug else 1, **i32)
     ncp = triton.next_power_of_2(nchunk)
     if batch > 0 and vocab > 0:
@@ -596,12 +620,13 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, *, cap: 
                 nchunk, cps, S, BLOCK=STATS_BLOCK, DEBUG=debug, num_warps=16)  # see STATS_BLOCK
             sampling_compact_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist,
-                cval, cidx, ncand, passes, nchunk, cps, S, cap, BLOCK=STATS_BLOCK, NCP=ncp, DEBUG=debug,
-                num_warps=8)
+                cval, cidx, ncand, seed, step, rbest, rcol, passes, nchunk, cps, S, cap, BLOCK=STATS_BLOCK,
+                NCP=ncp, DEBUG=debug, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 4 B spilled)
             sampling_draw_kernel[(batch,)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
-                cmax, carg, csum, cval, cidx, ncand, ids, valid, passes, nchunk, cap,
+                cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, nchunk, cap, S,
                 BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp,
+                SP=triton.next_power_of_2(S),
                 DEBUG=debug, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 128, 8 B spilled)
     if debug:
         return ids, valid, (ncand, passes)
