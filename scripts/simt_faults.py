@@ -104,7 +104,13 @@ FAULTS += [
           "lo = max64(lo, i - p.window)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: wrong shuffle offset in the score reduction", _WA, "dot += __shfl_xor_sync(0xffffffffu, dot, 4);",
           "dot += __shfl_xor_sync(0xffffffffu, dot, 16);", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: accumulator not zeroed", _WA, "    for (int x = 0; x < 8; ++x) acc[r][x] = 0.f;\n", "",
+    # Not caught, and why: the first tile's rescale (alpha = 0 while the running max is -inf) zeroes any finite
+    # garbage, and the emulator's uninitialised registers hold a finite pattern (0xFE..); a GPU register holding a
+    # NaN/Inf pattern would survive (NaN * 0 = NaN). Kept as the table's honest row.
+    Fault("decode: register accumulator not zeroed", _WA, "for (int x = 0; x < 8; ++x) acc[r][x] = 0.f;",
+          "for (int x = 0; x < 8; ++x) (void)acc[r][x];",
+          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: softmax sum accumulator (shared) not zeroed", _WA, "    l_s[tid] = 0.f;\n", "",
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: split size rounded down", _WA, "(n + p.num_splits - 1) / p.num_splits + kDecodeTileKeys - 1) /",
           "(n + p.num_splits - 1) / p.num_splits) /", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
