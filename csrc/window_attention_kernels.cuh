@@ -30,7 +30,9 @@
 // max_blocks * block_size), are masked and never read (check=False callers); queries keep the positions seq_lens gives
 // them, so such a query may see no key at all (zeros, lse -inf). Offsets are int64.
 //
-// Resource use (nvcc 13.0 -Xptxas -v; registers sm_80 fp16/bf16, sm_90 fp16/bf16; no spills in any of the 48):
+// Resource use (nvcc 13.0 -Xptxas -v at 6607198; registers sm_80 fp16/bf16, sm_90 fp16/bf16; no spills in any of
+// the 48; since the fp32 prefill row sum, prefill bf16 D=64 on sm_90 takes 122; `python scripts/sass_report.py`
+// prints the current figures, occupancy and instruction counts, and CI fails on any spill):
 //   decode  D=64: 72/80, 72/72 regs, 11.6 KB static smem    prefill D=64: 104/124, 106/127 regs, 71.2 KB dynamic smem
 //   decode  D=80: 72/72, 72/72 regs, 14.1 KB                prefill D=80: 107/128, 108/128 regs, 81.2 KB
 //   decode  D=96: 72/72, 72/72 regs, 16.6 KB                prefill D=96: 109/128, 110/128 regs, 91.2 KB
