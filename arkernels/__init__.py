@@ -3,7 +3,7 @@
 Ops (CPU and CUDA/Triton kernels behind one schema each, see csrc/torch_bindings.cpp):
 paged_kv_append, paged_kv_gather, window_attention, window_attention_dense, sample, sampling_probs,
 quantize_per_channel, quantize_per_token, int8_matmul, w8a16_matmul.
-Modules: PagedKVCache, BlockAllocator, Int8Linear. Model-level: patch, generate, quantize.
+Modules: PagedKVCache, BlockAllocator, Int8Linear. Model-level: patch, generate, quantize, fuse_projections.
 """
 from arkernels._library import cuda_kernels_built, kernels_report
 from arkernels.kv_cache import BlockAllocator, OutOfBlocksError, PagedKVCache
@@ -13,13 +13,14 @@ from arkernels.ops.sampling import sample, sampling_probs
 from arkernels.ops.window_attention import window_attention, window_attention_dense
 from arkernels.quant import Int8Linear, load_quantized, quantize, save_quantized
 from arkernels.hf.patch import patch
+from arkernels.fuse import fuse_projections
 from arkernels.generate import generate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockAllocator", "Int8Linear", "OutOfBlocksError", "PagedKVCache", "cuda_kernels_built", "generate",
-    "int8_matmul", "kernels_report", "load_quantized", "paged_kv_append", "paged_kv_gather", "patch",
+    "BlockAllocator", "Int8Linear", "OutOfBlocksError", "PagedKVCache", "cuda_kernels_built", "fuse_projections",
+    "generate", "int8_matmul", "kernels_report", "load_quantized", "paged_kv_append", "paged_kv_gather", "patch",
     "quantize", "quantize_per_channel", "quantize_per_token", "sample", "sampling_probs", "save_quantized",
     "w8a16_matmul", "window_attention", "window_attention_dense", "__version__",
 ]

@@ -29,10 +29,11 @@ _PATCH_ATTR = "_arkernels_patch"
 class PatchHandle:
     """Returned by ``patch``; ``undo()`` restores the model exactly (idempotent)."""
 
-    def __init__(self, model, saved_attn: str | None, attrs: list[str]):
+    def __init__(self, model, saved_attn: str | None, attrs: list[str], fuse_handle=None):
         self.model = model
         self._saved_attn = saved_attn
         self._attrs = attrs
+        self._fuse = fuse_handle  # arkernels.fuse.FuseHandle when patch(fuse=True)
         self.active = True
 
     def undo(self) -> None:
@@ -43,6 +44,8 @@ class PatchHandle:
             model.__dict__.pop(name, None)  # the class method shows through again
         if self._saved_attn is not None:
             model.set_attn_implementation(self._saved_attn)
+        if self._fuse is not None:
+            self._fuse.undo()
         model.__dict__.pop(_PATCH_ATTR, None)
         self.active = False
 
@@ -64,7 +67,8 @@ def _check_supported(model) -> None:
         raise TypeError(f"arkernels.patch: {type(model).__name__} has no generate(); pass a *ForCausalLM model")
 
 
-def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16):
+def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16,
+          fuse: bool = False):
     """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
 
     Args:
@@ -77,6 +81,8 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
             attention the model uses.
         sampler: draw plain ``do_sample=True`` tokens with ``arkernels.sample`` when the requested warpers are
             exactly what it implements (see the module docstring); otherwise the stock warpers run.
+        fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``; opt-in, undone with
+            the rest).
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
@@ -84,6 +90,11 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     _check_supported(model)
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise RuntimeError("arkernels.patch: this model is already patched; undo() the first handle")
+    fuse_handle = None
+    if fuse:  # first: it is the only piece that can refuse (a model already fused), before anything is changed
+        from arkernels.fuse import fuse_projections
+
+        fuse_handle = fuse_projections(model)
     saved_attn, attrs = None, []
     if attention:
         from arkernels.hf.attention import register
@@ -98,7 +109,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     if sampler:
         model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
         attrs.append("_get_logits_processor")
-    handle = PatchHandle(model, saved_attn, attrs)
+    handle = PatchHandle(model, saved_attn, attrs, fuse_handle)
     model.__dict__[_PATCH_ATTR] = handle
     return handle
 

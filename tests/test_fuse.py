@@ -1,0 +1,172 @@
+"""arkernels.fuse_projections on tiny random models of every supported family (fp32): logits and greedy tokens of the
+fused model equal the unfused one (model.generate, arkernels.generate, with arkernels.patch), one fused call per group
+per forward, undo restores the original module and parameter objects; Int8Linear parts (w8a16, w8a8) fused equal
+unfused; groups that cannot be fused are left alone with a reason."""
+import pytest
+import torch
+from torch import nn
+
+import arkernels
+from arkernels.fuse import GROUPS, ProjectionSlice
+from arkernels.hf.tiny import FAMILIES, tiny_model
+from arkernels.quant import W8A8_MIN_M, Int8Linear
+
+# batch 2, row 0 left padded by 3; 11 positions > the tiny window of 5; prefill has 22 rows >= W8A8_MIN_M (17), so
+# w8a8 runs its int8 tensor-core path in prefill and the weight-only path in decode (2 rows)
+INPUT_IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+ATTENTION_MASK = (INPUT_IDS != 0).long()
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [7]]  # ragged, for arkernels.generate
+NEW_TOKENS = 10
+GROUPS_PER_LAYER = len(GROUPS)  # qkv and gate/up
+# fp32 logits: each output channel is the same dot product fused or not; only the GEMM's blocking of the reduction
+# may differ (measured: 0.0 on this CPU for every family). 1e-5 absolute on logits of magnitude ~1 is a few ulps.
+FP32_ATOL = 1e-5
+
+
+def _greedy(model, **kw):
+    return model.generate(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS,
+                          do_sample=False, eos_token_id=None, **kw)
+
+
+@torch.no_grad()
+def _logits(model):
+    return model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits
+
+
+def _count_fused_calls(model) -> list[int]:
+    """A forward hook on every fused layer; returns the shared call counter."""
+    calls = [0]
+    for m in model.modules():
+        for _, fused_name in GROUPS:
+            fused = m.__dict__.get("_modules", {}).get(fused_name)
+            if fused is not None:
+                fused.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fuse_greedy_identical(family):
+    model = tiny_model(family)
+    ref_logits, ref = _logits(model), _greedy(model)
+    ref_ark = arkernels.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4).tokens
+    handle = arkernels.fuse_projections(model)
+    try:
+        layers = model.config.num_hidden_layers
+        assert len(handle.fused) == GROUPS_PER_LAYER * layers and not handle.skipped
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.k_proj, ProjectionSlice) and isinstance(attn.qkv_proj, nn.Linear)
+        # GQA: k and v are narrower than q (4 query heads, 2 kv heads of 16)
+        assert (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features) == (64, 32, 32)
+        assert (attn.qkv_proj.bias is not None) == (family == "qwen2")  # Qwen2's q/k/v carry biases
+        calls = _count_fused_calls(model)
+        logits = _logits(model)
+        # the saving really happens: one fused call per group per layer, not one per part
+        assert calls[0] == GROUPS_PER_LAYER * layers
+        out = _greedy(model)
+        res = arkernels.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4)
+    finally:
+        handle.undo()
+    torch.testing.assert_close(logits, ref_logits, atol=FP32_ATOL, rtol=0)
+    assert torch.equal(out, ref)
+    assert res.tokens == ref_ark
+
+
+def test_fuse_undo_restores_exactly():
+    model = tiny_model("qwen2")  # q/k/v biases: every tensor kind travels through the fused layer
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = _greedy(model)
+    handle = arkernels.fuse_projections(model)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in model.state_dict()
+    assert "model.layers.0.mlp.gate_proj.weight" not in model.state_dict()
+    # while fused the originals are views of the fused tensors: no second copy of the projection weights
+    fused_bytes = sum(p.numel() for p in model.parameters())
+    assert fused_bytes == sum(p.numel() for p in params.values())
+    with pytest.raises(RuntimeError, match="already fused"):
+        arkernels.fuse_projections(model)
+    handle.undo()
+    handle.undo()  # idempotent
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(model.get_submodule(n) is m for n, m in modules.items() if n)  # the same module objects
+    after = dict(model.named_parameters())
+    assert after.keys() == params.keys() and all(after[k] is params[k] for k in params)  # the same Parameter objects
+    new_state = model.state_dict()
+    assert new_state.keys() == state.keys() and all(torch.equal(new_state[k], state[k]) for k in state)
+    # each restored tensor owns its storage again (none is a slice of a fused tensor)
+    q, k = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
+    assert q.weight.untyped_storage().data_ptr() != k.weight.untyped_storage().data_ptr()
+    assert q.weight.untyped_storage().nbytes() == q.weight.numel() * 4
+    assert torch.equal(_greedy(model), ref)
+    arkernels.fuse_projections(model).undo()  # fusable again after undo
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_fuse_int8_identical(mode):
+    # layer level, both row counts (decode M 4 and prefill M 32 >= W8A8_MIN_M): the int8 weight, fp32 scale and bias
+    # of each channel are concatenated unchanged and the activations are quantized per row (the same for every
+    # part), so each output element is the same int32 accumulation times the same scales: exact equality
+    torch.manual_seed(0)
+    parts = [Int8Linear.from_linear(nn.Linear(48, n), mode) for n in (64, 32, 32)]
+    parent = nn.Module()
+    for name, p in zip(("q_proj", "k_proj", "v_proj"), parts):
+        setattr(parent, name, p)
+    for m in (4, W8A8_MIN_M + 15):
+        x = torch.randn(m, 48)
+        ref = [p(x) for p in parts]
+        handle = arkernels.fuse_projections(parent)
+        assert isinstance(parent.qkv_proj, Int8Linear) and parent.qkv_proj.mode == mode
+        assert parent.qkv_proj.weight.dtype == torch.int8 and parent.qkv_proj.weight_scale.dtype == torch.float32
+        out = [parent.q_proj(x), parent.k_proj(x), parent.v_proj(x)]
+        handle.undo()
+        assert all(parent.get_submodule(n) is p for n, p in zip(("q_proj", "k_proj", "v_proj"), parts))
+        for a, b in zip(out, ref):
+            assert torch.equal(a, b)
+    # model level: a quantized tiny model fused gives the same logits and greedy tokens
+    model = tiny_model("qwen2")
+    arkernels.quantize(model, mode)
+    ref_logits, ref = _logits(model), _greedy(model)
+    with arkernels.fuse_projections(model) as handle:
+        assert len(handle.fused) == 4 and isinstance(model.model.layers[1].mlp.gate_up_proj, Int8Linear)
+        logits, out = _logits(model), _greedy(model)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_fuse_with_patch(family):
+    model = tiny_model(family)
+    ref = _greedy(model)
+    attn_before = model.config._attn_implementation
+    q_before = model.model.layers[0].self_attn.q_proj
+    with arkernels.patch(model, block_size=4, fuse=True):
+        assert isinstance(model.model.layers[0].self_attn.q_proj, ProjectionSlice)
+        out = _greedy(model)
+    assert torch.equal(out, ref)
+    assert model.model.layers[0].self_attn.q_proj is q_before  # the patch handle undid the fusion too
+    assert model.config._attn_implementation == attn_before
+    assert not hasattr(model.model.layers[0].self_attn, "qkv_proj")
+
+
+def test_fuse_any_call_pattern_and_skips():
+    torch.manual_seed(1)
+    parent = nn.Module()
+    parent.gate_proj, parent.up_proj = nn.Linear(16, 24), nn.Linear(16, 24)
+    other = nn.Module()  # mixed types: left alone, with the reason
+    other.gate_proj, other.up_proj = nn.Linear(16, 24), Int8Linear.from_linear(nn.Linear(16, 24))
+    root = nn.Sequential(parent, other)
+    x, y = torch.randn(3, 16), torch.randn(3, 16)
+    ref_gx, ref_ux, ref_uy = parent.gate_proj(x), parent.up_proj(x), parent.up_proj(y)
+    with arkernels.fuse_projections(root) as handle:
+        assert handle.fused == ["0.gate_up_proj"] and "types" in handle.skipped["1.gate_up_proj"]
+        assert isinstance(other.gate_proj, nn.Linear)
+        # a part asked twice, parts on different inputs, an input modified in place between parts: all recompute
+        assert torch.equal(parent.up_proj(x), ref_ux)
+        assert torch.equal(parent.up_proj(y), ref_uy)
+        assert torch.equal(parent.up_proj(x), ref_ux)
+        x2 = x.clone()
+        parent.gate_proj(x2)
+        x2.copy_(y)
+        assert torch.equal(parent.up_proj(x2), ref_uy)
+        assert torch.equal(parent.gate_proj(x), ref_gx)
+        assert torch.equal(parent.gate_proj.weight, parent.gate_up_proj.weight[:24])
