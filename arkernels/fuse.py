@@ -43,9 +43,9 @@ class _Shared:
         self.x, self.version, self.y, self.taken = None, None, None, set()
 
     def part(self, index: int, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        # inference-mode tensors (arkernels.generate runs under torch.inference_mode) keep no version counter: for
-        # them only the object's identity is checked
-        version = None if x.is_inference() else x._version
+        # inference-mode tensors (arkernels.generate runs under torch.inference_mode) keep no version counter, and
+        # torch.compile cannot trace is_inference() / _version (a graph break): there only the identity is checked
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
         if self.x is not x or self.version != version or index in self.taken:
             self.x, self.version, self.y, self.taken = x, version, self.fused(x), set()
         self.taken.add(index)

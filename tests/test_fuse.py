@@ -170,3 +170,45 @@ def test_fuse_any_call_pattern_and_skips():
         assert torch.equal(parent.up_proj(x2), ref_uy)
         assert torch.equal(parent.gate_proj(x), ref_gx)
         assert torch.equal(parent.gate_proj.weight, parent.gate_up_proj.weight[:24])
+
+
+def _compiled_ops(model) -> tuple[torch.Tensor, list[str]]:
+    """Logits of one forward under torch.compile(fullgraph=True) (a recording backend: any graph break raises) and
+    the ops of the traced graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend, fullgraph=True)(input_ids=INPUT_IDS[1:], use_cache=False).logits
+    return logits, [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("quant", [None, "w8a16"])
+def test_fuse_compiles_without_graph_breaks(quant):
+    # the compiled static step (issue 14) traces the model with torch.compile: the slices must not break the graph,
+    # and the traced graph must hold the fused matmuls (2 layers x 7 projections -> 2 x 4; plus lm_head, never int8)
+    model = tiny_model("qwen2")
+    if quant:
+        arkernels.quantize(model, quant)
+    matmul = "w8a16" if quant else "linear"
+    ref, ops = _compiled_ops(model)
+    with arkernels.fuse_projections(model):
+        out, fused_ops = _compiled_ops(model)
+    torch._dynamo.reset()
+    layers, lm_head = model.config.num_hidden_layers, 0 if quant else 1
+    assert sum(matmul in o for o in ops) == 7 * layers + lm_head
+    assert sum(matmul in o for o in fused_ops) == 4 * layers + lm_head
+    torch.testing.assert_close(out, ref, atol=FP32_ATOL, rtol=0)
+
+
+def test_fuse_static_step():
+    # arkernels.generate(cuda_graphs=True): the fixed-shape decode step (eager on the CPU), fused vs unfused
+    model = tiny_model("mistral")
+    kw = dict(max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4, cuda_graphs=True)
+    ref = arkernels.generate(model, PROMPTS, **kw).tokens
+    with arkernels.fuse_projections(model):
+        assert arkernels.generate(model, PROMPTS, **kw).tokens == ref
