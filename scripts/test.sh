@@ -17,7 +17,7 @@ else
   echo "[test] no CUDA toolkit headers: the SIMT emulator cases (-m simt) will skip"
 fi
 "$PY" -m pytest -q -p no:cacheprovider "$@" tests
-hf_tests=$(ls tests/test_hf_*.py tests/test_generate.py 2>/dev/null || true)
+hf_tests=$(ls tests/test_hf_*.py tests/test_generate.py tests/test_fuse.py 2>/dev/null || true)
 if [ -n "$hf_tests" ] && [ $# -eq 0 ]; then
   if [ ! -d .tf517/transformers ]; then
     # 5.17 needs huggingface-hub 1.x (and its httpx), where 5.24 has 2.x: they go into the side folder too
