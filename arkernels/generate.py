@@ -9,6 +9,7 @@ go back to the pool at once. Row ``b``'s draw at step ``t`` depends only on (its
 ``cuda_graphs=True`` runs decode as a static step (``_StaticDecode``): the active rows are padded up to a batch-size
 bucket (1, 2, 4, 8, ... capped at the batch) and every input of the step lives in one preallocated buffer per bucket,
 filled by one copy before the step; on a GPU the step is captured in a CUDA graph once per bucket and replayed.
+``compile=True`` runs that step under ``torch.compile`` (one graph per bucket), captured as above on a GPU.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
              top_p: float = 1.0, min_p: float = 0.0, seed: int | Sequence[int] | torch.Tensor = 0,
              eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
              stream: Callable[[int, int], None] | None = None, cuda_graphs: bool = False,
-             block_size: int = 16, num_return_sequences: int = 1) -> GenerateResult:
+             block_size: int = 16, num_return_sequences: int = 1, compile: bool = False) -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -97,6 +98,10 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
             first writes). Result row ``b * n + j`` is sample ``j`` of prompt ``b``; it draws with seed
             ``seed[b] + j * 0x9E3779B97F4A7C15`` (int64, wrapping), so sample 0 is what ``num_return_sequences=1``
             gives and every sample has its own random stream.
+        compile: run the static decode step (implies ``cuda_graphs=True``) under ``torch.compile`` (Inductor, no
+            dynamic shapes): one compile per batch-size bucket, reused across steps, lengths and calls with the same
+            model; on CUDA the compiled step is then captured per bucket as above, elsewhere it runs uncaptured.
+            Off by default: token-identical to ``compile=False`` on the CPU (tests), untested on a GPU so far.
 
     Returns:
         ``GenerateResult`` (``tokens``, ``texts``, timings), one row per returned sequence.
@@ -112,6 +117,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     if num_return_sequences < 1:
         raise ValueError(f"generate: num_return_sequences must be >= 1, got {num_return_sequences}")
     prompts = _as_prompts(prompts_or_input_ids, tokenizer)
+    cuda_graphs = cuda_graphs or compile
     n_seq = num_return_sequences
     P = len(prompts)
     B = P * n_seq
@@ -182,7 +188,9 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
                     static = _StaticDecode(model, cache, cache_kw, B, seeds.tolist(),
                                            lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k,
                                                                     top_p, min_p, ...),
-                                           capture=device.type == "cuda")
+                                           capture=device.type == "cuda", compile=compile)
+                    if compile:  # the step passes no mask: a name without a mask function skips mask building
+                        model.set_attn_implementation(_register_static())
                 n = len(still)
                 if n != len(active):
                     going = set(still)
@@ -210,7 +218,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
             result.decode_tokens += len(active)
         result.decode_s = time.perf_counter() - t0
     finally:
-        if saved_attn != NAME:
+        if model.config._attn_implementation != saved_attn:
             model.set_attn_implementation(saved_attn)
         for r in range(B):  # rows cut short by an exception (finished rows hold nothing: a no-op for them)
             cache.release_row(r)
@@ -262,9 +270,14 @@ class _StaticDecode:
     reallocates a table or pool (``PagedCache.generation``): the graphs are then dropped and recaptured.
     """
 
-    def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], draw, capture: bool):
+    def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], draw, capture: bool,
+                 compile: bool = False):
         self.model, self.cache, self.cache_kw = model, cache, cache_kw
         self.batch, self.seeds, self.draw, self.capture = batch, seeds, draw, capture
+        # the step as run and captured: eager, or compiled once per bucket (``b`` is a Python int: dynamo
+        # specialises on it, so each bucket gets its own fixed-shape graph; every other host value the trace reads
+        # is the same at every step: tests/test_generate.py counts one graph per bucket)
+        self.run = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.device = next(model.parameters()).device
         self.num_groups = len(cache.groups)
         self.buffers: dict[int, torch.Tensor] = {}  # bucket -> int64 [6 + groups, bucket]
@@ -286,7 +299,7 @@ class _StaticDecode:
         if buf is None:
             buf = self.buffers[b] = torch.empty((6 + self.num_groups, b), dtype=torch.int64, device=self.device)
         buf.copy_(torch.tensor(data, dtype=torch.int64).view(buf.shape))
-        out = self._replay(b) if self.capture else self._forward(b)
+        out = self._replay(b) if self.capture else self.run(b)
         return out[:n]
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -313,7 +326,7 @@ class _StaticDecode:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(_WARMUP):
-                self._forward(b)
+                self.run(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # one pool for every bucket: safe because graphs never run concurrently and are replayed in capture order
         # (the batch only shrinks, so buckets are first used, captured and replayed largest first), and the one
@@ -322,8 +335,25 @@ class _StaticDecode:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b)
+            out = self.run(b)
         return graph, out
+
+
+def _register_static() -> str:
+    """The attention implementation of the compiled static step: arkernels' attention registered without a mask
+    function, so transformers' mask builders return None at once (``_preprocess_mask_arguments`` gives no mask to an
+    implementation without one). With arkernels' own mask function, ``arkernels_mask`` returns sdpa's 4D mask while
+    ``torch.compile`` traces, and the attention then asks the static step for dense keys, which it has not (a
+    RuntimeError, seen on the tiny Llama). The static step's attention reads its bounds from ``PagedStep`` only."""
+    from transformers import AttentionInterface
+
+    from arkernels.hf.attention import arkernels_attention
+
+    AttentionInterface.register(_STATIC_NAME, arkernels_attention)
+    return _STATIC_NAME
+
+
+_STATIC_NAME = "arkernels_static"
 
 
 def _eos_ids(model, tokenizer, eos_token_id) -> set[int]:

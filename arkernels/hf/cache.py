@@ -322,15 +322,17 @@ class PagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         g, cache = self.group, self.cache
-        cache.version += 1
         batch, hkv, tokens, dim = key_states.shape
         if g.static is not None:  # static decode: tensor ops only, nothing read from the host
+            # (begin_static_step bumped cache.version: a Python int changed here would be a torch.compile guard
+            # that fails every step)
             slots, step = g.static
             paged_kv_append(key_states.transpose(1, 2).reshape(-1, hkv, dim),
                             value_states.transpose(1, 2).reshape(-1, hkv, dim), self.k_pool, self.v_pool, slots,
                             check=False)
             setattr(self.k_pool, PAGED_ATTR, step)
             return self.k_pool, self.v_pool
+        cache.version += 1
         if cache.plan is not None:
             rows, q_lens = cache.plan
             if g.plan is not cache.plan:
@@ -555,6 +557,7 @@ class PagedCache(DynamicCache):
         blocks, reserves one slot per row. Returns, per group (in ``self.groups`` order), the slot of each row."""
         out = []
         ones = [1] * len(rows)
+        self.version += 1  # the step's layers append: the dense views are stale from here
         for g in self.groups.values():
             g.advance(rows, ones, make_slots=False)
             bs, blocks = g.block_size, g.rows
