@@ -98,23 +98,23 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   const bool prefill = cu_seqlens_q.has_value();
   const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, p.max_blocks, p.block_size,
                                                          window, max_q_len, apply_smem_knob(props));
-  p.head_chunks = plan.head_chunks;
-  p.num_splits = plan.num_splits;
+  p.head_chunks = plan.decode.head_chunks;
+  p.num_splits = plan.decode.num_splits;
   at::Tensor part_out, part_lse;
   if (!prefill) {
     // gridDim.y <= 65535; the combine grid (one CTA per (row, head)) <= 2^31 - 1.
-    AK_CHECK("window_attention", hkv * plan.head_chunks <= 65535 && rows * hq <= INT32_MAX,
-             "decode grid too large on CUDA: num_kv_heads * ceil(group / 8) = ", hkv * plan.head_chunks,
+    AK_CHECK("window_attention", hkv * plan.decode.head_chunks <= 65535 && rows * hq <= INT32_MAX,
+             "decode grid too large on CUDA: num_kv_heads * ceil(group / 8) = ", hkv * plan.decode.head_chunks,
              " (at most 65535), batch * num_q_heads = ", rows * hq, " (at most 2^31 - 1)");
-    if (plan.num_splits > 1) {
-      part_out = at::empty({plan.num_splits, rows, hq, d}, query.options().dtype(at::kFloat));
-      part_lse = at::empty({plan.num_splits, rows, hq}, query.options().dtype(at::kFloat));
+    if (plan.decode.num_splits > 1) {
+      part_out = at::empty({plan.decode.num_splits, rows, hq, d}, query.options().dtype(at::kFloat));
+      part_lse = at::empty({plan.decode.num_splits, rows, hq}, query.options().dtype(at::kFloat));
       p.part_out = part_out.data_ptr<float>();
       p.part_lse = part_lse.data_ptr<float>();
     }
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
-    AK_CHECK("window_attention", plan.bn > 0, "prefill with head_dim ", d, " needs ",
+    AK_CHECK("window_attention", plan.pre.bn > 0, "prefill with head_dim ", d, " needs ",
              prefill_layout(int(d), d == 128 ? 32 : (d <= 128 ? 64 : 32)).smem,
              " bytes of shared memory per block but this GPU allows ", apply_smem_knob(props).smem_optin,
              " (head_dim 256 needs a GPU with >= 163 KB per block: sm_80, sm_90)");
