@@ -177,6 +177,13 @@ def traffic_map(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return getattr(torch.ops, NAMESPACE).traffic_map(name)
 
 
+def launches() -> list[dict[str, object]]:
+    """The kernel launches of the last emulated op call, in order: ``{"grid": (x, y, z), "threads": n, "smem": dynamic
+    shared-memory bytes}`` each (what tests check the launch planning against)."""
+    flat = getattr(torch.ops, NAMESPACE).launch_log()
+    return [{"grid": tuple(flat[i:i + 3]), "threads": flat[i + 3], "smem": flat[i + 4]} for i in range(0, len(flat), 5)]
+
+
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arkernels.simt", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)

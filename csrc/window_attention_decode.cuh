@@ -1,155 +1,360 @@
 // window_attention decode kernel and its launch planning; included by window_attention_kernels.cuh (after the shared
 // definitions), never on its own.
 //
-// Decode (cu_seqlens_q None, one query per sequence at i = seq_len - 1): window_attention_decode_kernel.
-//   Grid (num_splits, Hkv * head_chunks, batch), 128 threads. A CTA owns one KV head and up to 8 of its query heads
-//   (GQA: each K/V row is read from memory once for all of them) and one split of the visible range
-//   [max(kv_start, i - W + 1, 0), i] -- only min(seq_len, W) keys, so time stops growing past the window.
-//   Tiles of 32 keys are loaded into shared memory with 16-byte vector loads (per-key offsets resolved once per tile);
-//   scores: 8-lane groups per (head, key), each lane one 16-byte chunk of the row, shuffle reduce; online softmax in
-//   fp32 (one warp per head, one lane per key); P.V: each thread owns 8 output columns of one head, fp32 registers.
-//   num_splits comes from shapes only (batch, heads, table width, window, SM count): no host sync, graph-capturable.
-//   With num_splits > 1 each split writes fp32 (out, lse) partials and window_attention_combine_kernel merges them.
+// Decode (cu_seqlens_q None, one query per sequence at i = seq_len - 1): window_attention_decode_kernel, FlashInfer's
+// tensor-core decode structure.
+//   Grid (num_splits, Hkv * head_chunks, batch), 128 threads = 4 warps. A CTA owns one KV head, up to 16 of its
+//   query heads (the GQA group, zero-padded to the M = 16 rows of mma.m16n8k16; groups above 16 take
+//   ceil(group / 16) CTAs) and one split of the visible range [max(kv_start, i - W + 1, 0), i], so every visible K/V
+//   byte is read from memory once per KV head (and per 16 query heads).
+//   K/V move in 64-key tiles through a ring of `stages` shared-memory buffers (1..4, planned from the shared-memory
+//   budget) with cp.async: K and V of a tile are separate commit groups, so S = Q K^T of tile t runs while V of
+//   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
+//   keys under an invalid block id are zero-filled (cp.async src-size 0: never read) and masked to -inf.
+//   Per-key row offsets are resolved once per tile by 64 threads (a shift when block_size is a power of two,
+//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued.
+//   Each warp owns 16 keys of a tile: S (16 heads x 16 keys) = Q K^T with K fragments from ldmatrix (rows padded to
+//   D + 8 elements: conflict-free), the query's A fragments loaded once into registers (D <= 128; D = 256 reloads
+//   them from shared memory per tile to stay under the register budget); scale, softcap and mask on the fp32
+//   accumulators; online softmax per row in registers (row max over a quad with two shuffles, exp2 with the
+//   log2(e) folded into the scale); P packed from the accumulators straight into A fragments; O += P V with V
+//   fragments from ldmatrix.trans. Each warp keeps its own (m, l, O) for its keys; the 4 warps merge through
+//   shared memory at the end (the tile ring is reused for it).
+//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the planned CTAs per SM):
+//   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
+//   own sum, and window_attention_combine_kernel merges them (a second launch).
+// Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
+//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.4 KB) + offsets = 110 KB,
+//   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
+//   at 4.3 TB/s on 132 SMs. Splits: 8 CTAs -> ceil(4 x 132 / 8) = 66, capped at 64 -> 128 keys (2 tiles) per split.
+//   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
+//   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
+//   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
 #pragma once
 
 namespace arkernels {
 
-constexpr int kDecodeTileKeys = 32;  // one warp lane per key in the softmax step
-constexpr int kDecodeHeads = 8;      // query heads per decode CTA (GQA groups above 8 take several CTAs)
+constexpr int kDecodeTileKeys = 64;                 // keys per pipeline stage: 16 per warp
+constexpr int kDecodeRows = 16;                     // query heads per CTA: the M of mma.m16n8k16
+constexpr int kDecodeWarps = kAttnThreads / 32;     // 4; warp w owns keys [16w, 16w + 16) of every tile
+constexpr int kDecodeMaxStages = 4;
 constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs, the query tile, per-stage K offsets (their
+// sign is the key's validity) and the V offsets of the tile being issued. One formula for the kernel and the plan.
+struct DecodeLayout {
+  int ld;                 // row stride of K, V and Q tiles, elements: D + 8 (16 bytes of skew: ldmatrix conflict-free)
+  size_t stage, off_q, off_koff, off_voff, smem;
+};
+__host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages) {
+  DecodeLayout l{d + 8, 0, 0, 0, 0, 0};
+  l.stage = size_t(2) * kDecodeTileKeys * l.ld * 2;           // K tile + V tile, 16-bit elements
+  l.off_q = size_t(stages) * l.stage;
+  l.off_koff = l.off_q + size_t(kDecodeRows) * l.ld * 2;      // Q tile [16][ld]
+  l.off_voff = l.off_koff + size_t(stages) * kDecodeTileKeys * 8;
+  l.smem = l.off_voff + size_t(kDecodeTileKeys) * 8;
+  return l;
+}
+
+// Pack two fp32 values into one 32-bit register of T pairs (lower-indexed element in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T a = Conv<T>::from_float(lo), b = Conv<T>::from_float(hi);
+  uint16_t ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return uint32_t(ua) | (uint32_t(ub) << 16);
+}
+
+// cp.async.wait_group n for a run-time n in [0, 2 * kDecodeMaxStages - 1].
+__device__ __forceinline__ void cp_async_wait_n(int n) {
+  switch (n) {
+    case 0: dev::cp_async_wait<0>(); break;
+    case 1: dev::cp_async_wait<1>(); break;
+    case 2: dev::cp_async_wait<2>(); break;
+    case 3: dev::cp_async_wait<3>(); break;
+    case 4: dev::cp_async_wait<4>(); break;
+    case 5: dev::cp_async_wait<5>(); break;
+    case 6: dev::cp_async_wait<6>(); break;
+    default: dev::cp_async_wait<7>(); break;
+  }
+}
 
 // ------------------------------------------------------------------------------------------------ decode
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(const AttnParams p) {
-  constexpr int kChunks = D / 8;                                  // 16-byte chunks per row
-  constexpr int kPairsPerThread = (kDecodeHeads * kChunks + kAttnThreads - 1) / kAttnThreads;  // <= 2
-  AK_SHARED(16, T, k_tile, [kDecodeTileKeys * D]);
-  AK_SHARED(16, T, v_tile, [kDecodeTileKeys * D]);
-  AK_SHARED(16, float, q_s, [kDecodeHeads * D]);
-  AK_SHARED(4, float, s_s, [kDecodeHeads][kDecodeTileKeys]);
-  AK_SHARED(4, float, alpha_s, [kDecodeHeads]);
-  AK_SHARED(4, float, m_s, [kDecodeHeads]);
-  AK_SHARED(4, float, l_s, [kDecodeHeads]);
-  AK_SHARED(8, int64_t, koff_s, [kDecodeTileKeys]);
-  AK_SHARED(8, int64_t, voff_s, [kDecodeTileKeys]);
+__global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(const AttnParams p, const int stages) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  constexpr DecodeLayout L = decode_layout(D, 1);
+  constexpr int LD = L.ld;
+  constexpr int kChunks = D / 8;                        // 16-byte chunks per row
+  constexpr int kKSteps = D / 16;                       // k-steps of Q K^T, and pairs of 8-column blocks of P V
+  constexpr bool kQInRegs = D <= 128;                   // D = 256: 64 more registers would spill
+  const DecodeLayout lay = decode_layout(D, stages);
+  AK_DYNAMIC_SHARED(unsigned char, smem);
+  T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
+  int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; -1: masked key
+  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [64], the tile being issued
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
   const int64_t b = blockIdx.z;
-  const int h0 = kvh * p.group + chunk * kDecodeHeads;             // first query head of this CTA
-  const int hc = min(kDecodeHeads, p.group - chunk * kDecodeHeads);  // query heads of this CTA
+  const int h0 = kvh * p.group + chunk * kDecodeRows;               // first query head of this CTA
+  const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
   int64_t lo = p.kv_start ? max64(dev::ld_global(p.kv_start + b), 0) : 0;
   if (p.window > 0) lo = max64(lo, i - p.window + 1);
   const int64_t hi = min64(i, p.max_blocks * p.block_size - 1);  // last visible key
-  const int64_t n = hi - lo + 1;  // visible keys (<= 0: none)
+  const int64_t n = hi - lo + 1;                                  // visible keys (<= 0: none)
   // This split's keys: whole tiles, so splits never share a tile.
-  const int64_t per_split = n > 0 ? ((n + p.num_splits - 1) / p.num_splits + kDecodeTileKeys - 1) /
-                                        kDecodeTileKeys * kDecodeTileKeys
-                                  : 0;
-  const int64_t s_lo = lo + split * per_split;
-  const int64_t s_hi = min64(hi, s_lo + per_split - 1);
+  const int64_t tiles = n > 0 ? (n + kDecodeTileKeys - 1) / kDecodeTileKeys : 0;
+  const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;
+  const int64_t s_lo = lo + split * per_split * kDecodeTileKeys;
+  const int64_t s_hi = min64(hi, s_lo + per_split * kDecodeTileKeys - 1);
+  const int ntiles = s_hi >= s_lo ? int((s_hi - s_lo) / kDecodeTileKeys + 1) : 0;
 
-  const T* q = static_cast<const T*>(p.query);
-  for (int h = 0; h < hc; ++h) load_q_f32<T, D>(p, q + b * p.s.q0 + (h0 + h) * p.s.q1, q_s + h * D, tid, kAttnThreads);
-  if (tid < kDecodeHeads) {
-    m_s[tid] = neg_inf();
-    l_s[tid] = 0.f;
+  // Page math in 32 bits (key positions are int32 by source): a shift when block_size is a power of two.
+  const int32_t bs = int32_t(min64(p.block_size, 0x7fffffff));
+  int bs_shift = 0;
+  while (bs_shift < 31 && (int32_t(1) << bs_shift) < bs) ++bs_shift;
+  if ((int32_t(1) << bs_shift) != bs) bs_shift = -1;
+  const int32_t* table = p.block_table + b * p.max_blocks;
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+
+  // Offsets of tile t's keys (thread k < 64: key s_lo + 64 t + k) into koff_s[stage] / voff_s; -1 when masked.
+  auto resolve = [&](int t) {
+    if (tid < kDecodeTileKeys) {
+      const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + tid;
+      int64_t ko = -1, vo = -1;
+      if (t < ntiles && j <= s_hi) {
+        const int32_t j32 = int32_t(j);
+        const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
+        const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
+        const int64_t blk = dev::ld_global(table + jb);
+        if (blk >= 0 && blk < p.num_blocks) {
+          ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
+          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
+        }
+      }
+      koff_s[(t % stages) * kDecodeTileKeys + tid] = ko;
+      voff_s[tid] = vo;
+    }
+  };
+  // Copies of tile t into its stage: K, then V, each its own commit group (empty groups past the last tile keep the
+  // group count uniform for the waits).
+  auto issue = [&](int t) {
+    const int st = t % stages;
+    T* k_dst = reinterpret_cast<T*>(smem + st * lay.stage);
+    T* v_dst = k_dst + kDecodeTileKeys * LD;
+    const int64_t* ko = koff_s + st * kDecodeTileKeys;
+    if (t < ntiles) {
+      for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
+        const int k = idx / kChunks, c = idx % kChunks;
+        const int64_t o = ko[k];
+        dev::cp_async_16(k_dst + k * LD + c * 8, o >= 0 ? kc + o + c * 8 : kc, o >= 0 ? 16 : 0);
+      }
+    }
+    dev::cp_async_commit();
+    if (t < ntiles) {
+      for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
+        const int k = idx / kChunks, c = idx % kChunks;
+        const int64_t o = voff_s[k];
+        dev::cp_async_16(v_dst + k * LD + c * 8, o >= 0 ? vc + o + c * 8 : vc, o >= 0 ? 16 : 0);
+      }
+    }
+    dev::cp_async_commit();
+  };
+
+  // Query tile [16][LD]: this CTA's heads, zero rows for the padding.
+  const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
+  for (int idx = tid; idx < kDecodeRows * kChunks; idx += kAttnThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < hc) {
+      const T* src = q + (h0 + r) * p.s.q1 + c * 8;
+      if (p.q_vec) {
+        v = dev::ld_global(reinterpret_cast<const uint4*>(src));
+      } else {
+        T e[8];
+#pragma unroll
+        for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
+        memcpy(&v, e, 16);
+      }
+    }
+    *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = v;
   }
-  float acc[kPairsPerThread][8];
+  // Prologue: tiles 0 .. stages-2 in flight.
+  for (int t = 0; t < stages - 1; ++t) {
+    resolve(t);
+    __syncthreads();
+    issue(t);
+    __syncthreads();  // voff_s consumed before the next resolve
+  }
+  __syncthreads();  // q_s is ready
+  // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
+  // addresses row l % 16 at column 8 (l / 16).
+  uint32_t qf[kQInRegs ? kKSteps : 1][4];
+  const T* q_lane = q_s + (lane % 16) * LD + (lane / 16) * 8;
+  if constexpr (kQInRegs) {
 #pragma unroll
-  for (int r = 0; r < kPairsPerThread; ++r)
-#pragma unroll
-    for (int x = 0; x < 8; ++x) acc[r][x] = 0.f;
+    for (int ks = 0; ks < kKSteps; ++ks) dev::ldmatrix_x4(qf[ks], q_lane + ks * 16);
+  }
 
-  const int grp = tid / 8, gl = tid % 8;  // 16 groups of 8 lanes for the scores
-  for (int64_t t0 = s_lo; t0 <= s_hi; t0 += kDecodeTileKeys) {
-    __syncthreads();  // the previous tile is fully consumed (and q_s / m_s are ready on the first pass)
-    stage_kv_tile<T, D, kDecodeTileKeys>(p, b, kvh, t0, s_lo, s_hi, koff_s, voff_s, k_tile, v_tile, D, tid);
-    __syncthreads();
-    // Scores: pair (head, key) per 8-lane group.
-    for (int pr = grp; pr < hc * kDecodeTileKeys; pr += kAttnThreads / 8) {
-      const int h = pr / kDecodeTileKeys, k = pr % kDecodeTileKeys;
-      float dot = 0.f;
-      for (int c = gl; c < kChunks; c += 8) {
-        float f[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(k_tile + k * D + c * 8), f);
-        const float4 qa = *reinterpret_cast<const float4*>(q_s + h * D + c * 8);
-        const float4 qb = *reinterpret_cast<const float4*>(q_s + h * D + c * 8 + 4);
-        dot += qa.x * f[0] + qa.y * f[1] + qa.z * f[2] + qa.w * f[3] + qb.x * f[4] + qb.y * f[5] + qb.z * f[6] +
-               qb.w * f[7];
-      }
-      dot += __shfl_xor_sync(0xffffffffu, dot, 4);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      if (gl == 0) s_s[h][k] = koff_s[k] >= 0 ? cap_score(dot * p.scale, p.softcap) : neg_inf();
-    }
-    __syncthreads();
-    // Online softmax: one warp per head, one lane per key.
-    for (int h = warp; h < hc; h += kAttnThreads / 32) {
-      const float s = s_s[h][lane];
-      float mx = s;
+  // Per-warp state for rows g and g + 8: running max (log2 units), this thread's partial row sum, O fragments
+  // (8-column block nb: {O[g][8nb + 2t4 + {0,1}], O[g+8][8nb + 2t4 + {0,1}]}).
+  float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+  float o[2 * kKSteps][4];
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float m_old = m_s[h];
-      const float m_new = fmaxf(m_old, mx);
-      const float pr = s == neg_inf() ? 0.f : __expf(s - m_new);
-      float sum = pr;
+  for (int nb = 0; nb < 2 * kKSteps; ++nb)
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      s_s[h][lane] = pr;
-      __syncwarp();
-      if (lane == 0) {
-        const float alpha = m_old == neg_inf() ? 0.f : __expf(m_old - m_new);
-        alpha_s[h] = alpha;
-        l_s[h] = l_s[h] * alpha + sum;
-        m_s[h] = m_new;
+    for (int x = 0; x < 4; ++x) o[nb][x] = 0.f;
+  const float qk_scale = p.softcap > 0.f ? p.scale : p.scale * kLog2e;
+  // ldmatrix lane addressing inside a warp's 16 keys: K (non-trans): matrix l / 8 = (key half, column half) ->
+  // key (l / 16) * 8 + l % 8, column ((l / 8) % 2) * 8; V (.trans): matrix l / 8 = (column half, key half) ->
+  // key ((l / 8) % 2) * 8 + l % 8, column (l / 16) * 8.
+  const int k_row = warp * 16 + (lane / 16) * 8 + lane % 8, k_col = ((lane / 8) % 2) * 8;
+  const int v_row = warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, v_col = (lane / 16) * 8;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int st = t % stages;
+    resolve(t + stages - 1);
+    __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
+    issue(t + stages - 1);
+    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
+    __syncthreads();                  // ... and everyone's
+    const T* k_s = reinterpret_cast<const T*>(smem + st * lay.stage);
+    const T* v_s = k_s + kDecodeTileKeys * LD;
+    // S = Q K^T for this warp's 16 keys: two 8-key blocks.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t kf[4];
+      dev::ldmatrix_x4(kf, k_s + k_row * LD + ks * 16 + k_col);
+      const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+      if constexpr (kQInRegs) {
+        dev::mma_m16n8k16<T>(s[0], qf[ks], b0, s[0]);
+        dev::mma_m16n8k16<T>(s[1], qf[ks], b1, s[1]);
+      } else {
+        uint32_t a[4];
+        dev::ldmatrix_x4(a, q_lane + ks * 16);
+        dev::mma_m16n8k16<T>(s[0], a, b0, s[0]);
+        dev::mma_m16n8k16<T>(s[1], a, b1, s[1]);
       }
     }
-    __syncthreads();
-    // P.V: thread owns 8 columns of one head.
+    // Scale (log2 units), softcap, mask; row max over the quad.
+    const int64_t* ko = koff_s + st * kDecodeTileKeys + warp * 16;
+    float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-    for (int r = 0; r < kPairsPerThread; ++r) {
-      const int pi = tid + r * kAttnThreads;
-      const int h = pi / kChunks, c = pi % kChunks;
-      if (h >= hc) continue;
-      const float alpha = alpha_s[h];
+    for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-      for (int x = 0; x < 8; ++x) acc[r][x] *= alpha;
-      for (int k = 0; k < kDecodeTileKeys; ++k) {
-        const float w = s_s[h][k];
-        float f[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(v_tile + k * D + c * 8), f);
-#pragma unroll
-        for (int x = 0; x < 8; ++x) acc[r][x] += w * f[x];
+      for (int x = 0; x < 4; ++x) {
+        float v = s[nb][x] * qk_scale;
+        if (p.softcap > 0.f) v = cap_score(v, p.softcap) * kLog2e;
+        v = ko[nb * 8 + 2 * t4 + (x & 1)] >= 0 ? v : neg_inf();
+        s[nb][x] = v;
+        mx[x / 2] = fmaxf(mx[x / 2], v);
       }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m_run[r], mx[r]);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no visible key yet: p = 0, nothing to rescale
+      alpha[r] = exp2f(m_run[r] - m_use);
+      m_run[r] = m_new;
+      mx[r] = m_use;
     }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        s[nb][x] = exp2f(s[nb][x] - mx[x / 2]);
+        rs[x / 2] += s[nb][x];
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
+#pragma unroll
+    for (int nb = 0; nb < 2 * kKSteps; ++nb) {
+      o[nb][0] *= alpha[0];
+      o[nb][1] *= alpha[0];
+      o[nb][2] *= alpha[1];
+      o[nb][3] *= alpha[1];
+    }
+    // P as the A fragment (16 heads x 16 keys): a[0] = P[g][2t4..], a[1] = P[g+8][2t4..], a[2] = P[g][2t4+8..],
+    // a[3] = P[g+8][2t4+8..] -- the S accumulators of key blocks 0 and 1.
+    const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                            pack2<T>(s[1][2], s[1][3])};
+    cp_async_wait_n(2 * stages - 2);  // V of tile t landed
+    __syncthreads();
+#pragma unroll
+    for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
+      uint32_t vf[4];
+      dev::ldmatrix_x4_trans(vf, v_s + v_row * LD + dp * 16 + v_col);
+      const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+      dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
+      dev::mma_m16n8k16<T>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+    }
+  }
+
+  // Merge the 4 warps' (m, l, O) through shared memory (the tile ring, drained): M = max m_w,
+  // L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L.
+  dev::cp_async_wait_all();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
   __syncthreads();
-  // Write: directly (one split) or as an fp32 partial normalised by this split's own sum.
+  float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][D]
+  float* ml_s = mo_s + kDecodeWarps * kDecodeRows * D;                        // [4][16] m, then [4][16] l
 #pragma unroll
-  for (int r = 0; r < kPairsPerThread; ++r) {
-    const int pi = tid + r * kAttnThreads;
-    const int h = pi / kChunks, c = pi % kChunks;
-    if (h >= hc) continue;
-    const float l = l_s[h];
+  for (int nb = 0; nb < 2 * kKSteps; ++nb) {
+    float* row0 = mo_s + (warp * kDecodeRows + g) * D + nb * 8 + 2 * t4;
+    row0[0] = o[nb][0];
+    row0[1] = o[nb][1];
+    row0[8 * D] = o[nb][2];
+    row0[8 * D + 1] = o[nb][3];
+  }
+  if (t4 == 0) {
+    ml_s[warp * kDecodeRows + g] = m_run[0];
+    ml_s[warp * kDecodeRows + g + 8] = m_run[1];
+    ml_s[kDecodeWarps * kDecodeRows + warp * kDecodeRows + g] = l_run[0];
+    ml_s[kDecodeWarps * kDecodeRows + warp * kDecodeRows + g + 8] = l_run[1];
+  }
+  __syncthreads();
+  for (int idx = tid; idx < hc * D; idx += kAttnThreads) {
+    const int r = idx / D, x = idx % D;
+    float mw[kDecodeWarps], big = neg_inf();
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      mw[w] = ml_s[w * kDecodeRows + r];
+      big = fmaxf(big, mw[w]);
+    }
+    float l = 0.f, acc = 0.f;
+    if (big != neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float f = exp2f(mw[w] - big);
+        l += ml_s[kDecodeWarps * kDecodeRows + w * kDecodeRows + r] * f;
+        acc += mo_s[(w * kDecodeRows + r) * D + x] * f;
+      }
+    }
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? m_s[h] + __logf(l) : neg_inf();
-    const int64_t oh = b * p.hq + h0 + h;  // (row, head) index
+    const float lse = l > 0.f ? (big + log2f(l)) / kLog2e : neg_inf();  // natural log
+    const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
     if (p.num_splits == 1) {
-      T* o = static_cast<T*>(p.out) + oh * D + c * 8;
-#pragma unroll
-      for (int x = 0; x < 8; ++x) dev::st_global(o + x, Conv<T>::from_float(acc[r][x] * inv));
-      if (c == 0) dev::st_global(p.lse + oh, lse);
+      dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv));
+      if (x == 0) dev::st_global(p.lse + oh, lse);
     } else {
-      float* o = p.part_out + (split * p.rows * p.hq + oh) * D + c * 8;
-#pragma unroll
-      for (int x = 0; x < 8; ++x) dev::st_global(o + x, acc[r][x] * inv);
-      if (c == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse);
+      dev::st_global(p.part_out + (split * p.rows * p.hq + oh) * D + x, acc * inv);
+      if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse);
     }
   }
 }
@@ -180,31 +385,50 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_combine_kernel(
   if (threadIdx.x == 0) dev::st_global(p.lse + oh, lse);
 }
 
+// Shared memory of one SM: the per-block opt-in limit plus the 1 KB the system reserves per block (sm_80: 163 + 1,
+// sm_86/sm_89/sm_120: 99 + 1, sm_90: 227 + 1 KB).
+inline int64_t smem_per_sm(const DeviceProps& props) { return int64_t(props.smem_optin) + 1024; }
 
-// Split-KV count from shapes only: enough CTAs for two waves, at least 4 tiles (128 keys) per split.
+// Stage count: the most stages (<= 4) that keep 2 CTAs per SM with at least double buffering; else the most that fit
+// one CTA (1 on a 99 KB GPU at D = 256: no overlap inside the CTA, but correct).
+inline int decode_stages(int64_t d, const DeviceProps& props) {
+  const int64_t half = smem_per_sm(props) / 2 - 1024;
+  for (int s = kDecodeMaxStages; s >= 2; --s)
+    if (int64_t(decode_layout(int(d), s).smem) <= half) return s;
+  for (int s = kDecodeMaxStages; s >= 1; --s)
+    if (int64_t(decode_layout(int(d), s).smem) <= props.smem_optin) return s;
+  return 0;
+}
+
+// Split-KV count from shapes only: enough CTAs for 4 per SM (2 waves at 2 resident), at least 2 tiles (128 keys)
+// per split.
 inline int decode_splits(int64_t ctas, int64_t max_keys, int sms) {
-  const int64_t target = 2 * static_cast<int64_t>(sms);
-  if (ctas >= target || max_keys <= 4 * kDecodeTileKeys) return 1;
+  const int64_t target = 4 * static_cast<int64_t>(sms);
+  if (ctas >= target || max_keys <= 2 * kDecodeTileKeys) return 1;
   const int64_t want = ceil_div<int64_t>(target, ctas);
-  const int64_t most = ceil_div<int64_t>(max_keys, 4 * kDecodeTileKeys);
+  const int64_t most = ceil_div<int64_t>(max_keys, 2 * kDecodeTileKeys);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kMaxSplits}})));
 }
 
 struct DecodePlan {
-  int head_chunks = 1;     // CTAs per KV head (ceil(group / kDecodeHeads))
+  int head_chunks = 1;     // CTAs per KV head (ceil(group / kDecodeRows))
   int num_splits = 1;      // split-KV partitions (> 1: fp32 partials + the combine kernel)
+  int stages = 0;          // cp.async ring depth; 0: refused (the device's shared memory is too small)
+  size_t smem = 0;         // dynamic shared memory, bytes
   dim3 grid, combine_grid;
 };
 
 // batch sequences, rows = batch query rows; max_blocks x block_size = the block table's capacity.
-inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t max_blocks,
+inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t d, int64_t max_blocks,
                               int64_t block_size, int64_t window, const DeviceProps& props) {
   DecodePlan plan;
   const int64_t group = hq / hkv;
-  plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeHeads));
+  plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeRows));
   const int64_t cap = max_blocks * block_size;
   const int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
   plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, props.sm_count);
+  plan.stages = decode_stages(d, props);
+  plan.smem = plan.stages ? decode_layout(int(d), plan.stages).smem : 0;
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   plan.combine_grid = dim3(static_cast<unsigned>(rows * hq));
   return plan;
@@ -213,9 +437,12 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
 // The launches of one decode call (decode + combine), in stream order; returns the first launch error.
 template <typename T, int D>
 cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t stream) {
+  if (plan.stages == 0) return cudaErrorInvalidValue;
   auto decode = window_attention_decode_kernel<T, D>;
-  AK_LAUNCH(decode, plan.grid, kAttnThreads, 0, stream, p);
-  const cudaError_t err = AK_LAST_ERROR();
+  cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
+  if (err != cudaSuccess) return err;
+  AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
+  err = AK_LAST_ERROR();
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   auto combine = window_attention_combine_kernel<T>;
   AK_LAUNCH(combine, plan.combine_grid, kAttnThreads, 0, stream, p, D);

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "device.cuh"
+#include "device_mma.cuh"
 
 namespace arkernels {
 
@@ -164,7 +165,7 @@ inline WindowAttentionPlan plan_window_attention(bool prefill, int64_t batch, in
   if (prefill) {
     plan.pre = plan_prefill(batch, hq, d, max_q_len, props);
   } else {
-    plan.decode = plan_decode(batch, rows, hq, hkv, max_blocks, block_size, window, props);
+    plan.decode = plan_decode(batch, rows, hq, hkv, d, max_blocks, block_size, window, props);
   }
   return plan;
 }

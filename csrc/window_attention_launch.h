@@ -88,7 +88,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   p.window = static_cast<int>(window);
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
-  p.q_vec = aligned16(query.data_ptr()) && (query.stride(0) * es) % 16 == 0 && (query.stride(1) * es) % 16 == 0;
+  const int64_t qes = query.element_size();
+  p.q_vec = aligned16(query.data_ptr()) && (query.stride(0) * qes) % 16 == 0 && (query.stride(1) * qes) % 16 == 0;
   if (p.max_blocks == 0 || p.block_size == 0) {  // nothing addressable: every query sees no key
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
@@ -104,8 +105,11 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   if (!prefill) {
     // gridDim.y <= 65535; the combine grid (one CTA per (row, head)) <= 2^31 - 1.
     AK_CHECK("window_attention", hkv * plan.decode.head_chunks <= 65535 && rows * hq <= INT32_MAX,
-             "decode grid too large on CUDA: num_kv_heads * ceil(group / 8) = ", hkv * plan.decode.head_chunks,
+             "decode grid too large on CUDA: num_kv_heads * ceil(group / 16) = ", hkv * plan.decode.head_chunks,
              " (at most 65535), batch * num_q_heads = ", rows * hq, " (at most 2^31 - 1)");
+    AK_CHECK("window_attention", plan.decode.stages > 0, "decode with head_dim ", d, " needs ",
+             decode_layout(int(d), 1).smem, " bytes of shared memory per block but this GPU allows ",
+             apply_smem_knob(props).smem_optin);
     if (plan.decode.num_splits > 1) {
       part_out = at::empty({plan.decode.num_splits, rows, hq, d}, query.options().dtype(at::kFloat));
       part_lse = at::empty({plan.decode.num_splits, rows, hq}, query.options().dtype(at::kFloat));

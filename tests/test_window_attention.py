@@ -353,14 +353,12 @@ def _visible_kv_bytes(k_cache, table, lens, window, kv_start):
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
-@pytest.mark.parametrize("heads", [(2, 2), (6, 2), (16, 2),
-                                   pytest.param((32, 2), marks=pytest.mark.xfail(strict=True, reason=(
-                                       "issue 11: a GQA group above 8 takes ceil(group / 8) CTAs per KV head, and "
-                                       "each reads the K/V again (2x at group 16)")))])
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2), (16, 2), (32, 2), (40, 2)])
 @pytest.mark.parametrize("window", [0, 24])
 def test_window_attention_decode_traffic(device, heads, window):
-    """Decode reads each visible K/V byte exactly once per KV head, whatever the GQA group and split count, and no
-    byte outside the window, kv_start or the sequence (the emulator counts every global load per byte)."""
+    """Decode reads each visible K/V byte exactly once per KV head, whatever the split count, for every GQA group up
+    to 16 (the M = 16 rows of one mma tile); a group of 20 takes 2 CTAs per KV head and reads it twice. No byte
+    outside the window, kv_start or the sequence is read (the emulator counts every global load per byte)."""
     import arkernels.simt
 
     hq, hkv = heads
@@ -370,7 +368,7 @@ def test_window_attention_decode_traffic(device, heads, window):
     kv_start = torch.tensor([0, 5, 0], dtype=torch.int32)
     query = torch.randn(3, hq, 64, generator=gen).half()
     window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window, kv_start=kv_start)
-    want = _visible_kv_bytes(k, table, lens, window, kv_start)
+    want = _visible_kv_bytes(k, table, lens, window, kv_start) * -(-(hq // hkv) // 16)
     for name in ("k_cache", "v_cache"):
         reads, writes = arkernels.simt.traffic_map(name)
         assert int(writes.sum()) == 0
@@ -381,6 +379,48 @@ def test_window_attention_decode_traffic(device, heads, window):
     q_read, q_written = totals["query"]  # once per split-KV partition (each CTA loads its heads' query rows)
     assert q_written == 0 and q_read > 0 and q_read % (query.numel() * 2) == 0
     assert totals["block_table"][1] == totals["seq_lens"][1] == 0  # index tensors are never written
+
+
+def _decode_smem(d, stages):
+    """Dynamic shared memory of a decode CTA (csrc/window_attention_decode.cuh, decode_layout): `stages` K/V tile
+    pairs of 64 keys and the 16-row query tile, rows padded to d + 8 16-bit elements, plus 8-byte key offsets."""
+    ld = d + 8
+    return stages * 2 * 64 * ld * 2 + 16 * ld * 2 + stages * 64 * 8 + 64 * 8
+
+
+DECODE_GROUPS = [(1, 1), (2, 1), (8, 2), (10, 2), (16, 1), (20, 1)]  # GQA 1, 2, 4, 5, 16 and 20 (two CTAs per KV head)
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_window_attention_decode_stages_and_groups(device, monkeypatch, head_dim, stages):
+    """The tensor-core decode kernel for every head dim at every cp.async ring depth: the per-block shared-memory
+    limit is lowered to exactly what `stages` stages need, so the planner must pick that depth (the launch's dynamic
+    shared memory says which ran). GQA groups 1..20, block sizes 1, 16 and 13, ragged lengths over several 64-key
+    tiles and split-KV partitions, windows, kv_start, softcap, fp16 and bf16, against the fp64 reference."""
+    import arkernels.simt
+
+    smem = _decode_smem(head_dim, stages)
+    if smem > 227 * 1024:
+        pytest.skip(f"{stages} stages at head_dim {head_dim} need {smem} bytes: more than sm_90 allows per block")
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(smem))
+    hi, si = HEAD_DIMS.index(head_dim), stages - 1
+    hq, hkv = _pick(DECODE_GROUPS, hi, 2 * si)
+    block_size = _pick(BLOCK_SIZES, hi, si)
+    window = _pick([0, 1, 77], hi, 3 * si)
+    softcap = _pick([0.0, 2.5], hi, si)
+    dtype = _pick([torch.float16, torch.bfloat16], hi, si + 1)
+    gen = torch.Generator().manual_seed(100 * hi + si)
+    lens = [1, 70, 200]  # 200 keys: 4 tiles, in 2 split-KV partitions on sm_90
+    k, v, table = _paged(lens, block_size, hkv, head_dim, dtype, device, gen)
+    kv_start = torch.tensor([0, 3, 0], dtype=torch.int32)
+    query = torch.randn(3, hq, head_dim, generator=gen).to(dtype)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
+                                softcap=softcap, kv_start=kv_start, return_lse=True)
+    assert arkernels.simt.launches()[0]["smem"] == smem
+    _check(out, lse, query, k, v, table, lens, None, window, head_dim ** -0.5, softcap, kv_start=kv_start)
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)

@@ -127,6 +127,12 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
   writes.push_back(int64_t(::simt::g_other_write.load()));
   return {names, reads, writes};
 }
+// The last op call's launches, flattened: (grid x, y, z, threads, dynamic smem bytes) per launch.
+std::vector<int64_t> launch_log() {
+  std::vector<int64_t> out;
+  for (const auto& l : ::simt::g_launches) out.insert(out.end(), l.begin(), l.end());
+  return out;
+}
 void set_device(const std::string& name) {
   TORCH_CHECK(::simt::set_device(name), "arkernels.simt: unknown device ", name, " (sm_80, sm_89, sm_90)");
 }
@@ -138,6 +144,7 @@ std::string get_device() { return ::simt::device().name; }
 TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("traffic_map(str name) -> (Tensor, Tensor)", &arkernels::traffic_map);
   m.def("traffic_totals() -> (str[], int[], int[])", &arkernels::traffic_totals);
+  m.def("launch_log() -> int[]", &arkernels::launch_log);
   m.def("set_device(str name) -> ()", &arkernels::set_device);
   m.def("get_device() -> str", &arkernels::get_device);
 }
