@@ -69,11 +69,28 @@ def prefill_tile_smem(d: int, bn: int) -> int:
     return q_bytes + 2 * k_bytes + s_bytes + p_bytes + o_bytes + 2 * bn * 8 + bm * 4
 
 
-# Dynamic shared memory per launch: (regex on the short name, bytes from the match). THE place to update when a
-# kernel's shared memory plan changes or a kernel with `extern __shared__` is added; kernels matching none get 0.
+def decode_smem(d: int, arch: str) -> int:
+    """Dynamic shared memory of a decode CTA as planned on `arch` (window_attention decode_layout + decode_stages):
+    `stages` K/V pairs of 64-key tiles and the 16-row query tile, rows padded to d + 8 16-bit elements, 8-byte key
+    offsets; the most stages (<= 4) that keep 2 CTAs per SM, else the most that fit one CTA.
+    sm_90: D=64 4 stages, 80.6 KB; D=128 3 stages, 108.8 KB; D=256 3 stages (1 CTA), 208.3 KB."""
+    def layout(stages):
+        ld = d + 8
+        return stages * 2 * 64 * ld * 2 + 16 * ld * 2 + stages * 64 * 8 + 64 * 8
+    spec = GPU_SPECS[arch]
+    half = spec["smem_sm"] // 2 - spec["reserved"]
+    for s in (4, 3, 2):
+        if layout(s) <= half:
+            return layout(s)
+    return next(layout(s) for s in (4, 3, 2, 1) if layout(s) <= spec["smem_block"])
+
+
+# Dynamic shared memory per launch: (regex on the short name, bytes from the match and the arch). THE place to update
+# when a kernel's shared memory plan changes or a kernel with `extern __shared__` is added; kernels matching none get 0.
 DYNAMIC_SMEM = [
     (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, (\d+), (\d+)>$"),
-     lambda m: prefill_tile_smem(int(m.group(1)), int(m.group(2)))),
+     lambda m, arch: prefill_tile_smem(int(m.group(1)), int(m.group(2)))),
+    (re.compile(r"^window_attention_decode_kernel<[^,<>]+, (\d+)>$"), lambda m, arch: decode_smem(int(m.group(1)), arch)),
 ]
 
 # SASS instruction classes: column -> predicate on the opcode (mnemonic with its modifiers, e.g. LDG.E.128.CONSTANT).
@@ -321,7 +338,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
         for pat, fn_bytes in DYNAMIC_SMEM:
             m = pat.match(name)
             if m:
-                dyn = fn_bytes(m)
+                dyn = fn_bytes(m, arch)
                 break
         threads, threads_from = max_threads.get((arch, fn)), "launch_bounds"
         if threads is None:
