@@ -11,11 +11,12 @@
 namespace arkernels {
 
 void paged_kv_append_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping) {
-  check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping);
+                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale) {
+  check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   const c10::cuda::CUDAGuard guard(k_cache.device());
-  C10_CUDA_CHECK(
-      paged_kv_append_launch(key, value, k_cache, v_cache, slot_mapping, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(paged_kv_append_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                        c10::cuda::getCurrentCUDAStream()));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_kv_gather_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -6,9 +6,11 @@
 namespace arkernels {
 
 // key/value [num_tokens, num_kv_heads, head_dim]; k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim];
-// slot_mapping [n <= num_tokens] int32|int64.
+// slot_mapping [n <= num_tokens] int32|int64; k_scale/v_scale fp32 [1] iff the caches are float8_e4m3fn (then key and
+// value are fp32|fp16|bf16, quantized on write).
 inline void check_paged_kv_append(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                                  const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   AK_CHECK_DIM("paged_kv_append", key, "key", 3);
   AK_CHECK_DIM("paged_kv_append", value, "value", 3);
   check_paged_cache("paged_kv_append", k_cache, v_cache);
@@ -19,9 +21,17 @@ inline void check_paged_kv_append(const at::Tensor& key, const at::Tensor& value
            "key [num_tokens, num_kv_heads, head_dim] = ", key.sizes(),
            " does not match k_cache [num_blocks, block_size, num_kv_heads, head_dim] = ", k_cache.sizes());
   const auto dt = k_cache.scalar_type();
-  AK_CHECK("paged_kv_append", key.scalar_type() == dt && value.scalar_type() == dt,
-           "key, value, k_cache and v_cache must share one dtype, got ", key.scalar_type(), ", ", value.scalar_type(),
-           ", ", dt, ", ", v_cache.scalar_type());
+  check_kv_scales("paged_kv_append", k_cache, k_scale, v_scale);
+  if (dt == at::kFloat8_e4m3fn) {
+    const auto kt = key.scalar_type();
+    AK_CHECK("paged_kv_append", (kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16) && value.scalar_type() == kt,
+             "key and value must share one dtype of float32, float16 or bfloat16 with float8_e4m3fn caches, got ", kt,
+             " and ", value.scalar_type());
+  } else {
+    AK_CHECK("paged_kv_append", key.scalar_type() == dt && value.scalar_type() == dt,
+             "key, value, k_cache and v_cache must share one dtype, got ", key.scalar_type(), ", ",
+             value.scalar_type(), ", ", dt, ", ", v_cache.scalar_type());
+  }
   AK_CHECK("paged_kv_append", slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
            "slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
   AK_CHECK("paged_kv_append", slot_mapping.size(0) <= key.size(0), "slot_mapping has ", slot_mapping.size(0),

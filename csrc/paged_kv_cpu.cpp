@@ -1,8 +1,11 @@
 // paged_kv on the CPU: the same schema and checks as csrc/paged_kv.cu. Data movement only, so rows are
 // copied as bytes (memcpy of head_dim elements); parallel over tokens (append) and batch x positions (gather).
+// fp8 (float8_e4m3fn) caches: append quantizes element by element (x / scale, saturated); gather moves fp8 bytes.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cstring>
 
@@ -10,10 +13,60 @@
 
 namespace arkernels {
 
+namespace {
+
+// x / scale, clamped to +-448 (NaN kept), rounded to nearest even e4m3: saturating, as cvt.rn.satfinite on the GPU.
+inline c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
+  float y = x / scale;
+  if (y > 448.f) y = 448.f;
+  if (y < -448.f) y = -448.f;
+  return c10::Float8_e4m3fn(y);
+}
+
+// fp8 caches: each element of key/value (src_t) is divided by its scale and saturated to e4m3 on write.
+template <typename src_t>
+void paged_kv_append_fp8_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const int64_t* slot_ptr, int64_t n, float k_scale, float v_scale) {
+  const int64_t heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  const src_t* k_src = key.data_ptr<src_t>();
+  const src_t* v_src = value.data_ptr<src_t>();
+  auto* k_dst = k_cache.data_ptr<c10::Float8_e4m3fn>();
+  auto* v_dst = v_cache.data_ptr<c10::Float8_e4m3fn>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slot_ptr[t];
+      if (slot < 0 || slot >= num_slots) continue;  // padding, or past the cache: never written
+      const int64_t blk = slot / block_size, off = slot % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = blk * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2);
+        const src_t* kr = k_src + t * key.stride(0) + h * key.stride(1);
+        const src_t* vr = v_src + t * value.stride(0) + h * value.stride(1);
+        for (int64_t x = 0; x < head_dim; ++x) {
+          k_dst[dst + x] = quantize_e4m3(static_cast<float>(kr[x]), k_scale);
+          v_dst[dst + x] = quantize_e4m3(static_cast<float>(vr[x]), v_scale);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
 void paged_kv_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                         const at::Tensor& slot_mapping) {
-  check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping);
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
+  check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   const int64_t n = slot_mapping.size(0);
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const float ks = k_scale->data_ptr<float>()[0], vs = v_scale->data_ptr<float>()[0];  // CPU tensors: no sync
+    AK_DISPATCH_FLOAT(key.scalar_type(), "paged_kv_append_fp8_cpu", [&] {
+      paged_kv_append_fp8_cpu<scalar_t>(key, value, k_cache, v_cache, slots.data_ptr<int64_t>(), n, ks, vs);
+    });
+    return;
+  }
   const int64_t heads = key.size(1), head_dim = key.size(2);
   const int64_t block_size = k_cache.size(1);
   const int64_t num_slots = k_cache.size(0) * block_size;

@@ -10,10 +10,21 @@
 // over (row, head, unit). Offsets are int64: num_blocks * block_size * heads * head_dim passes 2^31 on real caches.
 // Bytes: append reads each given K/V byte once and writes it once (plus one slot id per token); gather reads each
 // visible cache byte once and writes the output once (zeros past a sequence's length). The emulator's traffic meter
-// checks both ratios in tests/test_paged_kv.py. Resources: see scripts/sass_report.py (< 32 registers, no smem).
+// checks both ratios in tests/test_paged_kv.py. Resources: see scripts/sass_report.py (copy kernels < 32 registers,
+// fp8 append 30-34 registers on sm_90 (nvcc 13.0), no smem, no spills).
+// fp8 caches (float8_e4m3fn, vLLM's convention): paged_kv_append_fp8_kernel converts instead of copying: each element
+// of the fp32/fp16/bf16 key/value becomes saturate_e4m3(x / scale) (IEEE division __fdiv_rn, not fast-math's
+// approximation, so the GPU, the emulator and the CPU kernel store the same bytes; cvt.rn.satfinite: round to nearest
+// even, clamped to +-448, NaN kept). A thread converts V elements: one 16-byte load, one V-byte store (else V = 1).
+// Gather stays a byte copy (1-byte units for fp8); dequantization is the reader's (window_attention, the wrapper).
 #pragma once
 
+#include <cstring>
+#include <type_traits>
+
 #include "device.cuh"
+
+#include <cuda_fp8.h>  // __nv_cvt_float_to_fp8: cvt.rn.satfinite on sm_89+, the header's own software path elsewhere
 
 namespace arkernels {
 
@@ -39,6 +50,54 @@ __global__ void __launch_bounds__(kPagedKvThreads)
     const int64_t dst = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2 + u;
     dev::st_global(k_cache + dst, dev::ld_global(key + t * key_s0 + h * key_s1 + u));
     dev::st_global(v_cache + dst, dev::ld_global(value + t * val_s0 + h * val_s1 + u));
+  }
+}
+
+__device__ __forceinline__ float paged_kv_to_float(float x) { return x; }
+__device__ __forceinline__ float paged_kv_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float paged_kv_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// V consecutive Src elements at src -> V e4m3 bytes at dst (V = 1, or 16 / sizeof(Src): one 16-byte load).
+template <typename Src, int V>
+__device__ __forceinline__ void paged_kv_quantize_store(uint8_t* dst, const Src* src, float scale) {
+  using LoadT = std::conditional_t<V == 1, Src, uint4>;
+  using StoreT = std::conditional_t<V == 1, uint8_t, std::conditional_t<V == 4, uint32_t, uint2>>;
+  static_assert(sizeof(LoadT) == V * sizeof(Src) && sizeof(StoreT) == V, "one load and one store per V elements");
+  const LoadT in = dev::ld_global(reinterpret_cast<const LoadT*>(src));
+  Src x[V];
+  memcpy(x, &in, sizeof in);
+  uint8_t q[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    q[i] = __nv_cvt_float_to_fp8(__fdiv_rn(paged_kv_to_float(x[i]), scale), __NV_SATFINITE, __NV_E4M3);
+  }
+  StoreT out;
+  memcpy(&out, q, sizeof out);
+  dev::st_global(reinterpret_cast<StoreT*>(dst), out);
+}
+
+// fp8 caches: as paged_kv_append_kernel, but rows of `units` groups of V elements are quantized on the way
+// (k_scale, v_scale: one fp32 each, read on the device). Strides in elements.
+template <typename Src, int V, typename Slot>
+__global__ void __launch_bounds__(kPagedKvThreads)
+    paged_kv_append_fp8_kernel(const Src* __restrict__ key, const Src* __restrict__ value, uint8_t* __restrict__ k_cache,
+                               uint8_t* __restrict__ v_cache, const Slot* __restrict__ slot_mapping,
+                               const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                               int64_t num_tokens, int64_t num_slots, int64_t block_size, int heads, int units,
+                               int rows_per_cta, int64_t key_s0, int64_t key_s1, int64_t val_s0, int64_t val_s1,
+                               int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {
+  const float ks = dev::ld_global(k_scale), vs = dev::ld_global(v_scale);
+  const int work = rows_per_cta * heads * units;
+  for (int i = threadIdx.x; i < work; i += blockDim.x) {
+    const int u = i % units;
+    const int h = (i / units) % heads;
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_cta + i / (units * heads);
+    if (t >= num_tokens) return;  // i only grows, so t does too
+    const int64_t slot = static_cast<int64_t>(dev::ld_global(slot_mapping + t));
+    if (slot < 0 || slot >= num_slots) continue;  // padding (or past the cache): never written
+    const int64_t dst = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2 + u * V;
+    paged_kv_quantize_store<Src, V>(k_cache + dst, key + t * key_s0 + h * key_s1 + u * V, ks);
+    paged_kv_quantize_store<Src, V>(v_cache + dst, value + t * val_s0 + h * val_s1 + u * V, vs);
   }
 }
 

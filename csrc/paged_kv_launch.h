@@ -15,6 +15,8 @@ template <typename F>
 void dispatch_copy_unit(bool vec, int64_t element_size, F&& f) {
   if (vec) {
     f(uint4{});
+  } else if (element_size == 1) {  // fp8
+    f(uint8_t{});
   } else if (element_size == 2) {
     f(uint16_t{});
   } else {
@@ -22,10 +24,72 @@ void dispatch_copy_unit(bool vec, int64_t element_size, F&& f) {
   }
 }
 
+// fp8 caches (checked by check_paged_kv_append: k_scale, v_scale given): quantize on write, V elements per thread.
+inline cudaError_t paged_kv_append_fp8_launch(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                                              at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                              const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                              cudaStream_t stream) {
+  const int64_t n = slot_mapping.size(0);
+  const int64_t src_es = key.element_size(), head_dim = key.size(2), heads = key.size(1);
+  const int64_t v_elems = 16 / src_es;  // one 16-byte load of the source, one v_elems-byte store of fp8
+  bool vec = head_dim % v_elems == 0 && aligned16(key.data_ptr()) && aligned16(value.data_ptr()) &&
+             reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % v_elems == 0 &&
+             reinterpret_cast<uintptr_t>(v_cache.data_ptr()) % v_elems == 0;
+  for (int d = 0; d < 3; ++d) {
+    vec = vec && k_cache.stride(d) % v_elems == 0;
+    if (d < 2) vec = vec && (key.stride(d) * src_es) % 16 == 0 && (value.stride(d) * src_es) % 16 == 0;
+  }
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const at::Tensor slots = slot_mapping.contiguous();
+  cudaError_t err = cudaSuccess;
+  auto run = [&](auto src_tag, auto v_tag) {
+    using Src = decltype(src_tag);
+    constexpr int V = decltype(v_tag)::value;
+    const int units = static_cast<int>(head_dim / V);
+    const PagedKvPlan plan = plan_paged_kv_append(n, heads, units);
+    auto launch = [&](const auto* slot_ptr) {
+      using Slot = std::remove_cv_t<std::remove_pointer_t<decltype(slot_ptr)>>;
+      auto kernel = paged_kv_append_fp8_kernel<Src, V, Slot>;
+      AK_LAUNCH(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Src*>(key.data_ptr()),
+                static_cast<const Src*>(value.data_ptr()), static_cast<uint8_t*>(k_cache.data_ptr()),
+                static_cast<uint8_t*>(v_cache.data_ptr()), slot_ptr, k_scale.data_ptr<float>(),
+                v_scale.data_ptr<float>(), n, num_slots, k_cache.size(1), static_cast<int>(heads), units,
+                plan.rows_per_cta, key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0),
+                k_cache.stride(1), k_cache.stride(2));
+      err = AK_LAST_ERROR();
+    };
+    if (slots.scalar_type() == at::kInt) {
+      launch(slots.data_ptr<int32_t>());
+    } else {
+      launch(slots.data_ptr<int64_t>());
+    }
+  };
+  auto by_width = [&](auto src_tag) {
+    constexpr int kVec = 16 / sizeof(decltype(src_tag));
+    if (vec) {
+      run(src_tag, std::integral_constant<int, kVec>{});
+    } else {
+      run(src_tag, std::integral_constant<int, 1>{});
+    }
+  };
+  switch (key.scalar_type()) {
+    case at::kFloat: by_width(float{}); break;
+    case at::kHalf: by_width(__half{}); break;
+    default: by_width(__nv_bfloat16{}); break;  // bfloat16: the only other dtype the checks admit
+  }
+  return err;
+}
+
+// k_scale/v_scale: defined iff the caches are fp8 (checked by check_paged_kv_append).
 inline cudaError_t paged_kv_append_launch(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                                          at::Tensor& v_cache, const at::Tensor& slot_mapping, cudaStream_t stream) {
+                                          at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                          const std::optional<at::Tensor>& k_scale,
+                                          const std::optional<at::Tensor>& v_scale, cudaStream_t stream) {
   const int64_t n = slot_mapping.size(0);
   if (n == 0 || key.numel() == 0) return cudaSuccess;
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    return paged_kv_append_fp8_launch(key, value, k_cache, v_cache, slot_mapping, *k_scale, *v_scale, stream);
+  }
   const int64_t es = k_cache.element_size();
   const int64_t row_bytes = key.size(2) * es;
   bool vec = row_bytes % 16 == 0 && aligned16(key.data_ptr()) && aligned16(value.data_ptr()) &&

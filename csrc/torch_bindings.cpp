@@ -9,9 +9,12 @@ TORCH_LIBRARY(arkernels, m) {
   // ---- paged_kv: paged KV cache, layout [num_blocks, block_size, num_kv_heads, head_dim] (vLLM/FlashInfer NHD) ----
   // key/value [num_tokens, num_kv_heads, head_dim] (strided ok) -> caches at slot_mapping[n <= num_tokens]
   // (int32|int64; slot = block * block_size + offset; slot < 0: padding, skipped; slot past the cache: never written).
-  m.def("paged_kv_append(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  // fp8 caches (float8_e4m3fn; key/value fp32|fp16|bf16): k_scale, v_scale fp32 [1] on the cache's device, required
+  // iff the cache is fp8 (vLLM's convention): stored = saturate_e4m3(key / k_scale) (RNE, clamped to +-448).
+  m.def("paged_kv_append(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   // block_table int32 [batch, max_blocks], seq_lens int32 [batch] -> (key, value) [batch, num_kv_heads, max_seq_len, head_dim],
-  // zero past each sequence's length.
+  // zero past each sequence's length. Moves bytes: an fp8 cache gives fp8 rows (the Python wrapper dequantizes).
   m.def("paged_kv_gather(Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, SymInt max_seq_len) -> (Tensor, Tensor)");
 
   // ---- window_attention: causal (sliding-window) attention over the paged cache, GQA ----
@@ -20,8 +23,11 @@ TORCH_LIBRARY(arkernels, m) {
   // last dim contiguous); kv_start int32 [batch]? (keys j < kv_start[b] are masked: left padding; None: 0);
   // window 0: full causal, W > 0: keys i-W < j <= i; softcap 0: off.
   // -> (out like query, lse fp32 [num_queries, Hq]); a query with no visible key gives zeros and lse -inf.
+  // fp8 caches (float8_e4m3fn, query fp32|fp16|bf16): key = stored * k_scale, value = stored * v_scale, scales fp32 [1]
+  // on the cache's device, required iff the cache is fp8.
   m.def("window_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor? cu_seqlens_q, Tensor? kv_start, int max_q_len, int window, float scale, float softcap) -> (Tensor, Tensor)");
+        "Tensor? cu_seqlens_q, Tensor? kv_start, int max_q_len, int window, float scale, float softcap, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
 
   // ---- sampling: temperature -> top-k -> top-p -> min-p -> draw, from logits, no full sort ----
   // logits [batch, vocab] fp32|fp16|bf16 (rows may be strided); temperature fp32 [batch] (0: greedy),

@@ -33,13 +33,16 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cuda(const at::Tensor& query
                                                          const at::Tensor& seq_lens,
                                                          const std::optional<at::Tensor>& cu_seqlens_q,
                                                          const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
-                                                         int64_t window, double scale, double softcap) {
+                                                         int64_t window, double scale, double softcap,
+                                                         const std::optional<at::Tensor>& k_scale,
+                                                         const std::optional<at::Tensor>& v_scale) {
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
-                         scale, softcap);
+                         scale, softcap, k_scale, v_scale);
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out, lse;
   C10_CUDA_CHECK(window_attention_launch(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
-                                         max_q_len, window, scale, softcap, cuda_device_props(query.get_device()),
+                                         max_q_len, window, scale, softcap, k_scale, v_scale,
+                                         cuda_device_props(query.get_device()),
                                          c10::cuda::getCurrentCUDAStream(), out, lse));
   return {out, lse};
 }

@@ -17,21 +17,24 @@ namespace arkernels {
 
 // query [num_queries, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [batch, max_blocks];
 // seq_lens int32 [batch]; cu_seqlens_q int32 [batch + 1]? (None: decode, num_queries == batch);
-// kv_start int32 [batch]?; max_q_len >= 0; window >= 0; softcap >= 0.
+// kv_start int32 [batch]?; max_q_len >= 0; window >= 0; softcap >= 0; k_scale/v_scale fp32 [1] iff the caches are
+// float8_e4m3fn (then the query is fp32|fp16|bf16 and the output takes its dtype).
 inline void check_window_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, const at::Tensor& seq_lens,
                                    const std::optional<at::Tensor>& cu_seqlens_q,
                                    const std::optional<at::Tensor>& kv_start, int64_t max_q_len, int64_t window,
-                                   double scale, double softcap) {
+                                   double scale, double softcap, const std::optional<at::Tensor>& k_scale,
+                                   const std::optional<at::Tensor>& v_scale) {
   AK_CHECK_DIM("window_attention", query, "query", 3);
   check_paged_cache("window_attention", k_cache, v_cache);
   check_block_table("window_attention", block_table, seq_lens, k_cache);
+  check_kv_scales("window_attention", k_cache, k_scale, v_scale);
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
            "query must be float32, float16 or bfloat16, got ", dt);
-  AK_CHECK("window_attention", k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
-           "query, k_cache and v_cache must share one dtype, got ", dt, ", ", k_cache.scalar_type(), ", ",
-           v_cache.scalar_type());
+  AK_CHECK("window_attention", k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == dt,
+           "query, k_cache and v_cache must share one dtype (or the caches be float8_e4m3fn), got ", dt, ", ",
+           k_cache.scalar_type(), ", ", v_cache.scalar_type());
   const int64_t hq = query.size(1), hkv = k_cache.size(2), d = query.size(2);
   AK_CHECK("window_attention", k_cache.size(3) == d, "head_dim of query (", d, ") and k_cache (", k_cache.size(3),
            ") differ");

@@ -3,15 +3,19 @@
 // Parallel over (query row, kv head): one task computes every query head of one GQA group for one query, so each
 // key/value row it reads serves all `group` query heads. Scores of the visible keys go to a scratch buffer
 // [group, n_visible] (fp32), then an exact two-pass softmax (max, then sum of exp) and the weighted sum of V rows,
-// all in fp32 whatever the input dtype. The CPU can afford to validate the data (block ids, cu_seqlens_q against
+// all in fp32 whatever the input dtype. fp8 (float8_e4m3fn) caches: each key/value row is dequantized once per task
+// (stored * k_scale / v_scale, fp32) before it serves the group. The CPU can afford to validate the data (block ids, cu_seqlens_q against
 // seq_lens) at no sync cost, so it raises where the CUDA kernel can only mask.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "window_attention.h"
@@ -19,17 +23,20 @@
 namespace arkernels {
 namespace {
 
-template <typename scalar_t>
+// cache_t: scalar_t, or c10::Float8_e4m3fn (k_scale/v_scale then multiply each stored element; 1 otherwise).
+template <typename scalar_t, typename cache_t>
 void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const int32_t* table, int64_t max_blocks, const int32_t* lens,
                                  const int32_t* starts,  // [batch] or nullptr
                                  const std::vector<int64_t>& row_batch, const std::vector<int64_t>& row_pos,
-                                 int64_t window, float scale, float softcap, at::Tensor& out, at::Tensor& lse) {
+                                 int64_t window, float scale, float softcap, float k_scale, float v_scale,
+                                 at::Tensor& out, at::Tensor& lse) {
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t hkv = k_cache.size(2), group = hq / hkv, block_size = k_cache.size(1);
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
+  constexpr bool kFp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
   scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [rows, hq, d]
   float* lse_ptr = lse.data_ptr<float>();      // contiguous [rows, hq]
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
@@ -38,7 +45,7 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * d), acc(group * d), scores;
+    std::vector<float> q(group * d), acc(group * d), scores, row(d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / hkv, kvh = item % hkv;
       const int64_t b = row_batch[r], i = row_pos[r];
@@ -63,10 +70,12 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
       scores.resize(group * n);
       for (int64_t j = lo; j <= hi; ++j) {
         const int64_t blk = table[b * max_blocks + j / block_size];
-        const scalar_t* krow = k_ptr + blk * ks0 + (j % block_size) * ks1 + kvh * ks2;
+        const cache_t* kp = k_ptr + blk * ks0 + (j % block_size) * ks1 + kvh * ks2;
+        // the key row dequantized once for the whole group (fp8: stored * k_scale, as the reference does)
+        for (int64_t x = 0; x < d; ++x) row[x] = kFp8 ? static_cast<float>(kp[x]) * k_scale : static_cast<float>(kp[x]);
         for (int64_t g = 0; g < group; ++g) {
           float s = 0.f;
-          for (int64_t x = 0; x < d; ++x) s += q[g * d + x] * static_cast<float>(krow[x]);
+          for (int64_t x = 0; x < d; ++x) s += q[g * d + x] * row[x];
           s *= scale;
           if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
           scores[g * n + (j - lo)] = s;
@@ -89,11 +98,12 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
       }
       for (int64_t j = lo; j <= hi; ++j) {
         const int64_t blk = table[b * max_blocks + j / block_size];
-        const scalar_t* vrow = v_ptr + blk * vs0 + (j % block_size) * vs1 + kvh * vs2;
+        const cache_t* vp = v_ptr + blk * vs0 + (j % block_size) * vs1 + kvh * vs2;
+        for (int64_t x = 0; x < d; ++x) row[x] = kFp8 ? static_cast<float>(vp[x]) * v_scale : static_cast<float>(vp[x]);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * n + (j - lo)];
           float* a = acc.data() + g * d;
-          for (int64_t x = 0; x < d; ++x) a[x] += p * static_cast<float>(vrow[x]);
+          for (int64_t x = 0; x < d; ++x) a[x] += p * row[x];
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -111,9 +121,11 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
                                                         const at::Tensor& seq_lens,
                                                         const std::optional<at::Tensor>& cu_seqlens_q,
                                                         const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
-                                                        int64_t window, double scale, double softcap) {
+                                                        int64_t window, double scale, double softcap,
+                                                        const std::optional<at::Tensor>& k_scale,
+                                                        const std::optional<at::Tensor>& v_scale) {
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
-                         scale, softcap);
+                         scale, softcap, k_scale, v_scale);
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t batch = seq_lens.size(0), max_blocks = block_table.size(1);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
@@ -166,10 +178,18 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
     }
   }
 
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const float ks = fp8 ? k_scale->data_ptr<float>()[0] : 1.f, vs = fp8 ? v_scale->data_ptr<float>()[0] : 1.f;
   AK_DISPATCH_FLOAT(query.scalar_type(), "window_attention_cpu", [&] {
-    window_attention_cpu_kernel<scalar_t>(query, k_cache, v_cache, table_ptr, max_blocks, lens, starts, row_batch,
-                                          row_pos, window, static_cast<float>(scale), static_cast<float>(softcap),
-                                          out, lse);
+    if (fp8) {
+      window_attention_cpu_kernel<scalar_t, c10::Float8_e4m3fn>(
+          query, k_cache, v_cache, table_ptr, max_blocks, lens, starts, row_batch, row_pos, window,
+          static_cast<float>(scale), static_cast<float>(softcap), ks, vs, out, lse);
+    } else {
+      window_attention_cpu_kernel<scalar_t, scalar_t>(query, k_cache, v_cache, table_ptr, max_blocks, lens, starts,
+                                                      row_batch, row_pos, window, static_cast<float>(scale),
+                                                      static_cast<float>(softcap), 1.f, 1.f, out, lse);
+    }
   });
   return {out, lse};
 }

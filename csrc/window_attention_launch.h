@@ -41,8 +41,12 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                            const at::Tensor& v_cache, const at::Tensor& block_table,
                                            const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q,
                                            const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
-                                           int64_t window, double scale, double softcap, DeviceProps props,
+                                           int64_t window, double scale, double softcap,
+                                           const std::optional<at::Tensor>& k_scale,
+                                           const std::optional<at::Tensor>& v_scale, DeviceProps props,
                                            cudaStream_t stream, at::Tensor& out, at::Tensor& lse) {
+  AK_CHECK("window_attention", k_cache.scalar_type() != at::kFloat8_e4m3fn,
+           "float8_e4m3fn caches are not supported by the CUDA kernel yet");
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,
            "CUDA kernels take float16 or bfloat16, got ", dt, " (float32 runs on the CPU)");
@@ -70,6 +74,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   p.query = query.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
+  p.k_scale = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;  // fp8 caches only (check_kv_scales)
+  p.v_scale = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
   p.block_table = table.data_ptr<int32_t>();
   p.seq_lens = lens.data_ptr<int32_t>();
   p.cu_seqlens_q = cu.defined() ? cu.data_ptr<int32_t>() : nullptr;

@@ -67,6 +67,8 @@ def window_attention(
     cu_seqlens_q: torch.Tensor | None = None,
     max_q_len: int | None = None,
     kv_start: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     return_lse: bool = False,
     check: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +81,9 @@ def window_attention(
             (causal among themselves). Any strides with a contiguous last dim.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides, last dim
             contiguous), same dtype as ``query``: fp16/bf16 on CUDA (head_dim 64, 80, 96, 128, 256), also fp32
-            on the CPU (any head_dim up to 512). ``num_q_heads % num_kv_heads == 0`` (GQA/MQA).
+            on the CPU (any head_dim up to 512). ``num_q_heads % num_kv_heads == 0`` (GQA/MQA). Or
+            ``float8_e4m3fn`` with ``k_scale``/``v_scale`` (vLLM's convention: key = stored * k_scale), any query
+            dtype above; CPU kernel only so far (the CUDA kernel refuses fp8 caches).
         block_table: int32 ``[batch, max_blocks]``: entry ``[b, i]`` holds positions ``i*block_size ...``.
         seq_lens: int32 ``[batch]``: keys ``0 .. seq_lens[b]-1`` exist, the new tokens included.
         window: 0 for full causal attention; ``W > 0``: key j is visible to query i iff ``i - W < j <= i``.
@@ -90,6 +94,8 @@ def window_attention(
             computed from ``cu_seqlens_q`` (one sync); ignored for decode. Too small: ``check`` and the CPU kernel
             raise; with ``check=False`` the CUDA kernel still computes every row (extra passes over the grid).
         kv_start: int32 ``[batch]``: keys ``j < kv_start[b]`` are masked (left padding); None: 0.
+        k_scale, v_scale: fp32 ``[1]`` on the cache's device; required iff the caches are ``float8_e4m3fn``,
+            an error otherwise.
         return_lse: also return the fp32 natural-log sum-exp of the scaled (capped) scores.
         check: validate the index tensors' values first (one host sync) and raise ``ValueError`` on a block id
             out of range, a length past the block table, or ``cu_seqlens_q`` inconsistent with ``seq_lens``.
@@ -113,12 +119,13 @@ def window_attention(
             max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     out, lse = _ops.window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
-                                     max_q_len, window, scale, float(softcap))
+                                     max_q_len, window, scale, float(softcap), k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 
 @torch.library.register_fake("arkernels::window_attention")
-def _(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window, scale, softcap):
+def _(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window, scale, softcap,
+      k_scale=None, v_scale=None):
     return query.new_empty(query.shape), query.new_empty((query.shape[0], query.shape[1]), dtype=torch.float32)
 
 

@@ -4,15 +4,26 @@ from __future__ import annotations
 import torch
 
 
-def paged_kv_append_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+def quantize_e4m3_ref(x, scale):
+    """vLLM's fp8 KV quantization: ``x / scale`` in fp32, clamped to +-448 (NaN kept), rounded to e4m3."""
+    return (x.float() / float(scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def dequantize_e4m3_ref(stored, scale):
+    """``stored * scale`` in fp64 (exact: a 4-bit mantissa times a 24-bit one)."""
+    return stored.to(torch.float64) * float(scale)
+
+
+def paged_kv_append_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Same contract as ``arkernels.paged_kv_append``: writes token t to slot ``slot_mapping[t]`` (skipping
-    negative slots and slots past the cache)."""
+    negative slots and slots past the cache); fp8 caches store ``quantize_e4m3_ref(key[t], k_scale)``."""
     num_blocks, block_size = k_cache.shape[:2]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0 or slot >= num_blocks * block_size:
             continue
-        k_cache[slot // block_size, slot % block_size] = key[t]
-        v_cache[slot // block_size, slot % block_size] = value[t]
+        k_cache[slot // block_size, slot % block_size] = quantize_e4m3_ref(key[t], k_scale) if fp8 else key[t]
+        v_cache[slot // block_size, slot % block_size] = quantize_e4m3_ref(value[t], v_scale) if fp8 else value[t]
 
 
 def paged_kv_gather_ref(k_cache, v_cache, block_table, seq_lens, max_seq_len=None):

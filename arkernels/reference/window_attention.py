@@ -19,12 +19,16 @@ def window_mask_ref(q_pos: torch.Tensor, seq_len: int, window: int, kv_start: in
 
 
 def window_attention_ref(query, k_cache, v_cache, block_table, seq_lens, *, window=0, scale=None, softcap=0.0,
-                         cu_seqlens_q=None, kv_start=None):
+                         cu_seqlens_q=None, kv_start=None, k_scale=None, v_scale=None):
     """Same contract as ``arkernels.window_attention``; returns ``(out fp64 like query, lse fp64 [rows, Hq])``.
 
-    A query with no visible key gets out 0 and lse -inf.
+    A query with no visible key gets out 0 and lse -inf. fp8 caches are dequantized first (``stored * k_scale``, in
+    fp64: exact).
     """
     query = query.detach().cpu().double()
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k_cache = k_cache.detach().cpu().double() * float(k_scale)
+        v_cache = v_cache.detach().cpu().double() * float(v_scale)
     k_cache, v_cache = k_cache.detach().cpu().double(), v_cache.detach().cpu().double()
     lens = [int(x) for x in seq_lens.tolist()]
     batch = len(lens)

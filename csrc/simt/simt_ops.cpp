@@ -40,8 +40,9 @@ DeviceProps emulated_device_props() {
 }
 
 void paged_kv_append_simt(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping) {
-  check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping);
+                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale) {
+  check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   emulated("paged_kv_append", [&] {
     ::simt::reset_traffic();
     track("key", key);
@@ -49,7 +50,10 @@ void paged_kv_append_simt(const at::Tensor& key, const at::Tensor& value, at::Te
     track("k_cache", k_cache);
     track("v_cache", v_cache);
     track("slot_mapping", slot_mapping);
-    const cudaError_t err = paged_kv_append_launch(key, value, k_cache, v_cache, slot_mapping, nullptr);
+    if (k_scale) track("k_scale", *k_scale);
+    if (v_scale) track("v_scale", *v_scale);
+    const cudaError_t err =
+        paged_kv_append_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, nullptr);
     TORCH_CHECK(err == cudaSuccess, "paged_kv_append (SIMT emulator): launch failed");
     return 0;
   });
@@ -78,9 +82,11 @@ std::tuple<at::Tensor, at::Tensor> window_attention_simt(const at::Tensor& query
                                                          const at::Tensor& seq_lens,
                                                          const std::optional<at::Tensor>& cu_seqlens_q,
                                                          const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
-                                                         int64_t window, double scale, double softcap) {
+                                                         int64_t window, double scale, double softcap,
+                                                         const std::optional<at::Tensor>& k_scale,
+                                                         const std::optional<at::Tensor>& v_scale) {
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
-                         scale, softcap);
+                         scale, softcap, k_scale, v_scale);
   return emulated("window_attention", [&] {
     ::simt::reset_traffic();
     track("query", query);
@@ -90,9 +96,11 @@ std::tuple<at::Tensor, at::Tensor> window_attention_simt(const at::Tensor& query
     track("seq_lens", seq_lens);
     if (cu_seqlens_q) track("cu_seqlens_q", *cu_seqlens_q);
     if (kv_start) track("kv_start", *kv_start);
+    if (k_scale) track("k_scale", *k_scale);
+    if (v_scale) track("v_scale", *v_scale);
     at::Tensor out, lse;
     const cudaError_t err = window_attention_launch(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                                    kv_start, max_q_len, window, scale, softcap,
+                                                    kv_start, max_q_len, window, scale, softcap, k_scale, v_scale,
                                                     emulated_device_props(), nullptr, out, lse);
     TORCH_CHECK(err == cudaSuccess, "window_attention (SIMT emulator): launch failed");
     return std::make_tuple(out, lse);
