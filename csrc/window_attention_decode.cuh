@@ -43,16 +43,21 @@ constexpr int kDecodeMaxStages = 4;
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs, the query tile, per-stage K offsets (their
-// sign is the key's validity) and the V offsets of the tile being issued. One formula for the kernel and the plan.
+// Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs as stored (16-bit rows padded to D + 8
+// elements; fp8 rows of D bytes, which only the conversion reads), for fp8 caches one converted 16-bit K/V tile pair,
+// the query tile, per-stage K offsets (their sign is the key's validity) and the V offsets of the tile being issued.
+// One formula for the kernel and the plan.
 struct DecodeLayout {
-  int ld;                 // row stride of K, V and Q tiles, elements: D + 8 (16 bytes of skew: ldmatrix conflict-free)
-  size_t stage, off_q, off_koff, off_voff, smem;
+  int ld;                 // row stride of the 16-bit K, V and Q tiles, elements: D + 8 (16 bytes of skew: ldmatrix
+                          // conflict-free)
+  int stage_ld;           // row stride of a stage's tiles, cache elements: ld (16-bit caches) or D (fp8)
+  size_t stage, off_cvt, off_q, off_koff, off_voff, smem;
 };
-__host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages) {
-  DecodeLayout l{d + 8, 0, 0, 0, 0, 0};
-  l.stage = size_t(2) * kDecodeTileKeys * l.ld * 2;           // K tile + V tile, 16-bit elements
-  l.off_q = size_t(stages) * l.stage;
+__host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages, bool fp8 = false) {
+  DecodeLayout l{d + 8, fp8 ? d : d + 8, 0, 0, 0, 0, 0, 0};
+  l.stage = size_t(2) * kDecodeTileKeys * l.stage_ld * (fp8 ? 1 : 2);  // K tile + V tile as stored
+  l.off_cvt = size_t(stages) * l.stage;
+  l.off_q = l.off_cvt + (fp8 ? size_t(2) * kDecodeTileKeys * l.ld * 2 : 0);  // fp8: converted K and V tiles
   l.off_koff = l.off_q + size_t(kDecodeRows) * l.ld * 2;      // Q tile [16][ld]
   l.off_voff = l.off_koff + size_t(stages) * kDecodeTileKeys * 8;
   l.smem = l.off_voff + size_t(kDecodeTileKeys) * 8;
@@ -67,6 +72,26 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   memcpy(&ua, &a, 2);
   memcpy(&ub, &b, 2);
   return uint32_t(ua) | (uint32_t(ub) << 16);
+}
+
+// 16 e4m3 bytes -> 16 T elements (8 registers of pairs); exact for both fp16 and bf16 (e4m3 has 4 exponent bits and
+// 3 mantissa bits, subnormals down to 2^-9).
+template <typename T>
+__device__ __forceinline__ void fp8x16_to(const uint4& in, uint4 (&out)[2]) {
+  uint16_t two[8];
+  memcpy(two, &in, 16);
+  uint32_t r[8];
+#pragma unroll
+  for (int x = 0; x < 8; ++x) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two[x], __NV_E4M3);
+    if constexpr (std::is_same_v<T, __half>) {
+      memcpy(&r[x], &h, 4);
+    } else {
+      const float lo = __half2float(__half(__half_raw{h.x})), hi = __half2float(__half(__half_raw{h.y}));
+      r[x] = pack2<T>(lo, hi);
+    }
+  }
+  memcpy(out, r, 32);
 }
 
 // cp.async.wait_group n for a run-time n in [0, 2 * kDecodeMaxStages - 1].
@@ -84,15 +109,19 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
 }
 
 // ------------------------------------------------------------------------------------------------ decode
-template <typename T, int D>
+// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: converted to T in shared memory once per
+// tile, key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
+template <typename T, typename KV, int D>
 __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(const AttnParams p, const int stages) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr DecodeLayout L = decode_layout(D, 1);
-  constexpr int LD = L.ld;
-  constexpr int kChunks = D / 8;                        // 16-byte chunks per row
+  constexpr bool kFp8 = sizeof(KV) == 1;
+  constexpr DecodeLayout L = decode_layout(D, 1, kFp8);
+  constexpr int LD = L.ld, SLD = L.stage_ld;
+  constexpr int kChunks = D * int(sizeof(KV)) / 16;     // 16-byte chunks per cached row
+  constexpr int kChunkElems = 16 / int(sizeof(KV));
   constexpr int kKSteps = D / 16;                       // k-steps of Q K^T, and pairs of 8-column blocks of P V
   constexpr bool kQInRegs = D <= 128;                   // D = 256: 64 more registers would spill
-  const DecodeLayout lay = decode_layout(D, stages);
+  const DecodeLayout lay = decode_layout(D, stages, kFp8);
   AK_DYNAMIC_SHARED(unsigned char, smem);
   T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
   int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; -1: masked key
@@ -123,8 +152,8 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   while (bs_shift < 31 && (int32_t(1) << bs_shift) < bs) ++bs_shift;
   if ((int32_t(1) << bs_shift) != bs) bs_shift = -1;
   const int32_t* table = p.block_table + b * p.max_blocks;
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const KV* kc = static_cast<const KV*>(p.k_cache);
+  const KV* vc = static_cast<const KV*>(p.v_cache);
 
   // Offsets of tile t's keys (thread k < 64: key s_lo + 64 t + k) into koff_s[stage] / voff_s; -1 when masked.
   auto resolve = [&](int t) {
@@ -149,14 +178,14 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   // group count uniform for the waits).
   auto issue = [&](int t) {
     const int st = t % stages;
-    T* k_dst = reinterpret_cast<T*>(smem + st * lay.stage);
-    T* v_dst = k_dst + kDecodeTileKeys * LD;
+    KV* k_dst = reinterpret_cast<KV*>(smem + st * lay.stage);
+    KV* v_dst = k_dst + kDecodeTileKeys * SLD;
     const int64_t* ko = koff_s + st * kDecodeTileKeys;
     if (t < ntiles) {
       for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
         const int k = idx / kChunks, c = idx % kChunks;
         const int64_t o = ko[k];
-        dev::cp_async_16(k_dst + k * LD + c * 8, o >= 0 ? kc + o + c * 8 : kc, o >= 0 ? 16 : 0);
+        dev::cp_async_16(k_dst + k * SLD + c * kChunkElems, o >= 0 ? kc + o + c * kChunkElems : kc, o >= 0 ? 16 : 0);
       }
     }
     dev::cp_async_commit();
@@ -164,7 +193,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
         const int k = idx / kChunks, c = idx % kChunks;
         const int64_t o = voff_s[k];
-        dev::cp_async_16(v_dst + k * LD + c * 8, o >= 0 ? vc + o + c * 8 : vc, o >= 0 ? 16 : 0);
+        dev::cp_async_16(v_dst + k * SLD + c * kChunkElems, o >= 0 ? vc + o + c * kChunkElems : vc, o >= 0 ? 16 : 0);
       }
     }
     dev::cp_async_commit();
@@ -172,8 +201,8 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
 
   // Query tile [16][LD]: this CTA's heads, zero rows for the padding.
   const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
-  for (int idx = tid; idx < kDecodeRows * kChunks; idx += kAttnThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
+  for (int idx = tid; idx < kDecodeRows * D / 8; idx += kAttnThreads) {
+    const int r = idx / (D / 8), c = idx % (D / 8);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < hc) {
       const T* src = q + (h0 + r) * p.s.q1 + c * 8;
@@ -213,7 +242,22 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   for (int nb = 0; nb < 2 * kKSteps; ++nb)
 #pragma unroll
     for (int x = 0; x < 4; ++x) o[nb][x] = 0.f;
-  const float qk_scale = p.softcap > 0.f ? p.scale : p.scale * kLog2e;
+  // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale; value = stored * v_scale.
+  const float k_scale = kFp8 ? dev::ld_global(p.k_scale) : 1.f, v_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;
+  const float qk_scale = p.softcap > 0.f ? p.scale * k_scale : p.scale * k_scale * kLog2e;
+  // fp8: a landed stage tile (64 rows of D bytes) -> the 16-bit tile at dst [64][LD].
+  auto convert = [&](const void* src, T* dst) {
+    const uint8_t* s8 = static_cast<const uint8_t*>(src);
+    for (int idx = tid; idx < kDecodeTileKeys * D / 16; idx += kAttnThreads) {
+      const int k = idx / (D / 16), c = idx % (D / 16);
+      uint4 two[2];
+      fp8x16_to<T>(*reinterpret_cast<const uint4*>(s8 + k * D + c * 16), two);
+      *reinterpret_cast<uint4*>(dst + k * LD + c * 16) = two[0];
+      *reinterpret_cast<uint4*>(dst + k * LD + c * 16 + 8) = two[1];
+    }
+  };
+  T* k_cvt = reinterpret_cast<T*>(smem + lay.off_cvt);
+  T* v_cvt = k_cvt + kDecodeTileKeys * LD;
   // ldmatrix lane addressing inside a warp's 16 keys: K (non-trans): matrix l / 8 = (key half, column half) ->
   // key (l / 16) * 8 + l % 8, column ((l / 8) % 2) * 8; V (.trans): matrix l / 8 = (column half, key half) ->
   // key ((l / 8) % 2) * 8 + l % 8, column (l / 16) * 8.
@@ -229,6 +273,12 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     __syncthreads();                  // ... and everyone's
     const T* k_s = reinterpret_cast<const T*>(smem + st * lay.stage);
     const T* v_s = k_s + kDecodeTileKeys * LD;
+    if constexpr (kFp8) {  // k_cvt / v_cvt are free: every warp passed this tile's first barrier after tile t-1's PV
+      convert(smem + st * lay.stage, k_cvt);
+      __syncthreads();
+      k_s = k_cvt;
+      v_s = v_cvt;
+    }
     // S = Q K^T for this warp's 16 keys: two 8-key blocks.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -293,6 +343,10 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
                             pack2<T>(s[1][2], s[1][3])};
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
+    if constexpr (kFp8) {
+      convert(smem + st * lay.stage + kDecodeTileKeys * SLD, v_cvt);
+      __syncthreads();
+    }
 #pragma unroll
     for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
       uint32_t vf[4];
@@ -350,10 +404,10 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     const float lse = l > 0.f ? (big + log2f(l)) / kLog2e : neg_inf();  // natural log
     const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
     if (p.num_splits == 1) {
-      dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv));
+      dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
       if (x == 0) dev::st_global(p.lse + oh, lse);
     } else {
-      dev::st_global(p.part_out + (split * p.rows * p.hq + oh) * D + x, acc * inv);
+      dev::st_global(p.part_out + (split * p.rows * p.hq + oh) * D + x, acc * inv * v_scale);
       if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse);
     }
   }
@@ -391,12 +445,12 @@ inline int64_t smem_per_sm(const DeviceProps& props) { return int64_t(props.smem
 
 // Stage count: the most stages (<= 4) that keep 2 CTAs per SM with at least double buffering; else the most that fit
 // one CTA (1 on a 99 KB GPU at D = 256: no overlap inside the CTA, but correct).
-inline int decode_stages(int64_t d, const DeviceProps& props) {
+inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
   const int64_t half = smem_per_sm(props) / 2 - 1024;
   for (int s = kDecodeMaxStages; s >= 2; --s)
-    if (int64_t(decode_layout(int(d), s).smem) <= half) return s;
+    if (int64_t(decode_layout(int(d), s, fp8).smem) <= half) return s;
   for (int s = kDecodeMaxStages; s >= 1; --s)
-    if (int64_t(decode_layout(int(d), s).smem) <= props.smem_optin) return s;
+    if (int64_t(decode_layout(int(d), s, fp8).smem) <= props.smem_optin) return s;
   return 0;
 }
 
@@ -419,26 +473,26 @@ struct DecodePlan {
 };
 
 // batch sequences, rows = batch query rows; max_blocks x block_size = the block table's capacity.
-inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t d, int64_t max_blocks,
-                              int64_t block_size, int64_t window, const DeviceProps& props) {
+inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t d, bool fp8,
+                              int64_t max_blocks, int64_t block_size, int64_t window, const DeviceProps& props) {
   DecodePlan plan;
   const int64_t group = hq / hkv;
   plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeRows));
   const int64_t cap = max_blocks * block_size;
   const int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
   plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, props.sm_count);
-  plan.stages = decode_stages(d, props);
-  plan.smem = plan.stages ? decode_layout(int(d), plan.stages).smem : 0;
+  plan.stages = decode_stages(d, fp8, props);
+  plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   plan.combine_grid = dim3(static_cast<unsigned>(rows * hq));
   return plan;
 }
 
 // The launches of one decode call (decode + combine), in stream order; returns the first launch error.
-template <typename T, int D>
+template <typename T, typename KV, int D>
 cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t stream) {
   if (plan.stages == 0) return cudaErrorInvalidValue;
-  auto decode = window_attention_decode_kernel<T, D>;
+  auto decode = window_attention_decode_kernel<T, KV, D>;
   cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
   if (err != cudaSuccess) return err;
   AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);

@@ -23,6 +23,8 @@
 #include "device.cuh"
 #include "device_mma.cuh"
 
+#include <cuda_fp8.h>  // e4m3 -> half conversion (cvt on sm_89+, the header's software path elsewhere and in the emulator)
+
 namespace arkernels {
 
 constexpr int kAttnThreads = 128;
@@ -156,24 +158,30 @@ struct WindowAttentionPlan {
   PrefillPlan pre;
 };
 
-// prefill: cu_seqlens_q given. rows = query rows; max_blocks x block_size = the block table's capacity.
+// prefill: cu_seqlens_q given. rows = query rows; max_blocks x block_size = the block table's capacity; fp8: the caches
+// are float8_e4m3fn (decode only: prefill takes 16-bit caches).
 inline WindowAttentionPlan plan_window_attention(bool prefill, int64_t batch, int64_t rows, int64_t hq, int64_t hkv,
-                                                 int64_t d, int64_t max_blocks, int64_t block_size, int64_t window,
-                                                 int64_t max_q_len, const DeviceProps& props) {
+                                                 int64_t d, bool fp8, int64_t max_blocks, int64_t block_size,
+                                                 int64_t window, int64_t max_q_len, const DeviceProps& props) {
   WindowAttentionPlan plan;
   plan.prefill = prefill;
   if (prefill) {
     plan.pre = plan_prefill(batch, hq, d, max_q_len, props);
   } else {
-    plan.decode = plan_decode(batch, rows, hq, hkv, d, max_blocks, block_size, window, props);
+    plan.decode = plan_decode(batch, rows, hq, hkv, d, fp8, max_blocks, block_size, window, props);
   }
   return plan;
 }
 
-// The launches of one call, in stream order; returns the first launch error.
-template <typename T, int D>
+// The launches of one call, in stream order; returns the first launch error. KV: the caches' element type (T, or
+// uint8_t for float8_e4m3fn, decode only).
+template <typename T, typename KV, int D>
 cudaError_t run_window_attention(const AttnParams& p, const WindowAttentionPlan& plan, cudaStream_t stream) {
-  return plan.prefill ? run_prefill<T, D>(p, plan.pre, stream) : run_decode<T, D>(p, plan.decode, stream);
+  if (plan.prefill) {
+    if constexpr (std::is_same_v<KV, T>) return run_prefill<T, D>(p, plan.pre, stream);
+    return cudaErrorInvalidValue;
+  }
+  return run_decode<T, KV, D>(p, plan.decode, stream);
 }
 
 }  // namespace arkernels

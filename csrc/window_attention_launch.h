@@ -45,11 +45,17 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                            const std::optional<at::Tensor>& k_scale,
                                            const std::optional<at::Tensor>& v_scale, DeviceProps props,
                                            cudaStream_t stream, at::Tensor& out, at::Tensor& lse) {
-  AK_CHECK("window_attention", k_cache.scalar_type() != at::kFloat8_e4m3fn,
-           "float8_e4m3fn caches are not supported by the CUDA kernel yet");
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,
            "CUDA kernels take float16 or bfloat16, got ", dt, " (float32 runs on the CPU)");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;  // scales present (check_kv_scales)
+  if (fp8 && cu_seqlens_q.has_value()) {
+    // The prefill kernel reads 16-bit caches only: prefill over an fp8 cache dequantizes it to the query's dtype
+    // first (one pass over the whole cache; decode, the per-token path, reads fp8 directly).
+    const at::Tensor kd = k_cache.to(at::kFloat).mul(*k_scale).to(dt), vd = v_cache.to(at::kFloat).mul(*v_scale).to(dt);
+    return window_attention_launch(query, kd, vd, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
+                                   scale, softcap, std::nullopt, std::nullopt, props, stream, out, lse);
+  }
   const int64_t d = query.size(2);
   AK_CHECK("window_attention", d == 64 || d == 80 || d == 96 || d == 128 || d == 256,
            "head_dim must be 64, 80, 96, 128 or 256 on CUDA, got ", d);
@@ -103,8 +109,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   }
 
   const bool prefill = cu_seqlens_q.has_value();
-  const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, p.max_blocks, p.block_size,
-                                                         window, max_q_len, apply_smem_knob(props));
+  const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, fp8, p.max_blocks,
+                                                         p.block_size, window, max_q_len, apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
   p.num_splits = plan.decode.num_splits;
   at::Tensor part_out, part_lse;
@@ -114,7 +120,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
              "decode grid too large on CUDA: num_kv_heads * ceil(group / 16) = ", hkv * plan.decode.head_chunks,
              " (at most 65535), batch * num_q_heads = ", rows * hq, " (at most 2^31 - 1)");
     AK_CHECK("window_attention", plan.decode.stages > 0, "decode with head_dim ", d, " needs ",
-             decode_layout(int(d), 1).smem, " bytes of shared memory per block but this GPU allows ",
+             decode_layout(int(d), 1, fp8).smem, " bytes of shared memory per block but this GPU allows ",
              apply_smem_knob(props).smem_optin);
     if (plan.decode.num_splits > 1) {
       part_out = at::empty({plan.decode.num_splits, rows, hq, d}, query.options().dtype(at::kFloat));
@@ -133,9 +139,11 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   dispatch_head_dim(d, [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     if (dt == at::kHalf) {
-      err = run_window_attention<__half, D>(p, plan, stream);
+      err = fp8 ? run_window_attention<__half, uint8_t, D>(p, plan, stream)
+                : run_window_attention<__half, __half, D>(p, plan, stream);
     } else {
-      err = run_window_attention<__nv_bfloat16, D>(p, plan, stream);
+      err = fp8 ? run_window_attention<__nv_bfloat16, uint8_t, D>(p, plan, stream)
+                : run_window_attention<__nv_bfloat16, __nv_bfloat16, D>(p, plan, stream);
     }
   });
   return err;

@@ -355,7 +355,8 @@ def _visible_kv_bytes(k_cache, table, lens, window, kv_start):
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("heads", [(2, 2), (6, 2), (16, 2), (32, 2), (40, 2)])
 @pytest.mark.parametrize("window", [0, 24])
-def test_window_attention_decode_traffic(device, heads, window):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_window_attention_decode_traffic(device, heads, window, fp8):
     """Decode reads each visible K/V byte exactly once per KV head, whatever the split count, for every GQA group up
     to 16 (the M = 16 rows of one mma tile); a group of 20 takes 2 CTAs per KV head and reads it twice. No byte
     outside the window, kv_start or the sequence is read (the emulator counts every global load per byte)."""
@@ -365,9 +366,14 @@ def test_window_attention_decode_traffic(device, heads, window):
     gen = torch.Generator().manual_seed(hq + window)
     lens = [1, 37, 300]  # 300 keys over a 3-sequence batch: several split-KV partitions on sm_90's 132 SMs
     k, v, table = _paged(lens, 16, hkv, 64, torch.float16, device, gen)
+    scales = {}
+    if fp8:  # 1-byte rows: the same keys, half the bytes
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        scales = {"k_scale": torch.tensor([0.5]), "v_scale": torch.tensor([2.0])}
     kv_start = torch.tensor([0, 5, 0], dtype=torch.int32)
     query = torch.randn(3, hq, 64, generator=gen).half()
-    window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window, kv_start=kv_start)
+    window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window, kv_start=kv_start,
+                     **scales)
     want = _visible_kv_bytes(k, table, lens, window, kv_start) * -(-(hq // hkv) // 16)
     for name in ("k_cache", "v_cache"):
         reads, writes = arkernels.simt.traffic_map(name)
@@ -421,6 +427,37 @@ def test_window_attention_decode_stages_and_groups(device, monkeypatch, head_dim
                                 softcap=softcap, kv_start=kv_start, return_lse=True)
     assert arkernels.simt.launches()[0]["smem"] == smem
     _check(out, lse, query, k, v, table, lens, None, window, head_dim ** -0.5, softcap, kv_start=kv_start)
+
+
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("prefill", [False, True])
+def test_window_attention_fp8_cache(device, head_dim, prefill):
+    """float8_e4m3fn caches (key = stored * k_scale, value = stored * v_scale) in the CUDA kernels: decode converts each
+    landed tile to 16 bits in shared memory and folds the scales into the score scale and the output; prefill
+    dequantizes the cache first. Scales are powers of two, so the 16-bit copy of the dequantized cache is exact and
+    the fp64 reference over it is the yardstick (a missing or misplaced scale is off by 2x or 4x). GQA, windows,
+    softcap, block sizes 1/16/13, split-KV partitions."""
+    hi = HEAD_DIMS.index(head_dim)
+    dtype = _pick([torch.float16, torch.bfloat16], hi, int(prefill))
+    hq, hkv = _pick(DECODE_GROUPS, hi, 3 * int(prefill))
+    block_size = _pick(BLOCK_SIZES, hi, int(prefill))
+    window, softcap = _pick([0, 40], hi, 0), _pick([0.0, 2.5], hi, 1)
+    gen = torch.Generator().manual_seed(200 + hi)
+    lens = [1, 70, 200]
+    k, v, table = _paged(lens, block_size, hkv, head_dim, torch.float32, "cpu", gen)
+    k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 8).to(torch.float8_e4m3fn)  # NaN poison stays NaN
+    k_scale = torch.tensor([0.25], device=device)
+    v_scale = torch.tensor([0.125], device=device)
+    kd, vd = (k8.to(dtype) * 0.25).to(device), (v8.to(dtype) * 0.125).to(device)  # exact: powers of two
+    cu = [0, 1, 31, 71] if prefill else None
+    query = torch.randn(cu[-1] if prefill else 3, hq, head_dim, generator=gen).to(dtype).to(device)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k8.to(device), v8.to(device), table.to(device),
+                                torch.tensor(lens, dtype=torch.int32, device=device), window=window, softcap=softcap,
+                                k_scale=k_scale, v_scale=v_scale, return_lse=True,
+                                cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
+    _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap)
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
