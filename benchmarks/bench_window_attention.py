@@ -7,8 +7,12 @@ Baselines, measured in the same run: SDPA on K/V already gathered into transform
 gather itself is NOT timed, which favours the baseline), SDPA with an explicit window mask, and FlexAttention with a
 sliding-window block mask where the installed torch has it (GPU only). Our output is checked against the fp64
 reference (small case) and against the masked SDPA output (every case) before timing.
-GPU goals (issue 3, H200): decode >= 85% of copy bandwidth once batch x context >= 8k tokens, >= 60% at batch 1 with
-an 8k context; flat time past the window; prefill >= SDPA flash for full causal and >= 2x SDPA with a window mask.
+Decode is timed over rotating copies of the cache (enough for 4x the 50 MB L2 of an H100/H200, column `rotations`), so
+a batch-1 8k-token cache (33.5 MB) is read from HBM, not L2; the fp8 column times the same problem with
+float8_e4m3fn caches (tokens/s ratio against the 16-bit cache).
+GPU goals (issue 11, H200): decode >= 85% of copy bandwidth at batch 32 x 8k, >= 60% at batch 1 x 8k (bf16), >= 1.8x
+that throughput with the fp8 cache, >= SDPA-flash and flex_attention; prefill (issue 12) >= SDPA flash for full causal
+and >= 2x SDPA with a window mask.
 """
 from __future__ import annotations
 
@@ -101,31 +105,87 @@ def check_reference(dtype, device):
         assert err < tol, f"prefill window={window}: error {err:.3g} vs the fp64 reference"
 
 
+L2_BYTES = 50 * 2**20  # H100/H200 L2 (50 MB): a batch-1 8k-token K/V (33.5 MB) would stay in it between calls
+
+
+def rotations(nbytes, device) -> int:
+    """Copies of a decode problem to cycle through so that no call finds its K/V in L2 from the previous one: enough
+    for 4x the L2 (at most 16); 1 on the CPU or when one copy already dwarfs the L2."""
+    if torch.device(device).type != "cuda" or nbytes >= 4 * L2_BYTES:
+        return 1
+    return min(16, -(-4 * L2_BYTES // nbytes))
+
+
+def cycle(fns):
+    """One callable that calls fns[0], fns[1], ... in turn (rotating buffers, one per call)."""
+    state = {"i": -1}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(fns)
+        return fns[state["i"]]()
+    return call
+
+
 def bench_decode(batch, ctx, window, dtype, device, gen):
-    k, v, table, lens, kd, vd = paged_problem(batch, ctx, dtype, device, gen)
+    """Decode over `rot` rotating copies of the cache (see rotations): ours (16-bit and fp8 caches), SDPA on the
+    dense copy (default dispatch, pinned to flash, and the math backend; with a window, SDPA gets the window's keys
+    sliced out, which is what a user would do), SDPA with an explicit window mask and FlexAttention with a causal
+    sliding-window block mask over the dense copy."""
+    keys = min(ctx, window) if window > 0 else ctx
+    elt = torch.tensor([], dtype=dtype).element_size()
+    nbytes = 2 * batch * keys * HKV * HEAD_DIM * elt
+    rot = rotations(2 * batch * ctx * HKV * HEAD_DIM * elt, device)
+    probs = [paged_problem(batch, ctx, dtype, device, gen) for _ in range(rot)]
     q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
     q4 = q[:, :, None]  # [B, Hq, 1, D]
     mask = window_mask(torch.tensor([ctx - 1], device=device), ctx, window, device)[None, None]  # [1,1,1,ctx]
-    ours = lambda: arkernels.window_attention(q, k, v, table, lens, window=window, max_q_len=1, check=False)  # noqa
-    sdpa_full = lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)  # noqa: E731
-    sdpa_mask = lambda: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    lo = ctx - keys  # SDPA on the window's keys only
+
+    def ours_fn(k, v, table, lens, **kw):
+        return lambda: arkernels.window_attention(q, k, v, table, lens, window=window, max_q_len=1, check=False, **kw)
+
+    ours = cycle([ours_fn(k, v, t, n) for k, v, t, n, _, _ in probs])
+    sdpa_full = cycle([lambda kd=kd, vd=vd: F.scaled_dot_product_attention(q4, kd[:, :, lo:], vd[:, :, lo:],
+                                                                           enable_gqa=True) for *_, kd, vd in probs])
+    sdpa_mask = cycle([lambda kd=kd, vd=vd: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)
+                       for *_, kd, vd in probs])
     err = (ours().float() - sdpa_mask()[:, :, 0].float()).abs().max().item()
     assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"decode disagrees with SDPA: {err:.3g}"
-    keys = min(ctx, window) if window > 0 else ctx
-    nbytes = 2 * batch * keys * HKV * HEAD_DIM * q.element_size()
-    row = dict(kind="decode", batch=batch, ctx=ctx, window=window, tokens=batch * ctx)
+    row = dict(kind="decode", batch=batch, ctx=ctx, window=window, tokens=batch * ctx, rotations=rot)
     row["ours_us"] = timeit(ours, **_timing(device)) * 1e6
     row["sdpa_full_us"] = timeit(sdpa_full, **_timing(device)) * 1e6
     row["sdpa_mask_us"] = timeit(sdpa_mask, **_timing(device)) * 1e6
-    flex = flex_fn(window, 1, ctx, device)
-    if flex is not None:
+    if torch.device(device).type == "cuda":
         try:
-            row["flex_us"] = timeit(lambda: flex(q4, kd, vd), device=device) * 1e6
-        except Exception as e:  # noqa: BLE001 (flex support varies across torch builds)
-            print(f"flex attention unavailable: {type(e).__name__}", file=sys.stderr)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            for backend, key in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash_us"), (SDPBackend.MATH, "sdpa_math_us")):
+                def pinned(backend=backend):
+                    with sdpa_kernel(backend):
+                        return sdpa_full()
+                try:
+                    pinned()
+                    row[key] = timeit(pinned, device=device) * 1e6
+                except RuntimeError as e:  # e.g. a flash backend without GQA
+                    print(f"SDPA {backend} refused decode: {str(e)[:80]}", file=sys.stderr)
+        except ImportError:
+            pass
+        flex = flex_fn(window, 1, ctx, device)
+        if flex is not None:
+            try:
+                fl = cycle([lambda kd=kd, vd=vd: flex(q4, kd, vd) for *_, kd, vd in probs])
+                row["flex_us"] = timeit(fl, device=device) * 1e6
+            except Exception as e:  # noqa: BLE001 (flex support varies across torch builds)
+                print(f"flex attention unavailable: {type(e).__name__}", file=sys.stderr)
+        if dtype != torch.float32:  # fp8 cache (scales 1: the bytes are what is timed)
+            one = torch.ones(1, device=device)
+            fp8 = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), t, n) for k, v, t, n, _, _ in probs]
+            ours8 = cycle([ours_fn(k, v, t, n, k_scale=one, v_scale=one) for k, v, t, n in fp8])
+            row["ours_fp8_us"] = timeit(ours8, device=device) * 1e6
+            row["fp8_x_tokens"] = row["ours_us"] / row["ours_fp8_us"]
     row["ours_GBps"] = nbytes / row["ours_us"] / 1e3
-    row["x_vs_sdpa_mask"] = row["sdpa_mask_us"] / row["ours_us"]
-    row["x_vs_sdpa_full"] = row["sdpa_full_us"] / row["ours_us"]
+    for key in ("sdpa_full", "sdpa_mask", "sdpa_flash", "sdpa_math", "flex"):
+        if f"{key}_us" in row:
+            row[f"x_vs_{key}"] = row[f"{key}_us"] / row["ours_us"]
     return row
 
 
@@ -192,8 +252,8 @@ def main():
     write_results(pre, args.out, "window_attention_prefill", plot=("ctx", "ours_TFLOPs", "series"),
                   title=f"prefill TFLOP/s, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)})")
     print(f"device {device_name(device)}, dtype {dtype}, copy bandwidth {bw:.1f} GB/s")
-    print_table(dec, ["batch", "ctx", "window", "ours_us", "ours_GBps", "pct_copy_bw", "x_vs_sdpa_mask",
-                      "x_vs_sdpa_full"])
+    print_table(dec, ["batch", "ctx", "window", "rotations", "ours_us", "ours_GBps", "pct_copy_bw", "fp8_x_tokens",
+                      "x_vs_sdpa_full", "x_vs_sdpa_flash", "x_vs_sdpa_math", "x_vs_sdpa_mask", "x_vs_flex"])
     print_table(pre, ["batch", "ctx", "window", "ours_us", "ours_TFLOPs", "x_vs_sdpa_mask", "x_vs_sdpa_full"])
     if args.quick:
         print_traffic()
