@@ -69,14 +69,17 @@ def prefill_tile_smem(d: int, bn: int) -> int:
     return q_bytes + 2 * k_bytes + s_bytes + p_bytes + o_bytes + 2 * bn * 8 + bm * 4
 
 
-def decode_smem(d: int, arch: str) -> int:
+def decode_smem(d: int, fp8: bool, arch: str) -> int:
     """Dynamic shared memory of a decode CTA as planned on `arch` (window_attention decode_layout + decode_stages):
-    `stages` K/V pairs of 64-key tiles and the 16-row query tile, rows padded to d + 8 16-bit elements, 8-byte key
-    offsets; the most stages (<= 4) that keep 2 CTAs per SM, else the most that fit one CTA.
-    sm_90: D=64 4 stages, 80.6 KB; D=128 3 stages, 108.8 KB; D=256 3 stages (1 CTA), 208.3 KB."""
+    `stages` K/V pairs of 64-key tiles as stored (16-bit rows padded to d + 8 elements; fp8 rows of d bytes plus one
+    converted 16-bit pair), the 16-row query tile, 8-byte key offsets; the most stages (<= 4) that keep 2 CTAs per
+    SM, else the most that fit one CTA. sm_90: D=64 4 stages, 76.8 KB; D=128 3 stages, 108.2 KB; D=256 3 stages
+    (1 CTA), 208.2 KB; fp8 D=128 4 stages, 104.8 KB."""
     def layout(stages):
         ld = d + 8
-        return stages * 2 * 64 * ld * 2 + 16 * ld * 2 + stages * 64 * 8 + 64 * 8
+        stage = 2 * 64 * d if fp8 else 2 * 64 * ld * 2
+        cvt = 2 * 64 * ld * 2 if fp8 else 0
+        return stages * stage + cvt + 16 * ld * 2 + stages * 64 * 8 + 64 * 8
     spec = GPU_SPECS[arch]
     half = spec["smem_sm"] // 2 - spec["reserved"]
     for s in (4, 3, 2):
@@ -90,7 +93,8 @@ def decode_smem(d: int, arch: str) -> int:
 DYNAMIC_SMEM = [
     (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, (\d+), (\d+)>$"),
      lambda m, arch: prefill_tile_smem(int(m.group(1)), int(m.group(2)))),
-    (re.compile(r"^window_attention_decode_kernel<[^,<>]+, (\d+)>$"), lambda m, arch: decode_smem(int(m.group(1)), arch)),
+    (re.compile(r"^window_attention_decode_kernel<[^,<>]+, ([^,<>]+), (\d+)>$"),
+     lambda m, arch: decode_smem(int(m.group(2)), m.group(1) == "unsigned char", arch)),
 ]
 
 # SASS instruction classes: column -> predicate on the opcode (mnemonic with its modifiers, e.g. LDG.E.128.CONSTANT).

@@ -91,29 +91,34 @@ def _kernel_run(select: str, tsan: bool = False) -> str:
 
 
 _WA = "window_attention_kernels.cuh"
-_DECODE = "decode_grid and 13-16 or decode_long_context or decode_traffic and heads1"
+_DECODE_FILE = "window_attention_decode.cuh"
+_DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and heads1 or stages_and_groups and 128 "
+           "or fp8_cache and False")
 _PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb"
-_STAGE_SYNC = ("    stage_kv_tile<T, D, kDecodeTileKeys>(p, b, kvh, t0, s_lo, s_hi, koff_s, voff_s, k_tile, v_tile, D, tid);\n"
-               "    __syncthreads();\n")
+_K_WAIT = "    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...\n"
+_K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
 FAULTS += [
-    Fault("decode: __syncthreads after the K/V tile load removed", _WA, _STAGE_SYNC, _STAGE_SYNC.split("\n")[0] + "\n",
+    Fault("decode: cp.async wait for the K tile removed", _DECODE_FILE, _K_WAIT, "",
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: __syncthreads after the K/V tile load removed (TSan)", _WA, _STAGE_SYNC,
-          _STAGE_SYNC.split("\n")[0] + "\n", build=KERNEL_BUILD_TSAN, run=_kernel_run(_DECODE, tsan=True)),
-    Fault("decode: window off by one (W + 1 keys)", _WA, "lo = max64(lo, i - p.window + 1)",
+    Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, _K_SYNC, "",
+          build=KERNEL_BUILD_TSAN, run=_kernel_run(_DECODE, tsan=True)),
+    Fault("decode: window off by one (W + 1 keys)", _DECODE_FILE, "lo = max64(lo, i - p.window + 1)",
           "lo = max64(lo, i - p.window)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: wrong shuffle offset in the score reduction", _WA, "dot += __shfl_xor_sync(0xffffffffu, dot, 4);",
-          "dot += __shfl_xor_sync(0xffffffffu, dot, 16);", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    # Not caught, and why: the first tile's rescale (alpha = 0 while the running max is -inf) zeroes any finite
-    # garbage, and the emulator's uninitialised registers hold a finite pattern (0xFE..); a GPU register holding a
-    # NaN/Inf pattern would survive (NaN * 0 = NaN). Kept as the table's honest row.
-    Fault("decode: register accumulator not zeroed", _WA, "for (int x = 0; x < 8; ++x) acc[r][x] = 0.f;",
-          "for (int x = 0; x < 8; ++x) (void)acc[r][x];",
+    Fault("decode: ldmatrix .trans dropped for V", _DECODE_FILE, "dev::ldmatrix_x4_trans(vf,", "dev::ldmatrix_x4(vf,",
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: softmax sum accumulator (shared) not zeroed", _WA, "    l_s[tid] = 0.f;\n", "",
+    Fault("decode: wrong quad shuffle in the row max", _DECODE_FILE,
+          "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
+          "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: O not rescaled by the new running max", _DECODE_FILE, "      o[nb][0] *= alpha[0];\n", "",
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: split size rounded down", _WA, "(n + p.num_splits - 1) / p.num_splits + kDecodeTileKeys - 1) /",
-          "(n + p.num_splits - 1) / p.num_splits) /", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: split size rounded down", _DECODE_FILE,
+          "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
+          "const int64_t per_split = tiles / p.num_splits;", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: masked keys read anyway (src_bytes 16)", _DECODE_FILE,
+          "o >= 0 ? kc + o + c * kChunkElems : kc, o >= 0 ? 16 : 0);", "o >= 0 ? kc + o + c * kChunkElems : kc, 16);",
+          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    Fault("decode: fp8 v_scale not applied", _DECODE_FILE, "Conv<T>::from_float(acc * inv * v_scale)",
+          "Conv<T>::from_float(acc * inv)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("prefill: window off by one (W + 1 keys)", _WA, "j > qi - p.window", "j >= qi - p.window",
           build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
     Fault("prefill: O tile not zeroed", _WA,
