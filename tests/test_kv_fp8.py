@@ -345,6 +345,11 @@ def test_patch_fp8_cache_tiny_model():
     with arkernels.patch(model, kv_cache_dtype="fp8", k_scale=[0.05, 0.06], v_scale=0.01):
         got = model.generate(ids, **kw, return_dict_in_generate=True)
     assert [float(layer.k_scale) for layer in got.past_key_values.layers] == pytest.approx([0.05, 0.06])
+    beams = dict(kw, num_beams=3, num_return_sequences=2)  # reorders and copy-on-write of fp8 blocks
+    with arkernels.patch(model):
+        want = model.generate(ids, **beams)
+    with arkernels.patch(model, kv_cache_dtype="fp8"):
+        assert torch.equal(model.generate(ids, **beams), want)
     with pytest.raises(ValueError, match="arkernels.patch: kv_cache_dtype must be 'auto' or 'fp8'"):
         arkernels.patch(model, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="arkernels.patch: k_scale is only taken with an fp8 KV cache"):
@@ -359,6 +364,9 @@ def test_generate_fp8_cache_tiny_model():
     want = arkernels.generate(model, prompts, max_new_tokens=5, eos_token_id=[])
     got = arkernels.generate(model, prompts, max_new_tokens=5, eos_token_id=[], kv_cache_dtype="fp8")
     assert got.tokens == want.tokens
+    static = arkernels.generate(model, prompts, max_new_tokens=5, eos_token_id=[], kv_cache_dtype="fp8",
+                                cuda_graphs=True)  # the static decode step (uncaptured on the CPU)
+    assert static.tokens == want.tokens
     with pytest.raises(ValueError, match="PagedCache: kv_cache_dtype must be 'auto' or 'fp8'"):
         arkernels.generate(model, prompts, max_new_tokens=2, kv_cache_dtype="e5m2")
 
