@@ -80,9 +80,10 @@ __device__ __forceinline__ void paged_kv_quantize_store(uint8_t* dst, const Src*
 // (k_scale, v_scale: one fp32 each, read on the device). Strides in elements.
 template <typename Src, int V, typename Slot>
 __global__ void __launch_bounds__(kPagedKvThreads)
-    paged_kv_append_fp8_kernel(const Src* __restrict__ key, const Src* __restrict__ value, uint8_t* __restrict__ k_cache,
-                               uint8_t* __restrict__ v_cache, const Slot* __restrict__ slot_mapping,
-                               const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    paged_kv_append_fp8_kernel(const Src* __restrict__ key, const Src* __restrict__ value,
+                               uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
+                               const Slot* __restrict__ slot_mapping, const float* __restrict__ k_scale,
+                               const float* __restrict__ v_scale,
                                int64_t num_tokens, int64_t num_slots, int64_t block_size, int heads, int units,
                                int rows_per_cta, int64_t key_s0, int64_t key_s1, int64_t val_s0, int64_t val_s1,
                                int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {

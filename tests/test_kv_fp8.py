@@ -262,7 +262,8 @@ def test_window_attention_fp8_bad_scales(case):
 def test_fp8_scale_on_another_device():
     k, v = _fp8_cache(2, 4, 2, 16, "cuda")
     key = torch.ones(3, 2, 16, device="cuda")
-    with pytest.raises(RuntimeError, match=r"paged_kv_append: k_scale must be .* on the cache's device \(cuda:0\).*cpu"):
+    with pytest.raises(RuntimeError,
+                       match=r"paged_kv_append: k_scale must be .* on the cache's device \(cuda:0\).*cpu"):
         paged_kv_append(key, key, k, v, torch.tensor([0, 1, 2], device="cuda"), k_scale=_scale(0.1),
                         v_scale=_scale(0.1, "cuda"))
 
@@ -312,7 +313,8 @@ def test_paged_kv_cache_fp8_roundtrip():
     # the stored bytes are exact (append is tested byte for byte above); the fp32 product stored * scale rounds once
     ks, vs = cache.k_scales[1], cache.v_scales[1]
     rel = dict(rtol=2.0 ** -24, atol=0)
-    torch.testing.assert_close(k[0].transpose(0, 1).double(), dequantize_e4m3_ref(quantize_e4m3_ref(key, ks), ks), **rel)
+    torch.testing.assert_close(k[0].transpose(0, 1).double(), dequantize_e4m3_ref(quantize_e4m3_ref(key, ks), ks),
+                               **rel)
     torch.testing.assert_close(v[0].transpose(0, 1).double(),
                                dequantize_e4m3_ref(quantize_e4m3_ref(key * 0.1, vs), vs), **rel)
     with pytest.raises(ValueError, match="PagedKVCache: an fp8 cache needs k_scale and v_scale"):

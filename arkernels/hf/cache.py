@@ -543,8 +543,8 @@ class PagedCache(DynamicCache):
         kv_cache_dtype: "auto" (the model's dtype) or "fp8" / ``torch.float8_e4m3fn``: pools of e4m3 with a
             K and a V scale per layer (vLLM's convention; dense views are dequantized to the model's dtype).
         k_scale, v_scale: fp8 only: a float for every layer, one float per layer, or None: calibrated per layer on
-            its first update (the prefill): ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults: headroom for
-            later tokens; ``arkernels.kv_cache.calibrate_kv_scale``).
+            its first update (the prefill): ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults:
+            headroom for later tokens; ``arkernels.kv_cache.calibrate_kv_scale``).
     """
 
     def __init__(self, config, *, block_size: int = 16, max_length: int | None = None, num_blocks: int | None = None,
