@@ -74,7 +74,9 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
              top_p: float = 1.0, min_p: float = 0.0, seed: int | Sequence[int] | torch.Tensor = 0,
              eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
              stream: Callable[[int, int], None] | None = None, cuda_graphs: bool = False,
-             block_size: int = 16, num_return_sequences: int = 1, compile: bool = False) -> GenerateResult:
+             block_size: int = 16, num_return_sequences: int = 1, compile: bool = False,
+             kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | Sequence[float] | None = None,
+             v_scale: float | Sequence[float] | None = None) -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -102,6 +104,9 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
             dynamic shapes): one compile per batch-size bucket, reused across steps, lengths and calls with the same
             model; on CUDA the compiled step is then captured per bucket as above, elsewhere it runs uncaptured.
             Off by default: token-identical to ``compile=False`` on the CPU (tests), untested on a GPU so far.
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn K/V, a K and a V scale per layer).
+        k_scale, v_scale: fp8 only: a float, one per layer, or None: calibrated per layer on the prefill
+            (K: ``max(absmax / 200, 1e-6)``, V: ``/ 100``, vLLM's defaults; see ``arkernels.hf.cache.PagedCache``).
 
     Returns:
         ``GenerateResult`` (``tokens``, ``texts``, timings), one row per returned sequence.
@@ -141,7 +146,8 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     if saved_attn != NAME:
         model.set_attn_implementation(register())
     cache_kw = _cache_kwarg(model)
-    cache = PagedCache(model.config, block_size=block_size, max_length=max(prompt_lens) + max_new_tokens)
+    cache = PagedCache(model.config, block_size=block_size, max_length=max(prompt_lens) + max_new_tokens,
+                       kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     cache.set_rows(B)
     steps = torch.zeros(B, dtype=torch.int64, device=device)
     static = None

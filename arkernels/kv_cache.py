@@ -14,6 +14,47 @@ import torch
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 
 
+# fp8 KV cache (vLLM's convention): stored = saturate_e4m3(x / scale). A calibrated scale maps the prompt's absmax to
+# K_RANGE (keys) / V_RANGE (values) rather than to e4m3's largest value 448: vLLM's calculate_kv_scales defaults
+# (K_SCALE_CONSTANT=200, V_SCALE_CONSTANT=100), which leave 2.2x / 4.5x headroom for decode tokens larger than any in
+# the prompt before they saturate; e4m3's relative precision is the same across its normal range, so the headroom
+# costs only the smallest values (below 2^-6 * scale they become subnormal). Floored so that an all-zero layer does
+# not divide by 0.
+FP8_MAX = 448.0
+K_RANGE = 200.0
+V_RANGE = 100.0
+MIN_KV_SCALE = 1e-6
+
+
+def calibrate_kv_scale(x: torch.Tensor, target: float = FP8_MAX) -> torch.Tensor:
+    """fp32 ``[1]`` on ``x``'s device: ``max(absmax(x) / target, 1e-6)``, computed there (no host sync)."""
+    return (x.detach().abs().amax().float() / target).clamp(min=MIN_KV_SCALE).reshape(1)
+
+
+def kv_cache_dtype_of(owner: str, kv_cache_dtype) -> torch.dtype | None:
+    """"auto" / None -> None (the model's dtype); "fp8" / "fp8_e4m3" / torch.float8_e4m3fn -> float8_e4m3fn."""
+    if kv_cache_dtype in (None, "auto"):
+        return None
+    if kv_cache_dtype in ("fp8", "fp8_e4m3", torch.float8_e4m3fn):
+        return torch.float8_e4m3fn
+    raise ValueError(f"{owner}: kv_cache_dtype must be 'auto' or 'fp8' (float8_e4m3fn), got {kv_cache_dtype!r}")
+
+
+def per_layer_scales(owner: str, name: str, scale, num_layers: int, dtype: torch.dtype | None) -> list:
+    """A float, one float per layer, or None (calibrate) -> a list of ``num_layers`` floats or Nones."""
+    if scale is None:
+        return [None] * num_layers
+    if dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{owner}: {name} is only taken with an fp8 KV cache (kv_cache_dtype='fp8')")
+    values = [float(scale)] * num_layers if isinstance(scale, (int, float)) else [float(x) for x in scale]
+    if len(values) != num_layers:
+        raise ValueError(f"{owner}: {name} must be a float or one float per layer ({num_layers}), got {len(values)}")
+    bad = [v for v in values if not (v > 0 and v < float("inf"))]
+    if bad:
+        raise ValueError(f"{owner}: {name} must be positive and finite, got {bad[0]}")
+    return values
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs. Nothing was allocated or changed."""
 
@@ -81,7 +122,11 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", *,
+                 k_scale: float | list[float] | None = None, v_scale: float | list[float] | None = None):
+        """``dtype=torch.float8_e4m3fn``: fp8 pools; ``k_scale``/``v_scale`` (a float, or one per layer; required
+        then, refused otherwise) become ``self.k_scales[layer]`` / ``self.v_scales[layer]``, fp32 ``[1]`` tensors on
+        ``device`` (they may be overwritten in place, e.g. by ``calibrate_kv_scale``)."""
         if block_size <= 0:
             raise ValueError(f"PagedKVCache: block_size must be > 0, got {block_size}")
         self.block_size = block_size
@@ -89,6 +134,13 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        fp8 = dtype == torch.float8_e4m3fn
+        ks = per_layer_scales("PagedKVCache", "k_scale", k_scale, num_layers, dtype)
+        vs = per_layer_scales("PagedKVCache", "v_scale", v_scale, num_layers, dtype)
+        if fp8 and (None in ks or None in vs):
+            raise ValueError("PagedKVCache: an fp8 cache needs k_scale and v_scale (a float or one per layer)")
+        self.k_scales = [torch.tensor([x], dtype=torch.float32, device=device) for x in ks] if fp8 else None
+        self.v_scales = [torch.tensor([x], dtype=torch.float32, device=device) for x in vs] if fp8 else None
         self._seqs: dict[int, _Sequence] = {}
 
     # ---- sequences -------------------------------------------------------------------------------------
@@ -163,7 +215,13 @@ class PagedKVCache:
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` of one layer at ``reserve``'s slots."""
-        paged_kv_append(key, value, self.k_caches[layer], self.v_caches[layer], slot_mapping, check=False)
+        paged_kv_append(key, value, self.k_caches[layer], self.v_caches[layer], slot_mapping,
+                        **self._scales(layer), check=False)
+
+    def _scales(self, layer: int) -> dict:
+        if self.k_scales is None:
+            return {}
+        return dict(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
 
     # ---- reading ---------------------------------------------------------------------------------------
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
@@ -181,7 +239,9 @@ class PagedKVCache:
         return torch.tensor(lens, dtype=torch.int32, device=self.k_caches[0].device)
 
     def gather(self, layer: int, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(key, value)`` ``[len(seq_ids), num_kv_heads, max_len, head_dim]`` of one layer, zero-padded."""
+        """``(key, value)`` ``[len(seq_ids), num_kv_heads, max_len, head_dim]`` of one layer, zero-padded (fp8
+        caches: dequantized to float32)."""
         lens = self.seq_lens(seq_ids)
         return paged_kv_gather(self.k_caches[layer], self.v_caches[layer], self.block_table(seq_ids), lens,
-                               max((self._seq(s).length for s in seq_ids), default=0), check=False)
+                               max((self._seq(s).length for s in seq_ids), default=0), **self._scales(layer),
+                               check=False)

@@ -4,6 +4,9 @@ Bytes are counted honestly: append reads key+value and writes them into the cach
 the slot mapping; gather reads each sequence's K/V and writes the padded [batch, heads, max_len, head_dim]
 outputs (zero padding included) plus the block table. The GPU goal (issue 2): >= 85% of the device's measured
 copy bandwidth at 16k+ tokens and >= 3x the torch baseline.
+append_fp8 (issue 11): fp16/bf16 K/V quantized into float8_e4m3fn caches (x / scale, saturated): it reads the same
+bytes as append and writes half of them (the bytes_written column); its baseline is the torch a user would write,
+``index_copy_`` of ``(x / scale).clamp(-448, 448).to(float8_e4m3fn)``.
 """
 from __future__ import annotations
 
@@ -53,6 +56,37 @@ def bench_append(n, dtype, device):
     return t_ours, t_torch, nbytes
 
 
+def bench_append_fp8(n, dtype, device):
+    """Returns (t_ours, t_torch, bytes moved, bytes written to the caches)."""
+    num_blocks = -(-n // BLOCK_SIZE) + 1
+    key = torch.randn(n, HEADS, HEAD_DIM, device=device).to(dtype)
+    value = torch.randn(n, HEADS, HEAD_DIM, device=device).to(dtype)
+    fp8 = torch.float8_e4m3fn
+    k = torch.zeros(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM, dtype=fp8, device=device)
+    v = torch.zeros_like(k)
+    ks = torch.tensor([0.02], device=device)
+    vs = torch.tensor([0.01], device=device)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:n]
+    if n <= 4096:  # check against the reference before timing (bytes equal)
+        k_ref, v_ref = k.clone().cpu(), v.clone().cpu()
+        paged_kv_append_ref(key.cpu(), value.cpu(), k_ref, v_ref, slots.cpu(), ks.cpu(), vs.cpu())
+        arkernels.paged_kv_append(key, value, k, v, slots, k_scale=ks, v_scale=vs)
+        assert torch.equal(k.cpu().view(torch.uint8), k_ref.view(torch.uint8)), "fp8 append disagrees with reference"
+        assert torch.equal(v.cpu().view(torch.uint8), v_ref.view(torch.uint8)), "fp8 append disagrees with reference"
+
+    def torch_baseline():  # index_copy_ has no fp8 kernel on the CPU: the same bytes as uint8
+        for c, x, sc in ((k, key, ks), (v, value, vs)):
+            q = (x.float() / sc).clamp(-448, 448).to(fp8).view(torch.uint8)
+            c.view(torch.uint8).view(-1, HEADS, HEAD_DIM).index_copy_(0, slots, q)
+
+    t_ours = timeit(lambda: arkernels.paged_kv_append(key, value, k, v, slots, k_scale=ks, v_scale=vs, check=False),
+                    device=device)
+    t_torch = timeit(torch_baseline, device=device)
+    written = 2 * key.numel()  # one byte per element
+    nbytes = 2 * key.numel() * key.element_size() + written + slots.numel() * slots.element_size()
+    return t_ours, t_torch, nbytes, written
+
+
 def bench_gather(n, dtype, device):
     per_seq = max(1, n // SEQS)
     batch = min(SEQS, n)
@@ -90,19 +124,22 @@ def main():
     sizes = [1, 64, 1024] if args.quick else [1, 16, 256, 1024, 4096, 16384, 65536]
     ceiling = copy_bandwidth(dev)
     rows = []
-    for op, fn in (("append", bench_append), ("gather", bench_gather)):
+    es = torch.empty(0, dtype=dtype).element_size()
+    for op, fn in (("append", bench_append), ("append_fp8", bench_append_fp8), ("gather", bench_gather)):
         for n in sizes:
-            t_ours, t_torch, nbytes = fn(n, dtype, dev)
+            t_ours, t_torch, nbytes, *written = fn(n, dtype, dev)
+            # bytes written into the caches (append: K and V rows in the cache dtype; gather writes no cache)
+            written = written[0] if written else (2 * n * HEADS * HEAD_DIM * es if op == "append" else 0)
             for impl, t in (("arkernels", t_ours), ("torch", t_torch)):
                 rows.append(dict(op=op, impl=impl, series=f"{op}/{impl}", num_tokens=n, us=t * 1e6,
                                  gbps=nbytes / t / 1e9, pct_copy_bw=100 * nbytes / t / 1e9 / ceiling,
                                  speedup_vs_torch=t_torch / t if impl == "arkernels" else 1.0,
-                                 dtype=str(dtype).split(".")[-1], device=device_name(dev)))
+                                 bytes_written=written, dtype=str(dtype).split(".")[-1], device=device_name(dev)))
     write_results(rows, args.out, "paged_kv", plot=("num_tokens", "gbps", "series"),
                   title=f"paged KV append/gather, {device_name(dev)}, copy bw {ceiling:.0f} GB/s")
     print(f"device {device_name(dev)}: measured copy bandwidth {ceiling:.1f} GB/s; results in {args.out}/paged_kv.*")
     print_table([r for r in rows if r["impl"] == "arkernels"],
-                ["op", "num_tokens", "us", "gbps", "pct_copy_bw", "speedup_vs_torch"])
+                ["op", "num_tokens", "us", "gbps", "pct_copy_bw", "speedup_vs_torch", "bytes_written"])
     if args.quick:
         print_traffic()
 

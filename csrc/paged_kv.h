@@ -24,7 +24,8 @@ inline void check_paged_kv_append(const at::Tensor& key, const at::Tensor& value
   check_kv_scales("paged_kv_append", k_cache, k_scale, v_scale);
   if (dt == at::kFloat8_e4m3fn) {
     const auto kt = key.scalar_type();
-    AK_CHECK("paged_kv_append", (kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16) && value.scalar_type() == kt,
+    AK_CHECK("paged_kv_append",
+             (kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16) && value.scalar_type() == kt,
              "key and value must share one dtype of float32, float16 or bfloat16 with float8_e4m3fn caches, got ", kt,
              " and ", value.scalar_type());
   } else {

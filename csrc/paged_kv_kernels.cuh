@@ -11,7 +11,7 @@
 // Bytes: append reads each given K/V byte once and writes it once (plus one slot id per token); gather reads each
 // visible cache byte once and writes the output once (zeros past a sequence's length). The emulator's traffic meter
 // checks both ratios in tests/test_paged_kv.py. Resources: see scripts/sass_report.py (copy kernels < 32 registers,
-// fp8 append 30-34 registers on sm_90 (nvcc 13.0), no smem, no spills).
+// fp8 append 30-34 registers on sm_90, 28-37 on sm_80 (nvcc 13.0), no smem, no spills).
 // fp8 caches (float8_e4m3fn, vLLM's convention): paged_kv_append_fp8_kernel converts instead of copying: each element
 // of the fp32/fp16/bf16 key/value becomes saturate_e4m3(x / scale) (IEEE division __fdiv_rn, not fast-math's
 // approximation, so the GPU, the emulator and the CPU kernel store the same bytes; cvt.rn.satfinite: round to nearest
@@ -80,9 +80,10 @@ __device__ __forceinline__ void paged_kv_quantize_store(uint8_t* dst, const Src*
 // (k_scale, v_scale: one fp32 each, read on the device). Strides in elements.
 template <typename Src, int V, typename Slot>
 __global__ void __launch_bounds__(kPagedKvThreads)
-    paged_kv_append_fp8_kernel(const Src* __restrict__ key, const Src* __restrict__ value, uint8_t* __restrict__ k_cache,
-                               uint8_t* __restrict__ v_cache, const Slot* __restrict__ slot_mapping,
-                               const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    paged_kv_append_fp8_kernel(const Src* __restrict__ key, const Src* __restrict__ value,
+                               uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
+                               const Slot* __restrict__ slot_mapping, const float* __restrict__ k_scale,
+                               const float* __restrict__ v_scale,
                                int64_t num_tokens, int64_t num_slots, int64_t block_size, int heads, int units,
                                int rows_per_cta, int64_t key_s0, int64_t key_s1, int64_t val_s0, int64_t val_s1,
                                int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {

@@ -262,8 +262,8 @@ def _bad_append_cases():
         ("must share one dtype", dict(key=key.half()), RuntimeError),
         ("does not match", dict(key=torch.ones(3, 3, 64), value=torch.ones(3, 3, 64)), RuntimeError),
         ("key must be 3-D", dict(key=torch.ones(3, 128), value=torch.ones(3, 128)), RuntimeError),
-        ("float32, float16 or bfloat16", dict(key=key.double(), value=key.double(), k_cache=k.double(),
-                                              v_cache=k.double()), RuntimeError),
+        ("float32, float16, bfloat16 or float8_e4m3fn", dict(key=key.double(), value=key.double(),
+                                                             k_cache=k.double(), v_cache=k.double()), RuntimeError),
         ("contiguous last", dict(key=torch.ones(3, 2, 128)[..., ::2]), RuntimeError),
     ], dict(key=key, value=key, k_cache=k, v_cache=k.clone(), slot_mapping=slots)
 

@@ -601,7 +601,7 @@ def _bad_cases():
     cases = [
         ("whole multiple", dict(query=torch.randn(2, 3, 64)), RuntimeError),
         ("head_dim of query", dict(query=torch.randn(2, 4, 32)), RuntimeError),
-        ("float32, float16 or bfloat16", dict(query=q.double(), k_cache=k.double(), v_cache=k.double()),
+        ("float32, float16, bfloat16 or float8_e4m3fn", dict(query=q.double(), k_cache=k.double(), v_cache=k.double()),
          RuntimeError),
         ("share one dtype", dict(query=q.half()), RuntimeError),
         ("window must be >= 0", dict(window=-1), RuntimeError),

@@ -26,6 +26,8 @@ from arkernels.ops.window_attention import window_attention, window_attention_de
 
 NAME = "arkernels"  # no "flash", "/", ":" or "paged|": transformers treats those names specially
 PAGED_ATTR = "_arkernels_paged"
+# fp8 pools carry their layer's (k_scale, v_scale) fp32 [1] tensors under this attribute (set by PagedLayer)
+KV_SCALES_ATTR = "_arkernels_kv_scales"
 
 
 def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -108,9 +110,11 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         return out, None
     q = query.transpose(1, 2).reshape(B * Tq, Hq, D)
     kv_start = step.kv_start if attention_mask is None else attention_mask[0]
+    k_scale, v_scale = getattr(key, KV_SCALES_ATTR, (None, None))  # fp8 pools only
     out = window_attention(q, key, value, step.block_table, step.seq_lens, window=window, scale=scaling,
                            softcap=cap, cu_seqlens_q=step.cu_seqlens_q, max_q_len=step.max_q_len,
-                           kv_start=kv_start, check=False)  # our cache built the indices: no host-sync validation
+                           kv_start=kv_start, k_scale=k_scale, v_scale=v_scale,
+                           check=False)  # our cache built the indices: no host-sync validation
     return out.view(B, Tq, Hq, D), None
 
 

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import torch
 
-from arkernels.hf.attention import PAGED_ATTR
-from arkernels.kv_cache import BlockAllocator
+from arkernels.hf.attention import KV_SCALES_ATTR, PAGED_ATTR
+from arkernels.kv_cache import (K_RANGE, V_RANGE, BlockAllocator, calibrate_kv_scale, kv_cache_dtype_of,
+                                per_layer_scales)
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 
 try:
@@ -304,8 +305,18 @@ class PagedLayer(CacheLayerMixin):
             g.init(batch, tokens, key_states)
         self.device, self.dtype = key_states.device, key_states.dtype
         shape = (g.allocator.num_blocks, g.block_size, hkv, dim)
-        self.k_pool = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.v_pool = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        pool_dtype = self.cache.kv_dtype or key_states.dtype
+        self.k_pool = torch.zeros(shape, dtype=pool_dtype, device=key_states.device)
+        self.v_pool = torch.zeros(shape, dtype=pool_dtype, device=value_states.device)
+        self.k_scale = self.v_scale = None
+        if pool_dtype == torch.float8_e4m3fn:  # scales: the user's, else calibrated on this first update (prefill)
+            ks, vs = self.cache.kv_scales[0][self.layer_idx], self.cache.kv_scales[1][self.layer_idx]
+            dev = key_states.device
+            self.k_scale = (calibrate_kv_scale(key_states, K_RANGE) if ks is None
+                            else torch.tensor([ks], dtype=torch.float32, device=dev))
+            self.v_scale = (calibrate_kv_scale(value_states, V_RANGE) if vs is None
+                            else torch.tensor([vs], dtype=torch.float32, device=dev))
+            setattr(self.k_pool, KV_SCALES_ATTR, (self.k_scale, self.v_scale))
         self.is_initialized = True
 
     def grow_pools(self, num_blocks: int) -> None:
@@ -316,6 +327,8 @@ class PagedLayer(CacheLayerMixin):
             new = torch.zeros((num_blocks, *old.shape[1:]), dtype=old.dtype, device=old.device)
             new[: old.shape[0]] = old
             setattr(self, name, new)
+        if self.k_scale is not None:
+            setattr(self.k_pool, KV_SCALES_ATTR, (self.k_scale, self.v_scale))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``[B, Hkv, T, D]`` new keys/values; returns the pools (paged attention) or dense ``[B, Hkv, S, D]``."""
@@ -329,7 +342,7 @@ class PagedLayer(CacheLayerMixin):
             slots, step = g.static
             paged_kv_append(key_states.transpose(1, 2).reshape(-1, hkv, dim),
                             value_states.transpose(1, 2).reshape(-1, hkv, dim), self.k_pool, self.v_pool, slots,
-                            check=False)
+                            k_scale=self.k_scale, v_scale=self.v_scale, check=False)
             setattr(self.k_pool, PAGED_ATTR, step)
             return self.k_pool, self.v_pool
         cache.version += 1
@@ -352,7 +365,8 @@ class PagedLayer(CacheLayerMixin):
             self.length += tokens
         k = key_states.transpose(1, 2).reshape(-1, hkv, dim)
         v = value_states.transpose(1, 2).reshape(-1, hkv, dim)
-        paged_kv_append(k, v, self.k_pool, self.v_pool, g.slots, check=False)
+        paged_kv_append(k, v, self.k_pool, self.v_pool, g.slots, k_scale=self.k_scale, v_scale=self.v_scale,
+                        check=False)
         if g.step is None:
             g.step = self._make_step(rows, q_lens, tokens)
         if cache.paged_attention:
@@ -392,7 +406,9 @@ class PagedLayer(CacheLayerMixin):
         table = g.table[torch.tensor(rows, device=g.table.device), first_block:].contiguous()
         lens = torch.tensor([max(min(g.lens[r], length) - first_block * bs, 0) for r in rows], dtype=torch.int32,
                             device=table.device)
-        k, v = paged_kv_gather(self.k_pool, self.v_pool, table, lens, length - first_block * bs, check=False)
+        fp8 = self.k_scale is not None  # fp8 pools: dequantized to the model's dtype
+        k, v = paged_kv_gather(self.k_pool, self.v_pool, table, lens, length - first_block * bs, check=False,
+                               k_scale=self.k_scale, v_scale=self.v_scale, out_dtype=self.dtype if fp8 else None)
         skip = start - first_block * bs
         return k[:, :, skip:], v[:, :, skip:]
 
@@ -524,13 +540,22 @@ class PagedCache(DynamicCache):
         num_blocks: blocks per group (overrides the sizing from max_length).
         paged_attention: hand the attention function the pools in place (the attention implementation must be
             arkernels'); False returns dense ``[B, Hkv, S, D]`` keys that any attention implementation can use.
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" / ``torch.float8_e4m3fn``: pools of e4m3 with a
+            K and a V scale per layer (vLLM's convention; dense views are dequantized to the model's dtype).
+        k_scale, v_scale: fp8 only: a float for every layer, one float per layer, or None: calibrated per layer on
+            its first update (the prefill): ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults:
+            headroom for later tokens; ``arkernels.kv_cache.calibrate_kv_scale``).
     """
 
     def __init__(self, config, *, block_size: int = 16, max_length: int | None = None, num_blocks: int | None = None,
-                 paged_attention: bool = True):
+                 paged_attention: bool = True, kv_cache_dtype: str | torch.dtype = "auto",
+                 k_scale: float | list[float] | None = None, v_scale: float | list[float] | None = None):
         if block_size <= 0:
             raise ValueError(f"PagedCache: block_size must be > 0, got {block_size}")
         windows = _layer_windows(config)
+        self.kv_dtype = kv_cache_dtype_of("PagedCache", kv_cache_dtype)  # None: the model's dtype
+        self.kv_scales = (per_layer_scales("PagedCache", "k_scale", k_scale, len(windows), self.kv_dtype),
+                          per_layer_scales("PagedCache", "v_scale", v_scale, len(windows), self.kv_dtype))
         self.groups: dict[int, _Group] = {}
         for w in windows:
             if w not in self.groups:

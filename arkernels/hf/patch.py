@@ -68,7 +68,8 @@ def _check_supported(model) -> None:
 
 
 def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16,
-          fuse: bool = False):
+          fuse: bool = False, kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | list[float] | None = None,
+          v_scale: float | list[float] | None = None):
     """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
 
     Args:
@@ -83,11 +84,22 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
             exactly what it implements (see the module docstring); otherwise the stock warpers run.
         fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``; opt-in, undone with
             the rest).
+        kv_cache_dtype: the ``PagedCache``'s storage: "auto" (the model's dtype) or "fp8" (float8_e4m3fn with a K
+            and a V scale per layer, vLLM's convention). fp8 attention runs on the CPU kernel only so far.
+        k_scale, v_scale: fp8 only: a float, one float per layer, or None (default): calibrated per layer on each
+            call's prefill as ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults).
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
     """
     _check_supported(model)
+    from arkernels.kv_cache import kv_cache_dtype_of, per_layer_scales
+
+    kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)  # refuse bad values before changing anything
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        per_layer_scales("arkernels.patch", name, sc, model.config.num_hidden_layers, kv_dtype)
+    if kv_dtype is not None and not cache:
+        raise ValueError("arkernels.patch: kv_cache_dtype='fp8' needs cache=True (the paged cache holds the fp8 K/V)")
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise RuntimeError("arkernels.patch: this model is already patched; undo() the first handle")
     fuse_handle = None
@@ -104,7 +116,9 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     state = {"mode": None}  # this call's generation mode (the cache hook runs before the logits-processor hook)
     if cache or sampler:
         model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
-                                                          state, swap=cache)
+                                                          state, swap=cache,
+                                                          cache_kwargs=dict(kv_cache_dtype=kv_cache_dtype,
+                                                                            k_scale=k_scale, v_scale=v_scale))
         attrs.append("_prepare_cache_for_generation")
     if sampler:
         model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
@@ -128,7 +142,7 @@ def _paged_modes():
     return ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
-def _wrap_cache(model, original, block_size: int, state: dict, swap: bool):
+def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache_kwargs: dict | None = None):
     from transformers import DynamicCache
 
     from arkernels.hf.attention import NAME
@@ -161,7 +175,7 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool):
                     return
                 model_kwargs[name] = PagedCache(
                     model.config, block_size=block_size, max_length=bound.arguments.get("max_cache_length"),
-                    paged_attention=model.config._attn_implementation == NAME)
+                    paged_attention=model.config._attn_implementation == NAME, **(cache_kwargs or {}))
 
     return _prepare_cache_for_generation
 
