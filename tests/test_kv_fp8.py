@@ -210,14 +210,27 @@ def test_window_attention_fp8_cpu(q_dtype, case):
 
 
 @pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
-def test_window_attention_fp8_cuda_kernel_refuses_for_now(device):
-    """The CUDA kernel does not read fp8 caches yet: it refuses them with a clear error (never garbage)."""
-    gen = torch.Generator().manual_seed(0)
-    query, k_cache, v_cache, table, lens, cu, window, ks, vs = _attn_inputs(ATTN_CASES[0], torch.float16, gen)
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_window_attention_fp8_cuda_kernel(device, q_dtype, case):
+    """The CUDA kernels on fp8 caches (decode reads e4m3 tiles and converts them in shared memory, prefill dequantizes
+    the cache first) against the same fp64 reference and tolerance as the CPU kernel (query fp16/bf16 on CUDA)."""
+    gen = torch.Generator().manual_seed(case)
+    query, k_cache, v_cache, table, lens, cu, window, ks, vs = _attn_inputs(ATTN_CASES[case], q_dtype, gen)
     dev = "cpu" if device != "cuda" else "cuda"
-    with pytest.raises(RuntimeError, match="window_attention: float8_e4m3fn caches are not supported by the CUDA"):
-        window_attention(query.to(dev), k_cache.to(dev), v_cache.to(dev), table.to(dev), lens.to(dev),
-                         k_scale=ks.to(dev), v_scale=vs.to(dev))
+    out, lse = window_attention(query.to(dev), k_cache.to(dev), v_cache.to(dev), table.to(dev), lens.to(dev),
+                                cu_seqlens_q=None if cu is None else cu.to(dev), window=window, k_scale=ks.to(dev),
+                                v_scale=vs.to(dev), return_lse=True)
+    if cu is None:
+        want, want_lse = window_attention_ref(query, k_cache, v_cache, table, lens, window=window, k_scale=ks,
+                                              v_scale=vs)
+    else:  # prefill dequantizes the cache to the query's dtype first: that rounding is part of what it computes
+        kd = dequantize_e4m3_ref(k_cache, ks).to(q_dtype)
+        vd = dequantize_e4m3_ref(v_cache, vs).to(q_dtype)
+        want, want_lse = window_attention_ref(query, kd, vd, table, lens, cu_seqlens_q=cu, window=window)
+    assert out.dtype == q_dtype and out.shape == query.shape
+    assert (out.cpu().double() - want).abs().max().item() <= ATTN_TOL[q_dtype]
+    assert (lse.cpu().double() - want_lse).abs().max().item() <= 1e-4
 
 
 # ---- the scales' contract ----------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``; opt-in, undone with
             the rest).
         kv_cache_dtype: the ``PagedCache``'s storage: "auto" (the model's dtype) or "fp8" (float8_e4m3fn with a K
-            and a V scale per layer, vLLM's convention). fp8 attention runs on the CPU kernel only so far.
+            and a V scale per layer, vLLM's convention), read by the CPU and the CUDA attention kernels.
         k_scale, v_scale: fp8 only: a float, one float per layer, or None (default): calibrated per layer on each
             call's prefill as ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults).
 
