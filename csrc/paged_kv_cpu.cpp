@@ -23,31 +23,39 @@ inline c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
   return c10::Float8_e4m3fn(y);
 }
 
-// fp8 caches: each element of key/value (src_t) is divided by its scale and saturated to e4m3 on write.
-template <typename src_t>
-void paged_kv_append_fp8_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                             const int64_t* slot_ptr, int64_t n, float k_scale, float v_scale) {
-  const int64_t heads = key.size(1), head_dim = key.size(2);
-  const int64_t block_size = k_cache.size(1);
-  const int64_t num_slots = k_cache.size(0) * block_size;
-  const src_t* k_src = key.data_ptr<src_t>();
-  const src_t* v_src = value.data_ptr<src_t>();
-  auto* k_dst = k_cache.data_ptr<c10::Float8_e4m3fn>();
-  auto* v_dst = v_cache.data_ptr<c10::Float8_e4m3fn>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+// The append's loop, one place for both paths: row(t, h, dst) for every token t whose slot is valid and every head
+// h, dst = the element offset of that (slot, head) row in the caches (k_cache and v_cache share their strides).
+template <typename F>
+void for_each_append_row(const at::Tensor& slot_mapping, int64_t heads, const at::Tensor& k_cache, F&& row) {
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  at::parallel_for(0, slots.size(0), 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slot_ptr[t];
       if (slot < 0 || slot >= num_slots) continue;  // padding, or past the cache: never written
       const int64_t blk = slot / block_size, off = slot % block_size;
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = blk * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2);
-        const src_t* kr = k_src + t * key.stride(0) + h * key.stride(1);
-        const src_t* vr = v_src + t * value.stride(0) + h * value.stride(1);
-        for (int64_t x = 0; x < head_dim; ++x) {
-          k_dst[dst + x] = quantize_e4m3(static_cast<float>(kr[x]), k_scale);
-          v_dst[dst + x] = quantize_e4m3(static_cast<float>(vr[x]), v_scale);
-        }
-      }
+      for (int64_t h = 0; h < heads; ++h)
+        row(t, h, blk * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2));
+    }
+  });
+}
+
+// fp8 caches: each element of key/value (src_t) is divided by its scale and saturated to e4m3 on write.
+template <typename src_t>
+void paged_kv_append_fp8_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const at::Tensor& slot_mapping, float k_scale, float v_scale) {
+  const int64_t head_dim = key.size(2);
+  const src_t* k_src = key.data_ptr<src_t>();
+  const src_t* v_src = value.data_ptr<src_t>();
+  auto* k_dst = k_cache.data_ptr<c10::Float8_e4m3fn>();
+  auto* v_dst = v_cache.data_ptr<c10::Float8_e4m3fn>();
+  for_each_append_row(slot_mapping, key.size(1), k_cache, [&](int64_t t, int64_t h, int64_t dst) {
+    const src_t* kr = k_src + t * key.stride(0) + h * key.stride(1);
+    const src_t* vr = v_src + t * value.stride(0) + h * value.stride(1);
+    for (int64_t x = 0; x < head_dim; ++x) {
+      k_dst[dst + x] = quantize_e4m3(static_cast<float>(kr[x]), k_scale);
+      v_dst[dst + x] = quantize_e4m3(static_cast<float>(vr[x]), v_scale);
     }
   });
 }
@@ -58,36 +66,21 @@ void paged_kv_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Ten
                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale) {
   check_paged_kv_append(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
-  const int64_t n = slot_mapping.size(0);
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
-    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
     const float ks = k_scale->data_ptr<float>()[0], vs = v_scale->data_ptr<float>()[0];  // CPU tensors: no sync
     AK_DISPATCH_FLOAT(key.scalar_type(), "paged_kv_append_fp8_cpu", [&] {
-      paged_kv_append_fp8_cpu<scalar_t>(key, value, k_cache, v_cache, slots.data_ptr<int64_t>(), n, ks, vs);
+      paged_kv_append_fp8_cpu<scalar_t>(key, value, k_cache, v_cache, slot_mapping, ks, vs);
     });
     return;
   }
-  const int64_t heads = key.size(1), head_dim = key.size(2);
-  const int64_t block_size = k_cache.size(1);
-  const int64_t num_slots = k_cache.size(0) * block_size;
-  const int64_t es = k_cache.element_size(), row_bytes = head_dim * es;
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const int64_t es = k_cache.element_size(), row_bytes = key.size(2) * es;
   const char* k_src = static_cast<const char*>(key.data_ptr());
   const char* v_src = static_cast<const char*>(value.data_ptr());
   char* k_dst = static_cast<char*>(k_cache.data_ptr());
   char* v_dst = static_cast<char*>(v_cache.data_ptr());
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slot_ptr[t];
-      if (slot < 0 || slot >= num_slots) continue;  // padding, or past the cache: never written
-      const int64_t blk = slot / block_size, off = slot % block_size;
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = (blk * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2)) * es;
-        std::memcpy(k_dst + dst, k_src + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
-        std::memcpy(v_dst + dst, v_src + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
-      }
-    }
+  for_each_append_row(slot_mapping, key.size(1), k_cache, [&](int64_t t, int64_t h, int64_t dst) {
+    std::memcpy(k_dst + dst * es, k_src + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+    std::memcpy(v_dst + dst * es, v_src + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
   });
 }
 

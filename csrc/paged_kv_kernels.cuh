@@ -30,15 +30,14 @@ namespace arkernels {
 
 constexpr int kPagedKvThreads = 256;
 
-// Rows of `units` copy units each: one CTA takes rows [blockIdx.x * rows_per_cta, ...).
-template <typename Unit, typename Slot>
-__global__ void __launch_bounds__(kPagedKvThreads)
-    paged_kv_append_kernel(const Unit* __restrict__ key, const Unit* __restrict__ value, Unit* __restrict__ k_cache,
-                           Unit* __restrict__ v_cache, const Slot* __restrict__ slot_mapping, int64_t num_tokens,
-                           int64_t num_slots, int64_t block_size, int heads, int units,  // units per head row
-                           int rows_per_cta,
-                           int64_t key_s0, int64_t key_s1,  // in units
-                           int64_t val_s0, int64_t val_s1, int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {
+// The append's work split, one place for both kernels: rows of `units` units each (per head), one CTA takes token rows
+// [blockIdx.x * rows_per_cta, ...); calls unit(t, h, u, dst) for every unit whose slot is valid, dst = the cache offset
+// of unit u of head h at that slot (in cache elements of `unit_elems`-element units).
+template <typename Slot, typename F>
+__device__ __forceinline__ void paged_kv_for_each_unit(const Slot* slot_mapping, int64_t num_tokens, int64_t num_slots,
+                                                       int64_t block_size, int heads, int units, int unit_elems,
+                                                       int rows_per_cta, int64_t cache_s0, int64_t cache_s1,
+                                                       int64_t cache_s2, F&& unit) {
   const int work = rows_per_cta * heads * units;
   for (int i = threadIdx.x; i < work; i += blockDim.x) {
     const int u = i % units;
@@ -47,10 +46,25 @@ __global__ void __launch_bounds__(kPagedKvThreads)
     if (t >= num_tokens) return;  // i only grows, so t does too
     const int64_t slot = static_cast<int64_t>(dev::ld_global(slot_mapping + t));
     if (slot < 0 || slot >= num_slots) continue;  // padding (or past the cache): never written
-    const int64_t dst = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2 + u;
-    dev::st_global(k_cache + dst, dev::ld_global(key + t * key_s0 + h * key_s1 + u));
-    dev::st_global(v_cache + dst, dev::ld_global(value + t * val_s0 + h * val_s1 + u));
+    const int64_t row = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2;
+    unit(t, h, u, row + int64_t(u) * unit_elems);
   }
+}
+
+// Rows of `units` copy units each (strides in units).
+template <typename Unit, typename Slot>
+__global__ void __launch_bounds__(kPagedKvThreads)
+    paged_kv_append_kernel(const Unit* __restrict__ key, const Unit* __restrict__ value, Unit* __restrict__ k_cache,
+                           Unit* __restrict__ v_cache, const Slot* __restrict__ slot_mapping, int64_t num_tokens,
+                           int64_t num_slots, int64_t block_size, int heads, int units,  // units per head row
+                           int rows_per_cta,
+                           int64_t key_s0, int64_t key_s1,  // in units
+                           int64_t val_s0, int64_t val_s1, int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {
+  paged_kv_for_each_unit(slot_mapping, num_tokens, num_slots, block_size, heads, units, 1, rows_per_cta, cache_s0,
+                         cache_s1, cache_s2, [&](int64_t t, int h, int u, int64_t dst) {
+                           dev::st_global(k_cache + dst, dev::ld_global(key + t * key_s0 + h * key_s1 + u));
+                           dev::st_global(v_cache + dst, dev::ld_global(value + t * val_s0 + h * val_s1 + u));
+                         });
 }
 
 __device__ __forceinline__ float paged_kv_to_float(float x) { return x; }
@@ -88,18 +102,11 @@ __global__ void __launch_bounds__(kPagedKvThreads)
                                int rows_per_cta, int64_t key_s0, int64_t key_s1, int64_t val_s0, int64_t val_s1,
                                int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {
   const float ks = dev::ld_global(k_scale), vs = dev::ld_global(v_scale);
-  const int work = rows_per_cta * heads * units;
-  for (int i = threadIdx.x; i < work; i += blockDim.x) {
-    const int u = i % units;
-    const int h = (i / units) % heads;
-    const int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_cta + i / (units * heads);
-    if (t >= num_tokens) return;  // i only grows, so t does too
-    const int64_t slot = static_cast<int64_t>(dev::ld_global(slot_mapping + t));
-    if (slot < 0 || slot >= num_slots) continue;  // padding (or past the cache): never written
-    const int64_t dst = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2 + u * V;
-    paged_kv_quantize_store<Src, V>(k_cache + dst, key + t * key_s0 + h * key_s1 + u * V, ks);
-    paged_kv_quantize_store<Src, V>(v_cache + dst, value + t * val_s0 + h * val_s1 + u * V, vs);
-  }
+  paged_kv_for_each_unit(slot_mapping, num_tokens, num_slots, block_size, heads, units, V, rows_per_cta, cache_s0,
+                         cache_s1, cache_s2, [&](int64_t t, int h, int u, int64_t dst) {
+                           paged_kv_quantize_store<Src, V>(k_cache + dst, key + t * key_s0 + h * key_s1 + u * V, ks);
+                           paged_kv_quantize_store<Src, V>(v_cache + dst, value + t * val_s0 + h * val_s1 + u * V, vs);
+                         });
 }
 
 // out [batch, heads, max_seq_len, units] contiguous; CTA (blockIdx.x, blockIdx.y = b) owns positions

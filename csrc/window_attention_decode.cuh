@@ -179,24 +179,18 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   auto issue = [&](int t) {
     const int st = t % stages;
     KV* k_dst = reinterpret_cast<KV*>(smem + st * lay.stage);
-    KV* v_dst = k_dst + kDecodeTileKeys * SLD;
-    const int64_t* ko = koff_s + st * kDecodeTileKeys;
-    if (t < ntiles) {
-      for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
-        const int k = idx / kChunks, c = idx % kChunks;
-        const int64_t o = ko[k];
-        dev::cp_async_16(k_dst + k * SLD + c * kChunkElems, o >= 0 ? kc + o + c * kChunkElems : kc, o >= 0 ? 16 : 0);
+    auto copy = [&](KV* dst, const KV* src, const int64_t* offs) {
+      if (t < ntiles) {
+        for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
+          const int k = idx / kChunks, c = idx % kChunks;
+          const int64_t o = offs[k];
+          dev::cp_async_16(dst + k * SLD + c * kChunkElems, o >= 0 ? src + o + c * kChunkElems : src, o >= 0 ? 16 : 0);
+        }
       }
-    }
-    dev::cp_async_commit();
-    if (t < ntiles) {
-      for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
-        const int k = idx / kChunks, c = idx % kChunks;
-        const int64_t o = voff_s[k];
-        dev::cp_async_16(v_dst + k * SLD + c * kChunkElems, o >= 0 ? vc + o + c * kChunkElems : vc, o >= 0 ? 16 : 0);
-      }
-    }
-    dev::cp_async_commit();
+      dev::cp_async_commit();
+    };
+    copy(k_dst, kc, koff_s + st * kDecodeTileKeys);
+    copy(k_dst + kDecodeTileKeys * SLD, vc, voff_s);
   };
 
   // Query tile [16][LD]: this CTA's heads, zero rows for the padding.

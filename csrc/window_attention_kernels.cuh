@@ -23,7 +23,7 @@
 #include "device.cuh"
 #include "device_mma.cuh"
 
-#include <cuda_fp8.h>  // e4m3 -> half conversion (cvt on sm_89+, the header's software path elsewhere and in the emulator)
+#include <cuda_fp8.h>  // e4m3 -> half (cvt on sm_89+; the header's software path elsewhere and in the emulator)
 
 namespace arkernels {
 

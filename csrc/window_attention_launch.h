@@ -52,7 +52,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   if (fp8 && cu_seqlens_q.has_value()) {
     // The prefill kernel reads 16-bit caches only: prefill over an fp8 cache dequantizes it to the query's dtype
     // first (one pass over the whole cache; decode, the per-token path, reads fp8 directly).
-    const at::Tensor kd = k_cache.to(at::kFloat).mul(*k_scale).to(dt), vd = v_cache.to(at::kFloat).mul(*v_scale).to(dt);
+    const at::Tensor kd = k_cache.to(at::kFloat).mul(*k_scale).to(dt);
+    const at::Tensor vd = v_cache.to(at::kFloat).mul(*v_scale).to(dt);
     return window_attention_launch(query, kd, vd, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
                                    scale, softcap, std::nullopt, std::nullopt, props, stream, out, lse);
   }
