@@ -92,7 +92,10 @@ def _kernel_run(select: str, tsan: bool = False) -> str:
 
 _WA = "window_attention_kernels.cuh"
 _DECODE = "decode_grid and 13-16 or decode_long_context or decode_traffic and heads1"
-_PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb"
+_PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1"
+_PF = "window_attention_prefill.cuh"
+_PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      } else {\n        dev::cp_async_wait<1>();\n"
+            "      }\n")
 _STAGE_SYNC = ("    stage_kv_tile<T, D, kDecodeTileKeys>(p, b, kvh, t0, s_lo, s_hi, koff_s, voff_s, k_tile, v_tile, D, tid);\n"
                "    __syncthreads();\n")
 FAULTS += [
@@ -114,10 +117,23 @@ FAULTS += [
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: split size rounded down", _WA, "(n + p.num_splits - 1) / p.num_splits + kDecodeTileKeys - 1) /",
           "(n + p.num_splits - 1) / p.num_splits) /", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("prefill: window off by one (W + 1 keys)", _WA, "j > qi - p.window", "j >= qi - p.window",
+    Fault("prefill: window off by one (W + 1 keys)", _PF,
+          "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;",
+          "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window : 0) : 1;",
           build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: O tile not zeroed", _WA,
-          "    for (int idx = tid; idx < BM * D; idx += kAttnThreads) o_s[(idx / D) * LDO + idx % D] = 0.f;\n", "",
+    Fault("prefill: ldmatrix .trans dropped (V)", _PF, "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: ldmatrix .trans added (K)", _PF, "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: cp.async wait before the tile removed", _PF, _PF_WAIT, "",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: cp.async wait_group 3 instead of 2 (3-stage ring)", _PF, "dev::cp_async_wait<2>();",
+          "dev::cp_async_wait<3>();", build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: __syncthreads before the refill removed", _PF,
+          "      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async\n", "",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: P.V k-step reads the wrong S tile pair", _PF,
+          "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),",
           build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
