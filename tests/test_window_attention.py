@@ -232,6 +232,26 @@ def test_window_attention_prefill_long(device, dtype, window):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,window,block_size", [(torch.float16, 1, 1), (torch.bfloat16, 1000, 13)])
+def test_window_attention_prefill_packed_gqa(device, dtype, window, block_size):
+    """GQA 16/1 (the CUDA kernel packs a KV head's 16 query heads as rows token * 16 + head: 8 tokens per 128-row
+    tile), head_dim 80, window 1 (each query sees only itself) or longer than every prompt, block size 1 or 13,
+    left padding (kv_start), chunked prefill over a cache and a whole prompt."""
+    _skip_unsupported(device, dtype)
+    gen = torch.Generator().manual_seed(14 + window)
+    lens, q_lens = [45, 19], [30, 19]
+    k, v, table = _paged(lens, block_size, 1, 80, dtype, device, gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    query = torch.randn(cu[-1], 16, 80, generator=gen).to(dtype).to(device)
+    kv_start = torch.tensor([3, 0], dtype=torch.int32)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                                kv_start=kv_start.to(device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, window, 80 ** -0.5, 0.0, kv_start=kv_start)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [0, 500])
 def test_window_attention_decode_via_cu_seqlens(device, window):
     """One query per sequence given as cu_seqlens_q with max_q_len 1 (the HF paged path; on CUDA the prefill
