@@ -24,15 +24,24 @@
 //   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
 //     sees no key).
 // Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2; FLOPs = 4 * BM * BN * D):
-//   D=128, BM=128, BN=64: 32 KB staged, 4.2 MFLOP -> 128 FLOP/byte of K/V from L2/HBM (a per-query-head grid with
-//     BM=64 at group 1 would be 64; packed GQA multiplies it by nothing but saves the group-fold re-staging).
+//   D=128, BM=128, BN=64: 32 KB staged, 4.2 MFLOP -> 128 FLOP per staged byte (the WMMA kernel's 64-row tiles: 64).
+//     Packed GQA: a tile serves 128 / G tokens of all G heads. For long prompts that stages as many K/V bytes per
+//     token as a per-head grid with 128-row tiles (2x fewer than the WMMA kernel's 64-row per-head tiles: emulator,
+//     B=1, 256 tokens, GQA 32/8, D=128: 2.36 MB of k_cache reads instead of 5.24 MB); for short q_len (chunked
+//     prefill, speculative or decode-like calls, q_len * G <= 128) the G heads fill the rows and each K/V byte is
+//     staged once instead of G times.
 //   Shared memory per CTA = BM * (D + 8) * 2 (Q) + STAGES * 2 * BN * (D + 8) * 2 (K, V ring), no static smem:
 //     D=64: 18 KB + 3 x 18 KB = 72 KB      D=80: 22 KB + 3 x 22 KB = 88 KB     D=96: 26 KB + 3 x 26 KB = 104 KB
 //     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
 //     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
 //       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-//   CTAs/SM are set by registers for D >= 96 (8 warps x ~170 registers: 1 CTA of 8 warps) and by smem otherwise;
-//   `python scripts/sass_report.py` prints the compiled figures (registers, spills, occupancy, HMMA/LDSM/LDGSTS).
+// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 14
+// per arch; `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
+//   registers sm_90 (sm_80): D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216), D=128 BN=32
+//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only). So 1 CTA per SM everywhere:
+//   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
+//   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
+//   Static SASS per key tile and warp (D=128, BN=64): 128 HMMA.16816, 64 LDSM (+8 for Q once), 16 LDGSTS per thread.
 #pragma once
 
 #include <cstring>
