@@ -252,6 +252,22 @@ def test_window_attention_prefill_packed_gqa(device, dtype, window, block_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_window_attention_prefill_unaligned_query(device):
+    """A query whose rows are not 16-byte aligned (a view starting one element into its buffer): the CUDA prefill
+    kernel loads it element by element instead of with 16-byte cp.async."""
+    gen = torch.Generator().manual_seed(15)
+    lens, q_lens = [70, 12], [70, 5]
+    k, v, table = _paged(lens, 16, 2, 64, torch.float16, device, gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    buf = torch.randn(cu[-1], 4, 65, generator=gen).half().to(device)
+    query = buf[:, :, 1:]
+    assert query.data_ptr() % 16 != 0
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device), window=30,
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, 30, 64 ** -0.5, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [0, 500])
 def test_window_attention_decode_via_cu_seqlens(device, window):
     """One query per sequence given as cu_seqlens_q with max_q_len 1 (the HF paged path; on CUDA the prefill
