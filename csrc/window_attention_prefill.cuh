@@ -4,9 +4,9 @@
 // Prefill (cu_seqlens_q given): window_attention_prefill_kernel, FlashAttention-2 style on mma.sync.m16n8k16.
 //   Packed GQA: a CTA owns one KV head and BM "packed rows" of one sequence, row R = token * group + head-in-group, so
 //   the `group` query heads of a KV head share every K/V tile: each K/V byte is staged once per KV head per query
-//   tile (a per-query-head grid stages it `group` times). Grid (ceil(max_q_len * group / BM), Hkv, batch); a CTA
-//   strides over its sequence's packed tiles (once with a right max_q_len; a too-small max_q_len costs time, never
-//   unwritten rows). BM/16 warps, each owning 16 packed rows: BM = 128 (8 warps) for D <= 128, 64 (4 warps) for 256.
+//   tile (a per-query-head grid stages it `group` times). Grid (ceil(max_q_len * group / BM), Hkv, batch); CTA x
+//   takes tile gridDim.x - 1 - x first (longest first), then strides by gridDim.x over its sequence's packed tiles
+//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). BM/16 warps, each owning 16 packed rows: BM = 128 (8 warps) for D <= 128, 64 (4 warps) for 256.
 //   - Q tile -> shared (cp.async) -> A fragments by ldmatrix.x4, once per query tile into registers (D <= 128: D/4
 //     registers; D = 256 re-reads them from shared memory per key tile: 64 more registers would spill).
 //   - K/V tiles of BN keys in a STAGES-deep cp.async ring (2 or 3, from the plan): per-key block-table lookups once
@@ -134,7 +134,9 @@ __global__ void __launch_bounds__(prefill_threads(D), 1) window_attention_prefil
   // This thread's key row in every tile, and its 16-byte chunks of that row.
   const int my_key = tid / TPK, my_sub = tid % TPK;
 
-  for (int64_t R0 = int64_t(blockIdx.x) * BM; R0 < int64_t(prefill_q_len(p, b)) * group;
+  // Tiles in reverse: CTAs start in blockIdx order, so the last query tiles (the most keys under a causal mask)
+  // start first and the short ones fill in behind them (FlashAttention-2's causal load balancing).
+  for (int64_t R0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM; R0 < int64_t(prefill_q_len(p, b)) * group;
        R0 += int64_t(gridDim.x) * BM) {
     const int first = dev::ld_global(p.cu_seqlens_q + b);
     const int q_len = prefill_q_len(p, b);
