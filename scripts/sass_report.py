@@ -50,7 +50,7 @@ GPU_SPECS = {
 # prefix of the kernel's short name that matches. Keep in step with each launcher's block size.
 FALLBACK_THREADS = [
     ("paged_kv_", 256),          # kThreads in the paged_kv launcher
-    ("window_attention_", 128),  # kThreads (all three kernels also declare __launch_bounds__(128))
+    ("window_attention_", 128),  # kAttnThreads (every kernel also declares __launch_bounds__: prefill 256 or 128)
 ]
 
 
