@@ -6,7 +6,8 @@
 //   the `group` query heads of a KV head share every K/V tile: each K/V byte is staged once per KV head per query
 //   tile (a per-query-head grid stages it `group` times). Grid (ceil(max_q_len * group / BM), Hkv, batch); CTA x
 //   takes tile gridDim.x - 1 - x first (longest first), then strides by gridDim.x over its sequence's packed tiles
-//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). BM/16 warps, each owning 16 packed rows: BM = 128 (8 warps) for D <= 128, 64 (4 warps) for 256.
+//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). BM/16 warps, each owning
+//   16 packed rows: BM = 128 (8 warps) for D <= 128, 64 (4 warps) for D = 256.
 //   - Q tile -> shared (cp.async) -> A fragments by ldmatrix.x4, once per query tile into registers (D <= 128: D/4
 //     registers; D = 256 re-reads them from shared memory per key tile: 64 more registers would spill).
 //   - K/V tiles of BN keys in a STAGES-deep cp.async ring (2 or 3, from the plan): per-key block-table lookups once
@@ -41,7 +42,8 @@
 //   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only). So 1 CTA per SM everywhere:
 //   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
 //   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
-//   Static SASS per key tile and warp (D=128, BN=64): 128 HMMA.16816, 64 LDSM (+8 for Q once), 16 LDGSTS per thread.
+//   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
+//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile.
 #pragma once
 
 #include <cstring>
