@@ -71,8 +71,9 @@ struct PrefillPlan {
 };
 
 // Tile width and ring depth for head_dim d under a per-block shared-memory limit: the first of (BN 64, 3 stages),
-// (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128 only: smaller D always fit 64). Three stages keep two tiles in flight while one is consumed; the ring never
-// limits occupancy below what registers allow (1-2 CTAs of 8 warps per SM).
+// (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128 only: smaller D always fit 64). Three
+// stages keep two tiles in flight while one is consumed; the ring never limits occupancy below what registers allow
+// (registers already hold every variant to 1 CTA per SM).
 inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, int64_t max_q_len, const DeviceProps& props) {
   (void)hq;
   PrefillPlan plan;
@@ -108,7 +109,8 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 }
 
 template <typename T, int D, int BN>
-__global__ void __launch_bounds__(prefill_threads(D), 1) window_attention_prefill_kernel(const AttnParams p, int stages) {
+__global__ void __launch_bounds__(prefill_threads(D), 1)
+    window_attention_prefill_kernel(const AttnParams p, int stages) {
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
   constexpr int KD = D / 16;          // k-steps of S = Q K^T
   constexpr int NS = BN / 8;          // n8 tiles of S
