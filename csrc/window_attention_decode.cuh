@@ -64,16 +64,6 @@ __host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages, bool
   return l;
 }
 
-// Pack two fp32 values into one 32-bit register of T pairs (lower-indexed element in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T a = Conv<T>::from_float(lo), b = Conv<T>::from_float(hi);
-  uint16_t ua, ub;
-  memcpy(&ua, &a, 2);
-  memcpy(&ub, &b, 2);
-  return uint32_t(ua) | (uint32_t(ub) << 16);
-}
-
 // 16 e4m3 bytes -> 16 T elements (8 registers of pairs); exact for both fp16 and bf16 (e4m3 has 4 exponent bits and
 // 3 mantissa bits, subnormals down to 2^-9).
 template <typename T>
@@ -88,7 +78,7 @@ __device__ __forceinline__ void fp8x16_to(const uint4& in, uint4 (&out)[2]) {
       memcpy(&r[x], &h, 4);
     } else {
       const float lo = __half2float(__half(__half_raw{h.x})), hi = __half2float(__half(__half_raw{h.y}));
-      r[x] = pack2<T>(lo, hi);
+      r[x] = pack_pair<T>(lo, hi);
     }
   }
   memcpy(out, r, 32);
@@ -333,8 +323,8 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     }
     // P as the A fragment (16 heads x 16 keys): a[0] = P[g][2t4..], a[1] = P[g+8][2t4..], a[2] = P[g][2t4+8..],
     // a[3] = P[g+8][2t4+8..] -- the S accumulators of key blocks 0 and 1.
-    const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
-                            pack2<T>(s[1][2], s[1][3])};
+    const uint32_t pa[4] = {pack_pair<T>(s[0][0], s[0][1]), pack_pair<T>(s[0][2], s[0][3]),
+                            pack_pair<T>(s[1][0], s[1][1]), pack_pair<T>(s[1][2], s[1][3])};
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
     if constexpr (kFp8) {

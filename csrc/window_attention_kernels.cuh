@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "device.cuh"
@@ -56,6 +57,17 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const float2 a = Conv<T>::to_float2(v.x), b = Conv<T>::to_float2(v.y), c = Conv<T>::to_float2(v.z),
                d = Conv<T>::to_float2(v.w);
   f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+// Two fp32 values -> one 32-bit register of a T pair (the lower-indexed element in the low half): an mma A fragment
+// register, or a 2-element store.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  const T a = Conv<T>::from_float(lo), c = Conv<T>::from_float(hi);
+  uint16_t ua, uc;
+  memcpy(&ua, &a, 2);
+  memcpy(&uc, &c, 2);
+  return uint32_t(ua) | uint32_t(uc) << 16;
 }
 
 __device__ __forceinline__ float cap_score(float s, float softcap) {

@@ -131,10 +131,9 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     }
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
-    AK_CHECK("window_attention", plan.pre.bn > 0, "prefill with head_dim ", d, " needs ",
-             prefill_layout(int(d), d == 128 ? 32 : (d <= 128 ? 64 : 32)).smem,
-             " bytes of shared memory per block but this GPU allows ", apply_smem_knob(props).smem_optin,
-             " (head_dim 256 needs a GPU with >= 163 KB per block: sm_80, sm_90)");
+    AK_CHECK("window_attention", plan.pre.bn > 0, "prefill with head_dim ", d, " needs at least ",
+             prefill_smem(int(d), d < 128 ? 64 : 32, 2), " bytes of shared memory per block but this GPU allows ",
+             apply_smem_knob(props).smem_optin);
   }
   cudaError_t err = cudaSuccess;
   dispatch_head_dim(d, [&](auto dc) {

@@ -1,69 +1,97 @@
 // window_attention prefill kernel and its launch planning; included by window_attention_kernels.cuh (after the shared
 // definitions), never on its own.
 //
-// Prefill (cu_seqlens_q given): window_attention_prefill_kernel, FlashAttention-2 style with WMMA tensor cores
-//   (16x16x16, fp16/bf16 in, fp32 accumulate). Grid (max(1, ceil(max_q_len / 64)), Hq, batch), 128 threads; a CTA
-//   strides over its sequence's 64-row query blocks (once with a right max_q_len; a too-small max_q_len costs time,
-//   never unwritten rows); each warp owns 16 query rows. Key tiles of BN (64, or 32 for D = 256, and for D = 128 on
-//   99 KB-per-block GPUs) are loaded into shared memory; only tiles intersecting
-//   [min visible key of the block's first row, last row's position] are visited, so tiles wholly outside the causal
-//   window are skipped. S = Q K^T (WMMA) -> shared fp32; mask/scale/softcap/online softmax per row in fp32 (2 lanes
-//   per row); P (fp16/bf16) . V (WMMA) accumulates into an fp32 O tile in shared memory, rescaled per row.
-// Resource use (nvcc 13.0 -Xptxas -v at 6607198; registers sm_80 fp16/bf16, sm_90 fp16/bf16; no spills in any of
-// the 48; since the fp32 prefill row sum, prefill bf16 D=64 on sm_90 takes 122; `python scripts/sass_report.py`
-// prints the current figures, occupancy and instruction counts, and CI fails on any spill):
-//   decode  D=64: 72/80, 72/72 regs, 11.6 KB static smem    prefill D=64: 104/124, 106/127 regs, 71.2 KB dynamic smem
-//   decode  D=80: 72/72, 72/72 regs, 14.1 KB                prefill D=80: 107/128, 108/128 regs, 81.2 KB
-//   decode  D=96: 72/72, 72/72 regs, 16.6 KB                prefill D=96: 109/128, 110/128 regs, 91.2 KB
-//   decode D=128: 72/80, 72/72 regs, 21.6 KB                prefill D=128: 128/128, 128/128 regs, 111.2 KB
-//   decode D=256: 96/118, 96/96 regs, 41.6 KB               prefill D=128, BN=32: 128/124, 126/128 regs, 81.8 KB
-//   combine: 32 regs, no smem.                              prefill D=256: 128/128, 128/128 regs, 145.8 KB (BN = 32)
-//   Prefill is __launch_bounds__(128, 4): at most 128 registers, which never limits occupancy (shared memory allows
-//   at most 3 CTAs per SM), and without the min-blocks hint ptxas kept 64-80 registers and spilled 4-12 bytes in
-//   6 of the 24 prefill kernels once the query-block loop was added. Compile time: about 2 minutes on 2 cores.
+// Prefill (cu_seqlens_q given): window_attention_prefill_kernel, FlashAttention-2 style on mma.sync.m16n8k16.
+//   Packed GQA: a CTA owns one KV head and BM "packed rows" of one sequence, row R = token * group + head-in-group, so
+//   the `group` query heads of a KV head share every K/V tile: each K/V byte is staged once per KV head per query
+//   tile (a per-query-head grid stages it `group` times). Grid (ceil(max_q_len * group / BM), Hkv, batch); CTA x
+//   takes tile gridDim.x - 1 - x first (longest first), then strides by gridDim.x over its sequence's packed tiles
+//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). BM/16 warps, each owning
+//   16 packed rows: BM = 128 (8 warps) for D <= 128, 64 (4 warps) for D = 256.
+//   - Q tile -> shared (cp.async) -> A fragments by ldmatrix.x4, once per query tile into registers (D <= 128: D/4
+//     registers; D = 256 re-reads them from shared memory per key tile: 64 more registers would spill).
+//   - K/V tiles of BN keys in a STAGES-deep cp.async ring (2 or 3, from the plan): per-key block-table lookups once
+//     per tile by the threads that copy that key (32-bit division), src_bytes 0 for keys outside the tile's visible
+//     range [klo, khi] or under an invalid block id (zeros land, nothing is read). Shared rows are D + 8 elements
+//     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
+//     conflict free; the padding of each K row carries that key's valid flag (1: block id in range).
+//   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
+//     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
+//     (g = lane / 4) of its warp's 16, the row max needs two quad shuffles, the row sum stays per lane until the end.
+//     Causal / window / kv_start masks only on tiles straddling a boundary of some row of the CTA; tiles wholly
+//     outside every row's range are never visited (nor read); the valid flags are checked on every tile.
+//   - O += P V: P converted from the S accumulators straight into A fragments (the m16n8 accumulator layout of two
+//     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans; O in fp32 registers, rescaled there.
+//   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
+//     sees no key).
+// Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2; FLOPs = 4 * BM * BN * D):
+//   D=128, BM=128, BN=64: 32 KB staged, 4.2 MFLOP -> 128 FLOP per staged byte (the WMMA kernel's 64-row tiles: 64).
+//     Packed GQA: a tile serves 128 / G tokens of all G heads. For long prompts that stages as many K/V bytes per
+//     token as a per-head grid with 128-row tiles (2x fewer than the WMMA kernel's 64-row per-head tiles: emulator,
+//     B=1, 256 tokens, GQA 32/8, D=128: 2.36 MB of k_cache reads instead of 5.24 MB); for short q_len (chunked
+//     prefill, speculative or decode-like calls, q_len * G <= 128) the G heads fill the rows and each K/V byte is
+//     staged once instead of G times.
+//   Shared memory per CTA = BM * (D + 8) * 2 (Q) + STAGES * 2 * BN * (D + 8) * 2 (K, V ring), no static smem:
+//     D=64: 18 KB + 3 x 18 KB = 72 KB      D=80: 22 KB + 3 x 22 KB = 88 KB     D=96: 26 KB + 3 x 26 KB = 104 KB
+//     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
+//     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
+//       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
+// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 14
+// per arch; `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
+//   registers sm_90 (sm_80): D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216), D=128 BN=32
+//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only). So 1 CTA per SM everywhere:
+//   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
+//   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
+//   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
+//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile.
 #pragma once
+
+#include <cstring>
+
+#include "device_mma.cuh"
 
 namespace arkernels {
 
-constexpr int kPrefillRows = 64;     // query rows per prefill CTA: 4 warps x 16
-
 // ------------------------------------------------------------------------------------------------ prefill
-// Key tile width by head_dim: D = 256 takes 32-key tiles to stay under sm_80's 163 KB. A GPU whose per-block opt-in
-// limit is lower (sm_86/sm_89/sm_120: 99 KB) cannot take the 111.2 KB of D = 128 with BN = 64: the host then launches
-// the BN = 32 variant (81.8 KB); D = 256 (145.8 KB even with BN = 32) is refused there with a clear error.
-template <int D>
-constexpr int kPrefillKeys = D <= 128 ? 64 : 32;
+// Packed query rows per CTA (16 per warp): 128 for D <= 128, 64 for D = 256 (its O accumulators alone take 128
+// registers per thread).
+constexpr int prefill_rows(int d) { return d <= 128 ? 128 : 64; }
+constexpr int prefill_threads(int d) { return prefill_rows(d) / 16 * 32; }
 
-// Shared-memory layout of a prefill CTA (bytes), a constexpr function so that launch planning can size any (D, BN)
-// at run time and the kernel at compile time from one formula.
-struct PrefillLayout {
-  int LDQ, LDK, LDS, LDP, LDO;  // row strides in elements, skewed against bank conflicts
-  size_t off_k, off_v, off_s, off_p, off_o, off_koff, off_voff, off_alpha, smem;
-};
-constexpr PrefillLayout prefill_layout(int D, int BN) {
-  PrefillLayout l{D + 8, D + 8, BN + 4, BN + 8, D + 4, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const size_t BM = kPrefillRows;
-  l.off_k = BM * l.LDQ * 2;                           // Q tile, 16-bit
-  l.off_v = l.off_k + size_t(BN) * l.LDK * 2;         // K tile
-  l.off_s = l.off_v + size_t(BN) * l.LDK * 2;         // V tile
-  l.off_p = l.off_s + BM * l.LDS * 4;                 // S, fp32
-  l.off_o = l.off_p + BM * l.LDP * 2;                 // P, 16-bit
-  l.off_koff = l.off_o + BM * l.LDO * 4;              // O, fp32
-  l.off_voff = l.off_koff + size_t(BN) * 8;           // per-key K offsets
-  l.off_alpha = l.off_voff + size_t(BN) * 8;          // per-key V offsets
-  l.smem = l.off_alpha + BM * 4;                      // per-row rescale factors
-  return l;
+// Dynamic shared memory of a prefill CTA (bytes): the Q tile, then `stages` x (K tile, V tile), rows of D + 8.
+constexpr size_t prefill_smem(int d, int bn, int stages) {
+  return (size_t(prefill_rows(d)) + size_t(stages) * 2 * bn) * size_t(d + 8) * 2;
 }
 
-template <int D, int BN_>
-struct PrefillTile {
-  static constexpr PrefillLayout L = prefill_layout(D, BN_);
-  static constexpr int BM = kPrefillRows;
-  static constexpr int BN = BN_;
-  static constexpr int LDQ = L.LDQ, LDK = L.LDK, LDS = L.LDS, LDP = L.LDP, LDO = L.LDO;
-  static constexpr size_t off_k = L.off_k, off_v = L.off_v, off_s = L.off_s, off_p = L.off_p, off_o = L.off_o,
-                          off_koff = L.off_koff, off_voff = L.off_voff, off_alpha = L.off_alpha, smem = L.smem;
+struct PrefillPlan {
+  int64_t batch = 0, max_q_len = 0;  // the grid is finished by run_prefill (it needs the GQA group: AttnParams)
+  int bn = 0;                        // key-tile width; 0: refused (the device's shared memory is too small)
+  int stages = 0;                    // depth of the K/V cp.async ring (2 or 3)
+  size_t smem = 0;                   // dynamic shared memory, bytes
 };
+
+// Tile width and ring depth for head_dim d under a per-block shared-memory limit: the first of (BN 64, 3 stages),
+// (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128 only: smaller D always fit 64). Three
+// stages keep two tiles in flight while one is consumed; the ring never limits occupancy below what registers allow
+// (registers already hold every variant to 1 CTA per SM).
+inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, int64_t max_q_len, const DeviceProps& props) {
+  (void)hq;
+  PrefillPlan plan;
+  plan.batch = batch;
+  plan.max_q_len = max_q_len;
+  static constexpr int kCands[4][2] = {{64, 3}, {64, 2}, {32, 3}, {32, 2}};
+  for (const auto& c : kCands) {
+    if (c[0] == 32 && d < 128) break;
+    const size_t bytes = prefill_smem(int(d), c[0], c[1]);
+    if (bytes <= size_t(props.smem_optin)) {
+      plan.bn = c[0];
+      plan.stages = c[1];
+      plan.smem = bytes;
+      break;
+    }
+  }
+  return plan;
+}
 
 // Sequence b's query count from cu_seqlens_q, clamped to the rows of query (check=False callers); int32 by source.
 __device__ __forceinline__ int prefill_q_len(const AttnParams& p, int64_t b) {
@@ -71,195 +99,270 @@ __device__ __forceinline__ int prefill_q_len(const AttnParams& p, int64_t b) {
   return static_cast<int>(max64(min64(dev::ld_global(p.cu_seqlens_q + b + 1), p.rows) - first, 0));
 }
 
-template <typename T, int D, int BN_>
-__global__ void __launch_bounds__(kAttnThreads, 4) window_attention_prefill_kernel(const AttnParams p) {
-  using namespace nvcuda;
-  using Tile = PrefillTile<D, BN_>;
-  constexpr int BM = Tile::BM, BN = Tile::BN, LDQ = Tile::LDQ, LDK = Tile::LDK, LDS = Tile::LDS, LDP = Tile::LDP,
-                LDO = Tile::LDO;
-  constexpr int kChunks = D / 8;
-  AK_DYNAMIC_SHARED(unsigned char, smem);
-  T* q_s = reinterpret_cast<T*>(smem);
-  T* k_s = reinterpret_cast<T*>(smem + Tile::off_k);
-  T* v_s = reinterpret_cast<T*>(smem + Tile::off_v);
-  float* s_s = reinterpret_cast<float*>(smem + Tile::off_s);
-  T* p_s = reinterpret_cast<T*>(smem + Tile::off_p);
-  float* o_s = reinterpret_cast<float*>(smem + Tile::off_o);
-  int64_t* koff_s = reinterpret_cast<int64_t*>(smem + Tile::off_koff);
-  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + Tile::off_voff);
-  float* alpha_s = reinterpret_cast<float*>(smem + Tile::off_alpha);
+template <typename T, int D, int BN>
+__global__ void __launch_bounds__(prefill_threads(D), 1)
+    window_attention_prefill_kernel(const AttnParams p, int stages) {
+  constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
+  constexpr int KD = D / 16;          // k-steps of S = Q K^T
+  constexpr int NS = BN / 8;          // n8 tiles of S
+  constexpr int ND = D / 8;           // n8 tiles of O
+  constexpr int kChunks = D / 8;      // 16-byte chunks per row
+  constexpr int TPK = NT / BN;        // threads copying one key's rows
+  constexpr bool kQInRegs = D <= 128;
+  static_assert(NT % BN == 0 && NS % 2 == 0 && ND % 2 == 0, "threads per key, n8 tile pairs");
+  AK_DYNAMIC_SHARED(T, smem);
+  T* const q_s = smem;                // [BM][LD]
+  T* const kv_s = smem + BM * LD;     // stage s: K at kv_s + s * 2 * BN * LD, V after it
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int h = blockIdx.y, kvh = h / p.group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
   if (dev::ld_global(p.cu_seqlens_q + b) < 0) return;
+  const int group = p.group;
+  const int bs = static_cast<int>(p.block_size);
+  // Keys at or past the table's capacity are masked (check=False); positions are int32 (seq_lens is).
+  const int64_t cap64 = p.max_blocks * p.block_size;
+  const T* const qg = static_cast<const T*>(p.query);
+  const T* const kc = static_cast<const T*>(p.k_cache);
+  const T* const vc = static_cast<const T*>(p.v_cache);
+  const int32_t* const table = p.block_table + b * p.max_blocks;
+  // This thread's key row in every tile, and its 16-byte chunks of that row.
+  const int my_key = tid / TPK, my_sub = tid % TPK;
 
-  // max_q_len only sizes the grid (no host sync): a CTA takes query blocks blockIdx.x, blockIdx.x + gridDim.x, ...
-  // so a max_q_len below a sequence's real q_len (check=False) still writes every one of its rows (once they were
-  // left as uninitialised memory from at::empty). With a right max_q_len each CTA runs this loop once.
-  for (int64_t t0 = int64_t(blockIdx.x) * BM; t0 < prefill_q_len(p, b); t0 += int64_t(gridDim.x) * BM) {
-    __syncthreads();  // the previous query block's O tile is written out before it is zeroed again
-    // Re-read per query block (L1 hits) rather than kept live across it: fewer registers, no spills.
+  // Tiles in reverse: CTAs start in blockIdx order, so the last query tiles (the most keys under a causal mask)
+  // start first and the short ones fill in behind them (FlashAttention-2's causal load balancing).
+  for (int64_t R0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM; R0 < int64_t(prefill_q_len(p, b)) * group;
+       R0 += int64_t(gridDim.x) * BM) {
     const int first = dev::ld_global(p.cu_seqlens_q + b);
     const int q_len = prefill_q_len(p, b);
     const int len = dev::ld_global(p.seq_lens + b);
     const int kstart = p.kv_start ? max(dev::ld_global(p.kv_start + b), 0) : 0;
-    // Position of query t is pos0 + t whatever the block table holds; keys past the table (check=False) are masked.
-    const int64_t pos0 = int64_t(len) - q_len;
+    const int cap = static_cast<int>(min64(cap64, int64_t(len)));  // keys >= cap: masked
+    const int pos0 = len - q_len;                                   // position of query token 0
+    const int64_t nrows = int64_t(q_len) * group;
+    const int t_first = static_cast<int>(R0 / group);
+    const int t_last = static_cast<int>((min64(R0 + BM, nrows) - 1) / group);
+    // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all].
+    const int klo = max(kstart, p.window > 0 ? pos0 + t_first - p.window + 1 : 0);
+    const int khi = min(pos0 + t_last, cap - 1);
+    const int lo_all = max(kstart, p.window > 0 ? pos0 + t_last - p.window + 1 : 0);
+    const int hi_all = min(pos0 + t_first, cap - 1);
+    const int tile_first = klo / BN * BN;
+    const int ntiles = klo <= khi ? (khi - tile_first) / BN + 1 : 0;
 
-    // Q tile (rows past q_len: zeros), and O = 0.
-    const T* q = static_cast<const T*>(p.query);
-    for (int idx = tid; idx < BM * kChunks; idx += kAttnThreads) {
+    __syncthreads();  // the previous query tile's last reads of the ring and of q_s are done
+    // Q tile: packed row r -> token R / group, head kvh * group + R % group; rows past the sequence: zeros.
+    for (int idx = tid; idx < BM * kChunks; idx += NT) {
       const int r = idx / kChunks, c = idx % kChunks;
-      const int64_t t = t0 + r;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (t < q_len) {
-        const T* src = q + (first + t) * p.s.q0 + h * p.s.q1 + c * 8;
-        if (p.q_vec) {
-          v = dev::ld_global(reinterpret_cast<const uint4*>(src));
-        } else {
-          T* vp = reinterpret_cast<T*>(&v);
+      const int64_t R = R0 + r;
+      T* dst = q_s + r * LD + c * 8;
+      const bool live = R < nrows;
+      const T* src = live ? qg + (first + R / group) * p.s.q0 + (kvh * group + R % group) * p.s.q1 + c * 8 : qg;
+      if (p.q_vec) {
+        dev::cp_async_16(dst, src, live ? 16 : 0);
+      } else {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        T* vp = reinterpret_cast<T*>(&v);
+        if (live) {
 #pragma unroll
           for (int x = 0; x < 8; ++x) vp[x] = dev::ld_global(src + x);
         }
+        *reinterpret_cast<uint4*>(dst) = v;
       }
-      *reinterpret_cast<uint4*>(q_s + r * LDQ + c * 8) = v;
     }
-    for (int idx = tid; idx < BM * D; idx += kAttnThreads) o_s[(idx / D) * LDO + idx % D] = 0.f;
-
-    // Keys this CTA can see: [klo, khi] (tiles outside are skipped).
-    const int64_t t_last = min64(t0 + BM, q_len) - 1;
-    const int64_t khi = min64(pos0 + t_last, min64(len, p.max_blocks * p.block_size) - 1);
-    int64_t klo = kstart;
-    if (p.window > 0) klo = max64(klo, pos0 + t0 - p.window + 1);
-    // Softmax state of the 2 lanes per row: row = warp * 16 + lane / 2, columns half = lane % 2.
-    const int row = warp * 16 + lane / 2, half = lane % 2;
-    const int64_t qi = pos0 + t0 + row;  // this row's position
-    const bool row_live = t0 + row < q_len;
-    float m = neg_inf(), l = 0.f;
-
-    const int64_t tile_first = klo >= 0 ? klo / BN * BN : 0;
-    for (int64_t j0 = tile_first; j0 <= khi; j0 += BN) {
-      __syncthreads();  // previous K/V tile consumed (and Q/O initialised on the first pass)
-      stage_kv_tile<T, D, BN>(p, b, kvh, j0, klo, khi, koff_s, voff_s, k_s, v_s, LDK, tid);
-      __syncthreads();
-      // S[warp rows] = Q K^T.
-#pragma unroll 1
-      for (int nf = 0; nf < BN / 16; ++nf) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
-        wmma::fill_fragment(sf, 0.f);
-        for (int kf = 0; kf < D / 16; ++kf) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
-          wmma::load_matrix_sync(af, q_s + warp * 16 * LDQ + kf * 16, LDQ);
-          wmma::load_matrix_sync(bf, k_s + nf * 16 * LDK + kf * 16, LDK);  // B[d][key] = K[key][d]
-          wmma::mma_sync(sf, af, bf, sf);
-        }
-        wmma::store_matrix_sync(s_s + warp * 16 * LDS + nf * 16, sf, LDS, wmma::mem_row_major);
+    // K/V tile i into ring stage i % stages: this thread's key, chunks my_sub, my_sub + TPK, ...
+    auto load_tile = [&](int i) {
+      const int j = tile_first + i * BN + my_key;
+      T* const ks = kv_s + (i % stages) * 2 * BN * LD + my_key * LD;
+      T* const vs = ks + BN * LD;
+      int64_t ko = 0, vo = 0;
+      bool valid = false;
+      if (j >= klo && j <= khi) {
+        const int64_t blk = dev::ld_global(table + j / bs);
+        valid = blk >= 0 && blk < p.num_blocks;
+        const int64_t off = j % bs;
+        ko = blk * p.s.k0 + off * p.s.k1 + kvh * p.s.k2;
+        vo = blk * p.s.v0 + off * p.s.v1 + kvh * p.s.v2;
       }
-      __syncwarp();
-      // Mask, scale, softcap, online softmax; P -> shared (fp16/bf16), alpha per row.
-      {
-        float* srow = s_s + row * LDS;
+      const int n = valid ? 16 : 0;
+#pragma unroll
+      for (int c = my_sub; c < kChunks; c += TPK) {
+        dev::cp_async_16(ks + c * 8, valid ? kc + ko + c * 8 : kc, n);
+        dev::cp_async_16(vs + c * 8, valid ? vc + vo + c * 8 : vc, n);
+      }
+      if (my_sub == 0) {
+        const uint16_t flag = valid ? 1 : 0;
+        memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
+      }
+    };
+    for (int i = 0; i < stages - 1; ++i) {
+      if (i < ntiles) load_tile(i);
+      dev::cp_async_commit();  // group 0 carries the Q tile too
+    }
+
+    // Per-lane rows g and g + 8 of this warp: visible keys [lo_r, hi_r] (empty for rows past the sequence).
+    int lo_r[2], hi_r[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t R = R0 + warp * 16 + g + 8 * r;
+      const int pos = pos0 + static_cast<int>(R / group);
+      const bool live = R < nrows;
+      lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;
+      hi_r[r] = live ? min(pos, cap - 1) : 0;
+    }
+    float o[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    uint32_t qf[kQInRegs ? KD : 1][4];
+    const T* const q_warp = q_s + (warp * 16 + lane % 16) * LD + (lane / 16) * 8;  // ldmatrix.x4 row address
+
+#pragma unroll 1
+    for (int it = 0; it < ntiles; ++it) {
+      if (it + stages - 1 < ntiles) load_tile(it + stages - 1);
+      dev::cp_async_commit();  // possibly empty: wait_group counts groups
+      if (stages == 3) {
+        dev::cp_async_wait<2>();
+      } else {
+        dev::cp_async_wait<1>();
+      }
+      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies
+      const T* const ks = kv_s + (it % stages) * 2 * BN * LD;
+      const T* const vs = ks + BN * LD;
+      const int j0 = tile_first + it * BN;
+      if constexpr (kQInRegs) {
+        if (it == 0) {
+#pragma unroll
+          for (int kk = 0; kk < KD; ++kk) dev::ldmatrix_x4(qf[kk], q_warp + kk * 16);
+        }
+      }
+      // S = Q K^T for this warp's 16 rows x BN keys.
+      float s[NS][4];
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        uint32_t a[4];
+        if constexpr (kQInRegs) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) a[x] = qf[kk][x];
+        } else {
+          dev::ldmatrix_x4(a, q_warp + kk * 16);
+        }
+#pragma unroll
+        for (int n = 0; n < NS; n += 2) {
+          // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
+          uint32_t r[4];
+          dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          dev::mma_m16n8k16<T>(s[n], a, b0, s[n]);
+          dev::mma_m16n8k16<T>(s[n + 1], a, b1, s[n + 1]);
+        }
+      }
+      // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary).
+      const bool ranged = j0 < lo_all || j0 + BN - 1 > hi_all;
+#pragma unroll
+      for (int n = 0; n < NS; ++n) {
+        uint16_t flag[2];
+        memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
+        memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = j0 + n * 8 + 2 * t4 + (e & 1);
+          bool vis = flag[e & 1] != 0;
+          if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
+          s[n][e] = vis ? cap_score(s[n][e] * p.scale, p.softcap) : neg_inf();
+        }
+      }
+      // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); the row's 4 lanes are a quad.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
         float mx = neg_inf();
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-          const int64_t j = j0 + c;
-          const bool vis = row_live && koff_s[c] >= 0 && j <= qi && (p.window == 0 || j > qi - p.window);
-          const float s = vis ? cap_score(srow[c] * p.scale, p.softcap) : neg_inf();
-          srow[c] = s;
-          mx = fmaxf(mx, s);
-        }
+#pragma unroll
+        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        const float m_new = fmaxf(m, mx);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[r], mx);
+        const float alpha = m[r] == neg_inf() ? 0.f : __expf(m[r] - m_new);
         float sum = 0.f;
-        T* prow = p_s + row * LDP;
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-          const float s = srow[c];
-          const float pr = s == neg_inf() ? 0.f : __expf(s - m_new);
-          const T pt = Conv<T>::from_float(pr);
-          prow[c] = pt;
-          sum += pr;  // fp32, as FlashAttention: lse stays exact to fp32 (the rounded sum was off by ~1e-3 in bf16)
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float pr = s[n][e] == neg_inf() ? 0.f : __expf(s[n][e] - m_new);
+            s[n][e] = pr;
+            sum += pr;  // fp32, as FlashAttention: lse exact to fp32
+          }
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        const float alpha = m == neg_inf() ? 0.f : __expf(m - m_new);
-        l = l * alpha + sum;
-        m = m_new;
-        if (half == 0) alpha_s[row] = alpha;
-      }
-      __syncwarp();
-      // O[warp rows] = O * alpha + P V.
-      for (int idx = lane; idx < 16 * D; idx += 32) {
-        const int r = warp * 16 + idx / D;
-        o_s[r * LDO + idx % D] *= alpha_s[r];
-      }
-      __syncwarp();
-#pragma unroll 1
-      for (int df = 0; df < D / 16; ++df) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
-        wmma::load_matrix_sync(of, o_s + warp * 16 * LDO + df * 16, LDO, wmma::mem_row_major);
-        for (int kf = 0; kf < BN / 16; ++kf) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
-          wmma::load_matrix_sync(af, p_s + warp * 16 * LDP + kf * 16, LDP);
-          wmma::load_matrix_sync(bf, v_s + kf * 16 * LDK + df * 16, LDK);
-          wmma::mma_sync(of, af, bf, of);
+        l[r] = l[r] * alpha + sum;  // this lane's share; the quad's shares are added at the end
+        m[r] = m_new;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+          o[n][2 * r] *= alpha;
+          o[n][2 * r + 1] *= alpha;
         }
-        wmma::store_matrix_sync(o_s + warp * 16 * LDO + df * 16, of, LDO, wmma::mem_row_major);
       }
+      // O += P V: P's A fragment for keys 16kk..16kk+15 is the accumulators of n-tiles 2kk and 2kk+1.
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint32_t a[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]), pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
+                               pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int n = 0; n < ND; n += 2) {
+          // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
+          uint32_t r[4];
+          dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          dev::mma_m16n8k16<T>(o[n], a, b0, o[n]);
+          dev::mma_m16n8k16<T>(o[n + 1], a, b1, o[n + 1]);
+        }
+      }
+      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async
     }
-    __syncthreads();  // O initialised by every thread when no key tile was visited
-    // Write this warp's rows: O / l, lse (zeros and -inf for a row with no visible key).
-    if (row_live) {
-      const int64_t oh = (first + t0 + row) * p.hq + h;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* o = static_cast<T*>(p.out) + oh * D;
-      for (int x = half; x < D; x += 2) dev::st_global(o + x, Conv<T>::from_float(o_s[row * LDO + x] * inv));
-      if (half == 0) dev::st_global(p.lse + oh, l > 0.f ? m + __logf(l) : neg_inf());
+    dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
+
+    // Write this lane's rows: O / l, lse (zeros and -inf for a row with no visible key).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int64_t R = R0 + warp * 16 + g + 8 * r;
+      if (R < nrows) {
+        const int64_t oh = (first + R / group) * p.hq + kvh * group + R % group;
+        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        T* const out = static_cast<T*>(p.out) + oh * D + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+          dev::st_global(reinterpret_cast<uint32_t*>(out + n * 8),
+                         pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
+        if (t4 == 0) dev::st_global(p.lse + oh, lr > 0.f ? m[r] + __logf(lr) : neg_inf());
+      }
     }
   }
 }
 
-
-// Prefill key-tile width for head_dim d under a per-block shared-memory limit: the default tiles where they fit
-// (sm_80, sm_90), else 32-key tiles for d = 128 (99 KB GPUs: 81.8 KB instead of 111.2 KB); 0 when nothing fits.
-inline int prefill_key_tile(int64_t d, int64_t smem_optin) {
-  const int bn = d <= 128 ? 64 : 32;
-  if (static_cast<int64_t>(prefill_layout(int(d), bn).smem) <= smem_optin) return bn;
-  if (d == 128 && static_cast<int64_t>(prefill_layout(128, 32).smem) <= smem_optin) return 32;
-  return 0;
-}
-
-struct PrefillPlan {
-  dim3 grid;
-  int bn = 0;              // key-tile width; 0: refused (the device's shared memory is too small)
-  size_t smem = 0;         // dynamic shared memory, bytes
-};
-
-inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, int64_t max_q_len, const DeviceProps& props) {
-  PrefillPlan plan;
-  // At least one query block even for max_q_len 0: the kernel strides over each sequence's real q_len, so a
-  // max_q_len that is too small (check=False) costs time, never leaves rows of `out` unwritten.
-  const int64_t qblocks = std::min<int64_t>(std::max<int64_t>(1, ceil_div<int64_t>(max_q_len, kPrefillRows)),
-                                            int64_t{0x7fffffff});
-  plan.grid = dim3(static_cast<unsigned>(qblocks), static_cast<unsigned>(hq), static_cast<unsigned>(batch));
-  plan.bn = prefill_key_tile(d, props.smem_optin);
-  plan.smem = plan.bn ? prefill_layout(int(d), plan.bn).smem : 0;
-  return plan;
-}
-
-// The prefill launch; returns the first launch error.
+// The prefill launch; returns the first launch error. The grid: packed query tiles x KV heads x batch.
 template <typename T, int D>
 cudaError_t run_prefill(const AttnParams& p, const PrefillPlan& plan, cudaStream_t stream) {
+  const int64_t tiles = std::min<int64_t>(
+      std::max<int64_t>(1, ceil_div<int64_t>(plan.max_q_len * p.group, prefill_rows(D))), int64_t{0x7fffffff});
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.hkv), static_cast<unsigned>(plan.batch));
   auto go = [&](auto bn) -> cudaError_t {
     constexpr int BN = decltype(bn)::value;
     auto prefill = window_attention_prefill_kernel<T, D, BN>;
     const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(prefill, plan.smem);
     if (err != cudaSuccess) return err;
-    AK_LAUNCH(prefill, plan.grid, kAttnThreads, plan.smem, stream, p);
+    AK_LAUNCH(prefill, grid, prefill_threads(D), plan.smem, stream, p, plan.stages);
     return AK_LAST_ERROR();
   };
-  if (plan.bn == kPrefillKeys<D>) return go(std::integral_constant<int, kPrefillKeys<D>>{});
-  if constexpr (D == 128) {
+  if (plan.bn == 64) return go(std::integral_constant<int, 64>{});
+  if constexpr (D >= 128) {  // 32-key tiles only where 64 may not fit (99 KB GPUs, sm_80 at D = 256)
     if (plan.bn == 32) return go(std::integral_constant<int, 32>{});
   }
   return cudaErrorInvalidValue;

@@ -50,29 +50,24 @@ GPU_SPECS = {
 # prefix of the kernel's short name that matches. Keep in step with each launcher's block size.
 FALLBACK_THREADS = [
     ("paged_kv_", 256),          # kThreads in the paged_kv launcher
-    ("window_attention_", 128),  # kThreads (all three kernels also declare __launch_bounds__(128))
+    ("window_attention_", 128),  # kAttnThreads (every kernel also declares __launch_bounds__: prefill 256 or 128)
 ]
 
 
-def prefill_tile_smem(d: int, bn: int) -> int:
-    """PrefillTile<D, BN>::smem (window_attention prefill): the one dynamic shared memory plan, in bytes.
+def prefill_smem(d: int, bn: int, stages: int) -> int:
+    """prefill_smem(d, bn, stages) of window_attention_prefill.cuh: the prefill CTA's dynamic shared memory, bytes.
 
-    Mirrors the struct in the window_attention sources: 64 query rows (4 warps x 16), rows skewed by 8 halves
-    (Q, K, V, P) or 4 floats (S, O) against bank conflicts, then per-key int64 K/V offsets and per-row fp32 alphas.
-    D=64: 72960 (71.2 KB); D=128, BN=64: 113920 (111.2 KB); D=256, BN=32: 149248 (145.8 KB).
+    A Q tile of 128 packed rows (64 for head_dim 256) and a ring of `stages` (K, V) tiles of `bn` keys; every row is
+    head_dim + 8 halves (16 bytes of padding: conflict-free ldmatrix; the K row's padding holds the key's valid flag).
     """
-    bm = 64
-    ldq = ldk = d + 8
-    lds, ldp, ldo = bn + 4, bn + 8, d + 4
-    q_bytes, k_bytes = bm * ldq * 2, bn * ldk * 2
-    s_bytes, p_bytes, o_bytes = bm * lds * 4, bm * ldp * 2, bm * ldo * 4
-    return q_bytes + 2 * k_bytes + s_bytes + p_bytes + o_bytes + 2 * bn * 8 + bm * 4
+    rows = 128 if d <= 128 else 64
+    return (rows + stages * 2 * bn) * (d + 8) * 2
 
 
-def decode_smem(d: int, fp8: bool, arch: str) -> int:
-    """Dynamic shared memory of a decode CTA as planned on `arch` (window_attention decode_layout + decode_stages):
-    `stages` K/V pairs of 64-key tiles as stored (16-bit rows padded to d + 8 elements; fp8 rows of d bytes plus one
-    converted 16-bit pair), the 16-row query tile, 8-byte key offsets; the most stages (<= 4) that keep 2 CTAs per
+def decode_smem(d: int, fp8: bool, spec: dict) -> int:
+    """Dynamic shared memory of a decode CTA as planned on the GPU of GPU_SPECS entry `spec` (window_attention
+    decode_layout + decode_stages): `stages` K/V pairs of 64-key tiles as stored (16-bit rows padded to d + 8
+    elements; fp8 rows of d bytes plus one converted 16-bit pair), the 16-row query tile, 8-byte key offsets; the most stages (<= 4) that keep 2 CTAs per
     SM, else the most that fit one CTA. sm_90: D=64 4 stages, 76.8 KB; D=128 3 stages, 108.2 KB; D=256 3 stages
     (1 CTA), 208.2 KB; fp8 D=128 4 stages, 104.8 KB."""
     def layout(stages):
@@ -80,7 +75,6 @@ def decode_smem(d: int, fp8: bool, arch: str) -> int:
         stage = 2 * 64 * d if fp8 else 2 * 64 * ld * 2
         cvt = 2 * 64 * ld * 2 if fp8 else 0
         return stages * stage + cvt + 16 * ld * 2 + stages * 64 * 8 + 64 * 8
-    spec = GPU_SPECS[arch]
     half = spec["smem_sm"] // 2 - spec["reserved"]
     for s in (4, 3, 2):
         if layout(s) <= half:
@@ -88,13 +82,24 @@ def decode_smem(d: int, fp8: bool, arch: str) -> int:
     return next(layout(s) for s in (4, 3, 2, 1) if layout(s) <= spec["smem_block"])
 
 
-# Dynamic shared memory per launch: (regex on the short name, bytes from the match and the arch). THE place to update
-# when a kernel's shared memory plan changes or a kernel with `extern __shared__` is added; kernels matching none get 0.
+def prefill_plan_smem(d: int, bn: int, smem_block: int) -> int:
+    """The bytes plan_prefill gives kernel <D, BN> under a per-block limit: 3 stages if they fit, else 2.
+
+    D=64: 73728 (72 KB); D=128, BN=64: 139264 (136 KB) on sm_80 and sm_90; D=256: BN=64 168960 (165 KB, sm_90),
+    BN=32 135168 (132 KB, sm_80). A variant the arch never launches (D=256, BN=64 on sm_80) shows its 2-stage bytes.
+    """
+    three = prefill_smem(d, bn, 3)
+    return three if three <= smem_block else prefill_smem(d, bn, 2)
+
+
+# Dynamic shared memory per launch: (regex on the short name, bytes from the match and the arch's GPU_SPECS entry).
+# THE place to update when a kernel's shared memory plan changes or a kernel with `extern __shared__` is added;
+# kernels matching none get 0.
 DYNAMIC_SMEM = [
     (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, (\d+), (\d+)>$"),
-     lambda m, arch: prefill_tile_smem(int(m.group(1)), int(m.group(2)))),
+     lambda m, spec: prefill_plan_smem(int(m.group(1)), int(m.group(2)), spec["smem_block"])),
     (re.compile(r"^window_attention_decode_kernel<[^,<>]+, ([^,<>]+), (\d+)>$"),
-     lambda m, arch: decode_smem(int(m.group(2)), m.group(1) == "unsigned char", arch)),
+     lambda m, spec: decode_smem(int(m.group(2)), m.group(1) == "unsigned char", spec)),
 ]
 
 # SASS instruction classes: column -> predicate on the opcode (mnemonic with its modifiers, e.g. LDG.E.128.CONSTANT).
@@ -342,7 +347,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
         for pat, fn_bytes in DYNAMIC_SMEM:
             m = pat.match(name)
             if m:
-                dyn = fn_bytes(m, arch)
+                dyn = fn_bytes(m, GPU_SPECS.get(arch.rstrip("a"), GPU_SPECS["sm_90"]))
                 break
         threads, threads_from = max_threads.get((arch, fn)), "launch_bounds"
         if threads is None:

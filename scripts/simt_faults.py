@@ -90,13 +90,15 @@ def _kernel_run(select: str, tsan: bool = False) -> str:
             f"-k '{select}' {{repo}}/tests/test_window_attention.py {{repo}}/tests/test_paged_kv.py")
 
 
-_WA = "window_attention_kernels.cuh"
 _DECODE_FILE = "window_attention_decode.cuh"
 _DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and heads1 or stages_and_groups and 128 "
            "or fp8_cache and False")
-_PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb"
+_PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1"
 _K_WAIT = "    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...\n"
 _K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
+_PF = "window_attention_prefill.cuh"
+_PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      } else {\n        dev::cp_async_wait<1>();\n"
+            "      }\n")
 FAULTS += [
     Fault("decode: cp.async wait for the K tile removed", _DECODE_FILE, _K_WAIT, "",
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
@@ -108,7 +110,8 @@ FAULTS += [
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: wrong quad shuffle in the row max", _DECODE_FILE,
           "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
-          "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+          "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));",
+          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: O not rescaled by the new running max", _DECODE_FILE, "      o[nb][0] *= alpha[0];\n", "",
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: split size rounded down", _DECODE_FILE,
@@ -120,10 +123,23 @@ FAULTS += [
           build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
     Fault("decode: fp8 v_scale not applied", _DECODE_FILE, "Conv<T>::from_float(acc * inv * v_scale)",
           "Conv<T>::from_float(acc * inv)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("prefill: window off by one (W + 1 keys)", _WA, "j > qi - p.window", "j >= qi - p.window",
+    Fault("prefill: window off by one (W + 1 keys)", _PF,
+          "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;",
+          "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window : 0) : 1;",
           build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: O tile not zeroed", _WA,
-          "    for (int idx = tid; idx < BM * D; idx += kAttnThreads) o_s[(idx / D) * LDO + idx % D] = 0.f;\n", "",
+    Fault("prefill: ldmatrix .trans dropped (V)", _PF, "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: ldmatrix .trans added (K)", _PF, "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: cp.async wait before the tile removed", _PF, _PF_WAIT, "",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: cp.async wait_group 3 instead of 2 (3-stage ring)", _PF, "dev::cp_async_wait<2>();",
+          "dev::cp_async_wait<3>();", build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: __syncthreads before the refill removed", _PF,
+          "      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async\n", "",
+          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    Fault("prefill: P.V k-step reads the wrong S tile pair", _PF,
+          "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),",
           build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),

@@ -184,17 +184,22 @@ def test_short_name():
     assert sr.short_name("spilly_kernel(float*)") == "spilly_kernel"
 
 
-def test_prefill_tile_smem_matches_source_comment():
-    # window_attention's resource table: 71.2 KB (D=64), 111.2 KB (D=128), 81.8 KB (D=128, BN=32), 145.8 KB (D=256)
-    assert [sr.prefill_tile_smem(d, bn) for d, bn in [(64, 64), (128, 64), (128, 32), (256, 32)]] == \
-        [72960, 113920, 83712, 149248]
+def test_prefill_smem_matches_source_comment():
+    # window_attention_prefill.cuh's header: D=64 72 KB (3 stages), D=128 136 KB (BN=64, 3 stages) and 85 KB (BN=32,
+    # 3 stages, 99 KB GPUs), D=256 165 KB (BN=64, 2 stages, sm_90), 132 KB (BN=32, 3, sm_80), 99 KB (BN=32, 2)
+    assert [sr.prefill_smem(d, bn, st) for d, bn, st in [(64, 64, 3), (128, 64, 3), (128, 32, 3), (256, 64, 2),
+                                                         (256, 32, 3), (256, 32, 2)]] == \
+        [73728, 139264, 87040, 168960, 135168, 101376]
+    sm80, sm90 = sr.GPU_SPECS["sm_80"]["smem_block"], sr.GPU_SPECS["sm_90"]["smem_block"]
+    assert [sr.prefill_plan_smem(256, 64, sm90), sr.prefill_plan_smem(256, 32, sm80),
+            sr.prefill_plan_smem(128, 64, sm80)] == [168960, 135168, 139264]
 
 
 @pytest.mark.parametrize("arch,regs,threads,smem,ctas,limiter", [
     ("sm_90", 72, 128, 22144, 7, "regs"),              # decode D=128: 2304 regs/warp, 7 warps per sub-partition
     ("sm_90", 96, 128, 42624, 5, "regs/smem"),         # decode D=256: (42624 + 1024) B -> 5 in 228 KB
     ("sm_80", 96, 128, 42624, 3, "smem"),              # same on A100's 164 KB
-    ("sm_90", 128, 128, 113920, 2, "smem"),            # prefill D=128 BN=64
+    ("sm_90", 128, 128, 113920, 2, "smem"),            # 111.2 KB (the WMMA prefill D=128 of 6607198)
     ("sm_80", 128, 128, 113920, 1, "smem"),
     ("sm_90", 30, 256, 0, 8, "threads/regs"),          # 32 regs/thread after rounding: 64 warps either way
     ("sm_90", 24, 32, 0, 32, "ctas"),                 # one-warp CTAs: the 32-CTA cap binds
@@ -222,7 +227,7 @@ def test_build_rows():
     assert (dec90["threads"], dec90["threads_from"]) == (128, "launch_bounds")  # 64 x 2 x 1
     assert (dec80["threads"], dec80["threads_from"]) == (128, "fallback")
     pre = rows[("sm_90", "window_attention_prefill_kernel<__half, 128, 64>")]
-    assert (pre["static_smem"], pre["dynamic_smem"], pre["ctas_per_sm"], pre["hmma"]) == (0, 113920, 2, 1)
+    assert (pre["static_smem"], pre["dynamic_smem"], pre["ctas_per_sm"], pre["hmma"]) == (0, 139264, 1, 1)
     gat = rows[("sm_90", "paged_kv_gather_kernel<uint4>")]
     assert (gat["threads"], gat["threads_from"], gat["dynamic_smem"]) == (256, "fallback", 0)
     assert [k for k, r in rows.items() if r["local_memory"]] == [("sm_90", "spilly_kernel")]

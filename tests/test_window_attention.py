@@ -232,6 +232,42 @@ def test_window_attention_prefill_long(device, dtype, window):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,window,block_size", [(torch.float16, 1, 1), (torch.bfloat16, 1000, 13)])
+def test_window_attention_prefill_packed_gqa(device, dtype, window, block_size):
+    """GQA 16/1 (the CUDA kernel packs a KV head's 16 query heads as rows token * 16 + head: 8 tokens per 128-row
+    tile), head_dim 80, window 1 (each query sees only itself) or longer than every prompt, block size 1 or 13,
+    left padding (kv_start), chunked prefill over a cache and a whole prompt."""
+    _skip_unsupported(device, dtype)
+    gen = torch.Generator().manual_seed(14 + window)
+    lens, q_lens = [45, 19], [30, 19]
+    k, v, table = _paged(lens, block_size, 1, 80, dtype, device, gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    query = torch.randn(cu[-1], 16, 80, generator=gen).to(dtype).to(device)
+    kv_start = torch.tensor([3, 0], dtype=torch.int32)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                window=window, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                                kv_start=kv_start.to(device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, window, 80 ** -0.5, 0.0, kv_start=kv_start)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_attention_prefill_unaligned_query(device):
+    """A query whose rows are not 16-byte aligned (a view starting one element into its buffer): the CUDA prefill
+    kernel loads it element by element instead of with 16-byte cp.async."""
+    gen = torch.Generator().manual_seed(15)
+    lens, q_lens = [70, 12], [70, 5]
+    k, v, table = _paged(lens, 16, 2, 64, torch.float16, device, gen)
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    buf = torch.randn(cu[-1], 4, 65, generator=gen).half().to(device)
+    query = buf[:, :, 1:]
+    assert query.data_ptr() % 16 != 0
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device), window=30,
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device), return_lse=True)
+    _check(out, lse, query, k, v, table, lens, cu, 30, 64 ** -0.5, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [0, 500])
 def test_window_attention_decode_via_cu_seqlens(device, window):
     """One query per sequence given as cu_seqlens_q with max_q_len 1 (the HF paged path; on CUDA the prefill
@@ -284,22 +320,24 @@ def test_window_attention_cuda_prefill_max_q_len_too_small(device, max_q_len):
 @pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_window_attention_cuda_prefill_on_a_99kb_gpu(device, monkeypatch, dtype):
-    """A GPU with 99 KB of shared memory per block (sm_86/sm_89, emulated with ARKERNELS_MAX_SMEM_PER_BLOCK):
-    head_dim 128 takes the 32-key tiles (81.8 KB instead of 111.2 KB, which once failed in cudaFuncSetAttribute)
-    and stays right; head_dim 256 needs 145.8 KB and is refused with a message naming the op and the sizes."""
+    """A GPU with 99 KB of shared memory per block (sm_86/sm_89, emulated with ARKERNELS_MAX_SMEM_PER_BLOCK): the
+    prefill plan takes 32-key tiles for head_dim 128 (85 KB with 3 stages instead of 136 KB) and for head_dim 256
+    (2 stages: exactly 101376 bytes) and stays right; below that head_dim 256 is refused with a message naming the op
+    and the sizes."""
     monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(99 * 1024))
     gen = torch.Generator().manual_seed(22)
-    lens, q_lens = [150, 37], [150, 20]
-    k, v, table = _paged(lens, 16, 2, 128, dtype, device, gen)
-    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
-    query = torch.randn(cu[-1], 6, 128, generator=gen).to(dtype).to(device)
-    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
-    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
-                                window=40, softcap=3.0,
-                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device), return_lse=True)
-    _check(out, lse, query, k, v, table, lens, cu, 40, 128 ** -0.5, 3.0)
+    for d, lens, q_lens, hq in [(128, [150, 37], [150, 20], 6), (256, [70, 37], [70, 9], 2)]:
+        k, v, table = _paged(lens, 16, 2, d, dtype, device, gen)
+        cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+        query = torch.randn(cu[-1], hq, d, generator=gen).to(dtype).to(device)
+        _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+        out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                    window=40, softcap=3.0,
+                                    cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device), return_lse=True)
+        _check(out, lse, query, k, v, table, lens, cu, 40, d ** -0.5, 3.0)
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(96 * 1024))
     k256 = torch.zeros(2, 16, 1, 256, dtype=dtype, device=device)
-    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs 149248 bytes of shared"):
+    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs at least 101376 bytes"):
         window_attention(torch.zeros(2, 1, 256, dtype=dtype, device=device), k256, k256,
                          torch.zeros(1, 1, dtype=torch.int32, device=device),
                          torch.full((1,), 2, dtype=torch.int32, device=device),
@@ -460,12 +498,70 @@ def test_window_attention_fp8_cache(device, head_dim, prefill):
     _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap)
 
 
+def _prefill_visible_kv_bytes(k_cache, table, lens, q_lens, group, window, kv_start, rows_per_tile):
+    """Per-byte count [storage bytes] of the K rows prefill must read: the CUDA kernel packs the `group` query heads
+    of a KV head into one row space (row = token * group + head), cut into tiles of `rows_per_tile`; per tile and KV
+    head it reads each key some row of the tile sees exactly once, and nothing else (tiles outside every row's
+    window are skipped)."""
+    nb, bs, hkv, d = k_cache.shape
+    es = k_cache.element_size()
+    want = torch.zeros(k_cache.untyped_storage().nbytes(), dtype=torch.int32)
+    cap = table.shape[1] * bs
+    for b, (n, q_len) in enumerate(zip(lens, q_lens)):
+        pos0 = n - q_len
+        for r0 in range(0, q_len * group, rows_per_tile):
+            t_first, t_last = r0 // group, (min(r0 + rows_per_tile, q_len * group) - 1) // group
+            lo = max(int(kv_start[b]), 0, pos0 + t_first - window + 1 if window else 0)
+            for j in range(lo, min(pos0 + t_last, cap - 1) + 1):
+                blk = int(table[b, j // bs])
+                for h in range(hkv):
+                    start = (blk * k_cache.stride(0) + (j % bs) * k_cache.stride(1) + h * k_cache.stride(2)) * es
+                    want[start:start + d * es] += 1
+    return want
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2), (32, 2)])
+@pytest.mark.parametrize("window", [0, 24])
+def test_window_attention_prefill_traffic(device, heads, window):
+    """Prefill reads each K/V byte once per KV head per query tile (the GQA group's query heads share it: packed
+    rows), only keys some row of the tile sees (tiles wholly outside the causal window are never read), each query
+    element exactly once, and writes each output element once (the emulator counts every global access per byte).
+    head_dim 64: 128 packed rows per CTA."""
+    import arkernels.simt
+
+    hq, hkv = heads
+    group = hq // hkv
+    gen = torch.Generator().manual_seed(hq + window)
+    lens, q_lens = [150, 37, 9], [100, 37, 4]  # chunked (on top of a cache), whole, chunked
+    k, v, table = _paged(lens, 16, hkv, 64, torch.float16, device, gen)
+    kv_start = torch.tensor([0, 5, 2], dtype=torch.int32)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    query = torch.randn(cu[-1], hq, 64, generator=gen).half()
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
+                                kv_start=kv_start, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), return_lse=True)
+    maps, totals = {name: arkernels.simt.traffic_map(name) for name in ("k_cache", "v_cache")}, arkernels.simt.traffic()
+    _check(out, lse, query, k, v, table, lens, cu, window, 64 ** -0.5, 0.0, kv_start=kv_start)
+    want = _prefill_visible_kv_bytes(k, table, lens, q_lens, group, window, kv_start, rows_per_tile=128)
+    for name, (reads, writes) in maps.items():
+        assert int(writes.sum()) == 0
+        bad = (reads != want).nonzero()
+        assert bad.numel() == 0, (f"{name}: {bad.numel()} bytes read a wrong number of times (first at byte "
+                                  f"{int(bad[0])}: {int(reads[bad[0]])}x, want {int(want[bad[0]])}x)")
+    assert totals["query"] == (query.numel() * 2, 0)  # each query element loaded by exactly one CTA
+    assert totals["other"][1] == out.numel() * 2 + lse.numel() * 4  # out and lse written once each
+    assert totals["block_table"][1] == totals["seq_lens"][1] == 0
+
+
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("gpu", ["sm_80", "sm_89", "sm_90"])
 def test_window_attention_planning_per_gpu(device, gpu):
     """The launch planning of each GPU in the emulator's table runs and stays right: split counts follow the SM
-    count (108 / 142 / 132), prefill takes 64-key tiles where 111.2 KB fit (sm_80, sm_90) and 32-key tiles on a
-    99 KB GPU (sm_89), where head_dim 256 prefill is refused with a clear error."""
+    count (108 / 142 / 132); prefill head_dim 128 takes 64-key tiles in a 3-stage ring where 136 KB fit (sm_80, sm_90)
+    and 32-key tiles on a 99 KB GPU (sm_89); head_dim 256 takes (64 keys, 2 stages, 165 KB) on sm_90, (32, 3,
+    132 KB) on sm_80 and (32, 2, exactly 99 KB) on sm_89 (the emulator refuses a launch above the device's limit)."""
     import arkernels.simt
 
     gen = torch.Generator().manual_seed(31)
@@ -481,15 +577,13 @@ def test_window_attention_planning_per_gpu(device, gpu):
         out, lse = window_attention(query, k, v, table, lens_t, window=48, return_lse=True,
                                     cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
         _check(out, lse, query, k, v, table, lens, cu, 48, 128 ** -0.5, 0.0)
-        k256 = torch.zeros(2, 16, 1, 256, dtype=torch.bfloat16)
-        args = (torch.zeros(2, 1, 256, dtype=torch.bfloat16), k256, k256, torch.zeros(1, 1, dtype=torch.int32),
-                torch.full((1,), 2, dtype=torch.int32))
-        if gpu == "sm_89":
-            with pytest.raises(RuntimeError, match="prefill with head_dim 256 needs 149248 bytes of shared memory"):
-                window_attention(*args, cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32))
-        else:
-            out = window_attention(*args, cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32))
-            assert bool((out == 0).all())  # zero values: zero output
+        lens256 = [90, 20]
+        k, v, table = _paged(lens256, 16, 1, 256, torch.bfloat16, device, gen)
+        cu = [0, 70, 90]
+        query = torch.randn(cu[-1], 2, 256, generator=gen).bfloat16()
+        out, lse = window_attention(query, k, v, table, torch.tensor(lens256, dtype=torch.int32), window=48,
+                                    return_lse=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+        _check(out, lse, query, k, v, table, lens256, cu, 48, 256 ** -0.5, 0.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
