@@ -148,6 +148,10 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     cache.set_rows(B)
     steps = torch.zeros(B, dtype=torch.int64, device=device)
     try:
+        draw = lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k, top_p, min_p, ...)  # noqa: E731
+        kind = _StaticDecode if cuda_graphs else _DecodeStep
+        dec = kind(model, cache, cache_kw, B, seed_list, draw, capture=cuda_graphs and device.type == "cuda",
+                   compile=compile)
         # ---- prefill: all prompts packed in one row --------------------------------------------------------
         t0 = time.perf_counter()
         rows = list(range(B))
@@ -165,10 +169,6 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
                     cache.fork_row(h, h + j)
             logits = logits.repeat_interleave(n_seq, dim=0)
         new = _draw(sample, logits, rows, seeds, steps, temperature, top_k, top_p, min_p)
-        draw = lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k, top_p, min_p, ...)  # noqa: E731
-        kind = _StaticDecode if cuda_graphs else _DecodeStep
-        dec = kind(model, cache, cache_kw, B, seed_list, draw, capture=cuda_graphs and device.type == "cuda",
-                   compile=compile)
         if compile:  # the static step passes no mask: a name without a mask function skips mask building
             model.set_attn_implementation(_register_static())
         inflight = deque([(rows, dec.fetch(new))])  # steps launched whose tokens the host has not read yet
@@ -279,6 +279,7 @@ class _DecodeStep:
         self.rows_per_step = 7 + self.num_groups
         pin = self.device.type == "cuda"
         self.plans = [torch.empty(self.rows_per_step * batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.plans_np = [p.numpy() for p in self.plans]  # the host writes the plan through these views
         self.ids = [torch.empty(batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if pin else None
         self.plan_tick = self.id_tick = 0
@@ -294,10 +295,10 @@ class _DecodeStep:
         n = len(rows)
         b = _bucket(n, self.batch) if self.pad else n
         slots = self.cache.begin_static_step(rows, ahead=self.ahead)
-        host = self.plans[self.plan_tick % 2]
+        k = self.plan_tick % 2
         self.plan_tick += 1
-        plan = host[: self.rows_per_step * b].view(self.rows_per_step, b)
-        a = plan.numpy()
+        plan = self.plans[k][: self.rows_per_step * b].view(self.rows_per_step, b)
+        a = self.plans_np[k][: self.rows_per_step * b].reshape(self.rows_per_step, b)
         pos = np.asarray(positions, dtype=np.int64)
         a[:, n:] = 0
         a[0, :n] = 0
