@@ -273,7 +273,7 @@ def main():
     if args.quick:  # CI: a tiny random Llama, seconds on the CPU
         batches = [1, 4]
         rows += bench_model("tiny-llama", tiny_llama(0).to(device), batches, 32, 16, device,
-                            [m for m in methods if m != "static+compile"], 2)
+                            [m for m in methods if not m.endswith("+compile") or args.compile], 2)
     else:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8, 32]
         model, _ = load_model(device=device, dtype=torch.bfloat16 if gpu else torch.float32)
