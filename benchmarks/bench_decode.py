@@ -8,6 +8,17 @@ Methods (greedy, the same prompts):
 - ``arkernels``: ``arkernels.generate`` (eager decode steps).
 - ``arkernels+graphs``: ``arkernels.generate(cuda_graphs=True)``: on a GPU each batch-size bucket's decode step is
   captured in a CUDA graph and replayed; on the CPU the same static step runs eagerly (its host overhead, no graphs).
+- ``arkernels+compile``: ``arkernels.generate(compile=True)``: that static step under ``torch.compile`` (captured per
+  bucket on a GPU); the first call compiles (minutes on a 2-core CPU), timed calls reuse it.
+
+Methods are timed interleaved (A B C A B C ..., ``--repeats`` rounds) and each reports the median; ``vs_stock`` is
+the ratio of the medians.
+
+``--count``: no timing; per decode step, from a CPU profiler trace of one ``arkernels.generate`` call per way to run
+the step (eager default, eager static, compiled static): ops launched per layer (leaf aten / arkernels ops and
+Inductor kernels inside the step, divided by the layer count) and host-device syncs (``aten::_local_scalar_dense``
+outside arkernels' own CPU kernels, which are host code on the CPU and one launch on a GPU, plus host reads of tensor
+data: ``.tolist()`` / ``.numpy()``), per step over the whole loop.
 
 Decode time = time(prompt + N new tokens) - time(prompt + 1 token); decode tokens/s = batch * (N - 1) / decode time.
 Achieved bandwidth = (model bytes + KV bytes read per step at the mean context) / decode step time: the bytes a decode
@@ -52,20 +63,23 @@ def _stock(model, ids, n, **kw):
                           do_sample=False, eos_token_id=None, pad_token_id=0, **kw)[:, ids.shape[1]:]
 
 
-def _ours(model, ids, n, cuda_graphs=False):
+def _ours(model, ids, n, cuda_graphs=False, compile=False):
     return torch.tensor(arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[],
-                                           cuda_graphs=cuda_graphs).tokens)
+                                           cuda_graphs=cuda_graphs, compile=compile).tokens)
 
 
-def _time(fn, device, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _time_once(fn, device):
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, repeats):
@@ -78,58 +92,188 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
     g = torch.Generator().manual_seed(0)
     for batch in batches:
         ids = torch.randint(3, min(cfg.vocab_size, 30000), (batch, prompt_len), generator=g).to(device)
-        runs = {}
+        fns = {}
         for method in methods:
             if method == "stock":
-                fn = lambda n: _stock(model, ids, n)  # noqa: E731
+                fns[method] = lambda n: _stock(model, ids, n)  # noqa: E731
             elif method == "static+compile":
-                fn = lambda n: _stock(model, ids, n, cache_implementation="static",  # noqa: E731
-                                      compile_config=None)
+                fns[method] = lambda n: _stock(model, ids, n, cache_implementation="static",  # noqa: E731
+                                               compile_config=None)
             elif method == "patched":
-                fn = lambda n: _stock(model, ids, n)  # noqa: E731  (runs inside the patch below)
+                fns[method] = lambda n: _stock(model, ids, n)  # noqa: E731  (runs inside the patch below)
             elif method == "arkernels+graphs":
-                fn = lambda n: _ours(model, ids, n, cuda_graphs=True)  # noqa: E731
+                fns[method] = lambda n: _ours(model, ids, n, cuda_graphs=True)  # noqa: E731
+            elif method == "arkernels+compile":
+                fns[method] = lambda n: _ours(model, ids, n, compile=True)  # noqa: E731
             else:
-                fn = lambda n: _ours(model, ids, n)  # noqa: E731
+                fns[method] = lambda n: _ours(model, ids, n)  # noqa: E731
+
+        def run(method, n):
             handle = arkernels.patch(model) if method == "patched" else None
             try:
-                out = fn(new_tokens)  # warm-up (and compile) + the check against stock
-                runs[method] = out
-                t_full = _time(lambda: fn(new_tokens), device, repeats)
-                t_prefill = _time(lambda: fn(1), device, repeats)
+                return fns[method](n)
             finally:
                 if handle is not None:
                     handle.undo()
+
+        runs = {m: run(m, new_tokens) for m in methods}  # warm-up (and compile) + the check against stock
+        full, prefill = {m: [] for m in methods}, {m: [] for m in methods}
+        for _ in range(repeats):  # interleaved: A B C A B C ..., so drifts of a shared machine hit every method
+            for m in methods:
+                full[m].append(_time_once(lambda: run(m, new_tokens), device))
+                prefill[m].append(_time_once(lambda: run(m, 1), device))
+        for method in methods:
+            t_full, t_prefill = _median(full[method]), _median(prefill[method])
             step = max(t_full - t_prefill, 1e-9) / max(new_tokens - 1, 1)
             ctx = prompt_len + new_tokens / 2
             gbs = (model_bytes + batch * ctx * kv_per_token) / step / 1e9
             rows.append(dict(model=name, device=device_name(device), method=method, batch=batch, prompt=prompt_len,
-                             new_tokens=new_tokens, tokens_per_s=batch / step, step_ms=step * 1e3, gb_per_s=gbs,
-                             prefill_s=t_prefill, match=bool(torch.equal(out.cpu(), runs["stock"].cpu()))))
+                             new_tokens=new_tokens, repeats=repeats, tokens_per_s=batch / step, step_ms=step * 1e3,
+                             gb_per_s=gbs, prefill_s=t_prefill,
+                             match=bool(torch.equal(runs[method].cpu(), runs["stock"].cpu()))))
         base = next(r for r in rows if r["batch"] == batch and r["method"] == "stock" and r["model"] == name)
         for r in rows:
             if r["batch"] == batch and r["model"] == name:
-                r["vs_stock"] = r["tokens_per_s"] / base["tokens_per_s"]
+                r["vs_stock"] = r["tokens_per_s"] / base["tokens_per_s"]  # the ratio of the median step times
     return rows
 
 
+# leaf ops that only make views or allocate: no kernel on a GPU
+_NO_KERNEL = {f"aten::{n}" for n in (
+    "view", "reshape", "_reshape_alias", "_unsafe_view", "transpose", "t", "permute", "slice", "select", "as_strided",
+    "unsqueeze", "squeeze", "expand", "alias", "detach", "narrow", "split", "chunk", "unflatten", "contiguous",
+    "empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "lift_fresh", "view_as", "unbind")}
+
+
+def _leaf_ops(events, outer, kernels_only=False) -> int:
+    """Ops inside ``outer`` that launch work themselves: aten / arkernels ops with no such op under them, and
+    Inductor's kernels (recorded with ``cpp.enable_kernel_profile``); ``kernels_only``: without views and
+    allocations (``_NO_KERNEL``)."""
+    def counted(e):
+        return e.name.startswith(("aten::", "arkernels::")) or "cpp_fused" in e.name or "triton_" in e.name
+
+    inside = [e for e in events if counted(e) and outer.time_range.start <= e.time_range.start
+              and e.time_range.end <= outer.time_range.end]
+    parents = set()
+    for e in inside:
+        p = e.cpu_parent
+        while p is not None and p is not outer:
+            parents.add(id(p))
+            p = p.cpu_parent
+    return sum(1 for e in inside if id(e) not in parents and not (kernels_only and e.name in _NO_KERNEL))
+
+
+def count_step(model, name, batch, prompt_len, new_tokens):
+    """Ops per layer per decode step and host-device syncs per step, from CPU profiler traces (see ``--count``)."""
+    import contextlib
+    import functools
+
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gen = sys.modules["arkernels.generate"]
+    layers = model.config.get_text_config().num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(model.config.vocab_size, 30000), (batch, prompt_len), generator=g)
+
+    def marked(label, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return wrapper
+
+    @contextlib.contextmanager
+    def patched(obj, attr, value):
+        own = attr in obj.__dict__
+        old = obj.__dict__.get(attr)
+        setattr(obj, attr, value)
+        try:
+            yield
+        finally:
+            if own:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)
+
+    rows = []
+    for method, kw in (("arkernels", {}), ("arkernels+graphs", dict(cuda_graphs=True)),
+                       ("arkernels+compile", dict(compile=True))):
+        inductor_config.cpp.enable_kernel_profile = bool(kw.get("compile"))
+        try:
+            arkernels.generate(model, ids, max_new_tokens=new_tokens, eos_token_id=[], **kw)  # warm-up / compile
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(patched(torch.Tensor, "tolist", marked("host_read", torch.Tensor.tolist)))
+                stack.enter_context(patched(torch.Tensor, "numpy", marked("host_read", torch.Tensor.numpy)))
+                stack.enter_context(patched(gen._DecodeStep, "step", marked("decode_step", gen._DecodeStep.step)))
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    arkernels.generate(model, ids, max_new_tokens=new_tokens, eos_token_id=[], **kw)
+        finally:
+            inductor_config.cpp.enable_kernel_profile = False
+            torch._dynamo.reset()
+        events = sorted(prof.events(), key=lambda e: e.time_range.start)
+        steps = [e for e in events if e.name == "decode_step"]
+        loop = (steps[0].time_range.start, events[-1].time_range.end)
+        in_loop = [e for e in events if loop[0] <= e.time_range.start <= loop[1]]
+
+        def in_arkernels_op(e):
+            while e.cpu_parent is not None:
+                e = e.cpu_parent
+                if e.name.startswith("arkernels::"):
+                    return True
+            return False
+
+        scalar = [e for e in in_loop if e.name == "aten::_local_scalar_dense" and not in_arkernels_op(e)]
+        reads = [e for e in in_loop if e.name == "host_read"]
+        ops = [_leaf_ops(events, s) for s in steps]
+        kernels = [_leaf_ops(events, s, kernels_only=True) for s in steps]
+        forwards = len(steps) + 1  # the prefill's ids are read in the loop too: one read per forward
+        step_scalar = sum(1 for e in scalar if any(s.time_range.start <= e.time_range.start <= s.time_range.end
+                                                   for s in steps))
+        rows.append(dict(model=name, method=method, batch=batch, layers=layers, steps=len(steps),
+                         ops_per_step=_median(ops), ops_per_layer=_median(ops) / layers,
+                         kernels_per_layer=_median(kernels) / layers,
+                         syncs_per_step=(len(scalar) + len(reads)) / forwards,
+                         scalar_syncs_per_step=len(scalar) / forwards, host_reads_per_step=len(reads) / forwards,
+                         scalar_syncs_inside_step=step_scalar))
+    return rows
 def main():
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--compile", action="store_true", help="include static cache + torch.compile on the CPU")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved timing rounds (medians reported)")
+    p.add_argument("--methods", default=None, help="comma-separated subset of methods to time (stock always runs)")
+    p.add_argument("--count", action="store_true", help="ops per layer and host-device syncs per decode step "
+                                                        "(CPU profiler; no timing)")
     args = p.parse_args()
     device = args.device
     gpu = torch.device(device).type == "cuda"
     methods = (["stock"] + (["static+compile"] if gpu or args.compile else [])
-               + ["patched", "arkernels", "arkernels+graphs"])
+               + ["patched", "arkernels", "arkernels+graphs", "arkernels+compile"])
+    if args.methods:
+        methods = ["stock"] + [m for m in args.methods.split(",") if m != "stock"]
+    if args.count:
+        if gpu:
+            p.error("--count profiles on the CPU (--device cpu); on a GPU see gpu_check.sh's sync count")
+        model, name = None, "SmolLM2-135M"
+        if not args.quick:
+            model, _ = load_model(device="cpu", dtype=torch.float32)
+        if model is None:
+            model, name = tiny_llama(0), "tiny-llama"
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8]
+        rows = [r for b in batches for r in count_step(model, name, b, min(args.prompt, 64), min(args.new_tokens, 8))]
+        write_results(rows, args.out, "bench_decode_count")
+        print_table(rows, ["model", "method", "batch", "ops_per_layer", "kernels_per_layer", "ops_per_step",
+                           "syncs_per_step",
+                           "scalar_syncs_per_step", "host_reads_per_step"])
+        return
     rows = []
     if args.quick:  # CI: a tiny random Llama, seconds on the CPU
         batches = [1, 4]
         rows += bench_model("tiny-llama", tiny_llama(0).to(device), batches, 32, 16, device,
-                            [m for m in methods if m != "static+compile"], 2)
+                            [m for m in methods if not m.endswith("+compile") or args.compile], 2)
     else:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8, 32]
         model, _ = load_model(device=device, dtype=torch.bfloat16 if gpu else torch.float32)

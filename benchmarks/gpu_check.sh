@@ -50,6 +50,42 @@ else
   ARKERNELS_AUTOTUNE=0 step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     $PY -m pytest -q -x -m cuda -p no:cacheprovider tests/test_paged_kv.py tests/test_window_attention.py -k "not compile"
 
+  # host-device syncs per decode step: a few steps of arkernels.generate (eager, CUDA graphs) on a tiny bf16 model under
+  # torch.cuda.set_sync_debug_mode("warn"), each synchronizing call counted (expected: 0 inside a step; the loop's
+  # one wait is an event synchronize on the previous step's ids, which the debug mode does not flag)
+  DECODE_SYNCS='
+import warnings, sys, torch, arkernels
+from arkernels.hf.tiny import tiny_model
+gen = sys.modules["arkernels.generate"]
+model = tiny_model("gemma3_text", dtype=torch.bfloat16, head_dim=64).cuda()
+prompts = [[5, 6, 7, 8, 9], [3, 4], [20, 21, 22]]
+counts = {"step": 0, "steps": 0}
+step = gen._DecodeStep.step
+def counted(self, *a, **k):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = step(self, *a, **k)
+    counts["step"] += sum("synchroniz" in str(x.message) for x in w)
+    counts["steps"] += 1
+    return out
+gen._DecodeStep.step = counted
+for graphs in (False, True):
+    kw = dict(max_new_tokens=16, eos_token_id=[], block_size=4, cuda_graphs=graphs)
+    arkernels.generate(model, prompts, **kw)  # warm-up (Triton JIT, graph capture)
+    counts.update(step=0, steps=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        arkernels.generate(model, prompts, **kw)
+    torch.cuda.set_sync_debug_mode("default")
+    n, inside = counts["steps"], counts["step"]
+    total = inside + sum("synchroniz" in str(x.message) for x in w)
+    print(f"cuda_graphs={graphs}: {n} decode steps, syncs inside steps {inside} ({inside / max(n, 1):.2f}/step), "
+          f"whole call incl. prefill {total}")
+'
+  step decode_syncs 90 $PY -c "$DECODE_SYNCS"
+
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget)
   # decode: batch 1 and 32, 64 new tokens (the full 256-token sweep with torch.compile does not fit the budget)

@@ -2,6 +2,7 @@
 block release, streaming, bad arguments; the static decode step of cuda_graphs=True (eager on the CPU: token-identical
 to the default path, graph-safe op trace) and its CUDA-graph capture (GPU only); compile=True (that step under
 torch.compile: the same tokens, one graph per batch-size bucket)."""
+import functools
 import sys
 from collections import defaultdict
 
@@ -83,6 +84,73 @@ def test_generate_bad_arguments():
         arkernels.generate(model, [[1, 2]], max_new_tokens=-1)
     with pytest.raises(ValueError, match="generate: seed"):  # checked before the static path is set up
         arkernels.generate(model, [[1, 2], [3]], seed=[1, 2, 3], cuda_graphs=True)
+
+
+# ---- no host waits in the decode loop --------------------------------------------------------------------------------
+FORWARD, HOST_READ = "test::forward", "test::host_read"
+
+
+def _marked(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _profiled_generate(model, prompts, monkeypatch, **kw):
+    """``arkernels.generate`` under torch.profiler (CPU), with every model forward and every host read of tensor data
+    (``.tolist()``, ``.numpy()``; ``.item()`` / ``int()`` / ``bool()`` show as ``aten::_local_scalar_dense``) marked as
+    ranges. Returns the result and the trace's events in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(torch.Tensor, "tolist", _marked(HOST_READ, torch.Tensor.tolist))
+    monkeypatch.setattr(torch.Tensor, "numpy", _marked(HOST_READ, torch.Tensor.numpy))
+    monkeypatch.setattr(model, "forward", _marked(FORWARD, model.forward))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        res = arkernels.generate(model, prompts, **kw)
+    return res, sorted(prof.events(), key=lambda e: e.time_range.start)
+
+
+def _in_arkernels_op(e) -> bool:
+    while e.cpu_parent is not None:
+        e = e.cpu_parent
+        if e.name.startswith("arkernels::"):
+            return True
+    return False
+
+
+def _within(e, outer) -> bool:
+    return outer.time_range.start <= e.time_range.start and e.time_range.end <= outer.time_range.end
+
+
+@pytest.mark.parametrize("cuda_graphs,temperature", [(False, 0.0), (False, 1.3), (True, 0.0)])
+def test_generate_decode_loop_has_no_host_waits(cuda_graphs, temperature, monkeypatch):
+    """In the decode loop (a CPU profiler trace of a whole call, the batch shrinking by EOS): no
+    ``aten::_local_scalar_dense`` (an ``.item()``-style sync), at most one host read of device data per step (the
+    token ids), each done only after the next step was launched (the host never waits for the step it just
+    launched), none inside a forward, and no tensor built from Python data (``aten::lift_fresh``) inside a decode
+    forward (on a GPU that is a host-to-device copy mid-step)."""
+    model = tiny_model("gemma3_text")  # a full and a sliding group
+    kw = dict(max_new_tokens=STATIC_NEW_TOKENS, temperature=temperature, top_p=0.9, seed=[3, 1, 4, 1, 5],
+              block_size=STATIC_BLOCK, cuda_graphs=cuda_graphs)
+    eos = _staggered_eos(arkernels.generate(model, STATIC_PROMPTS, eos_token_id=[], **kw))
+    ref = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, **kw)
+    res, events = _profiled_generate(model, STATIC_PROMPTS, monkeypatch, eos_token_id=eos, **kw)
+    assert res.tokens == ref.tokens and any(res.finished_by_eos)
+    forwards = [e for e in events if e.name == FORWARD]
+    prefill, decode = forwards[0], forwards[1:]
+    assert len(decode) >= max(len(t) for t in res.tokens) - 1 >= 3
+    after = [e for e in events if e.time_range.start >= prefill.time_range.start]
+    # (the CPU kernels of arkernels' ops are host code and may read their inputs: on CUDA each is one launch)
+    assert not [e for e in after if e.name == "aten::_local_scalar_dense" and not _in_arkernels_op(e)]
+    reads = [e for e in after if e.name == HOST_READ]
+    assert not [e for e in reads if any(_within(e, f) for f in forwards)]  # no read inside a forward
+    assert len(reads) <= len(forwards)  # one read per step (the prefill's ids included), at most
+    for i, r in enumerate(reads[: len(decode)]):  # read i (step i's ids) comes after step i + 1 was launched
+        assert decode[i].time_range.start < r.time_range.start, f"read {i} waits for the step it just launched"
+    lifts = [e for e in after if e.name == "aten::lift_fresh" and any(_within(e, f) for f in decode)]
+    assert not lifts, "a decode forward builds a tensor from Python data"
 
 
 # ---- cuda_graphs=True: the static decode step ---------------------------------------------------------------------

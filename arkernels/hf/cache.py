@@ -60,6 +60,15 @@ except Exception:  # pragma: no cover
 SCRATCH_BLOCK = 0  # reserved in every group, never handed to a row: freed / unused table entries point here
 
 
+def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a host wait: on CUDA through pinned memory and a non-blocking copy
+    (a pageable copy waits for the stream to drain); elsewhere the host tensor itself."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy ends
+    return t.to(device)
+
+
 def _grow_allocator(old: BlockAllocator, num_blocks: int) -> BlockAllocator:
     """A bigger ``BlockAllocator`` with the same blocks taken, the same reference counts, through its public API."""
     new = BlockAllocator(num_blocks)
@@ -150,11 +159,14 @@ class _Group:
             self.table = torch.cat([self.table, pad], dim=1)
             self.generation += 1
 
-    def advance(self, rows: list[int], q_lens: list[int], make_slots: bool = True) -> None:
+    def advance(self, rows: list[int], q_lens: list[int], make_slots: bool = True, ahead: int = 0) -> None:
         """Free out-of-window blocks, reserve slots for ``q_lens[i]`` new tokens of each row; one call per forward.
-        ``make_slots=False`` (static decode) leaves ``self.slots`` unset: the caller computes them on the host."""
+        ``make_slots=False`` (static decode) leaves ``self.slots`` unset: the caller computes them on the host.
+        ``ahead``: when a row needs a new block, also reserve the blocks of its next ``ahead`` tokens (capped at
+        ``max_length``; full-attention groups only), so most steps write no block-table entry at all."""
         bs, W = self.block_size, self.window
         dirty = False
+        cap = self.max_length if ahead and not W and self.max_length else 0
         if W and not self.record_past:
             for r in rows:
                 self._free_out_of_window(r)
@@ -162,20 +174,32 @@ class _Group:
         # reorder_cache / batch_repeat_interleave) gets its own copy first; the last owner writes in place
         cow = [r for r, n in zip(rows, q_lens)
                if n > 0 and self.lens[r] % bs and self.allocator.refcount(self.rows[r][-1]) > 1]
-        need = sum(-(-(self.lens[r] + n) // bs) - len(self.rows[r]) for r, n in zip(rows, q_lens)) + len(cow)
+        reach = []  # blocks each row holds after this call
+        for r, n in zip(rows, q_lens):
+            end = self.lens[r] + n
+            if cap and -(-end // bs) > len(self.rows[r]):  # a new block is due: take the next `ahead` tokens' too
+                end = max(min(end + ahead, cap), end)
+            reach.append(-(-end // bs))
+        need = sum(max(k - len(self.rows[r]), 0) for r, k in zip(rows, reach)) + len(cow)
         self._ensure_free(need)
         for r in cow:
             if self.allocator.refcount(self.rows[r][-1]) > 1:  # an earlier copy may have left this row the last owner
                 self._copy_last_block(r)
-        self._ensure_width(max(-(-(self.lens[r] + n) // bs) for r, n in zip(rows, q_lens)))
-        for r, n in zip(rows, q_lens):
-            extra = -(-(self.lens[r] + n) // bs) - len(self.rows[r])
+        self._ensure_width(max(reach))
+        writes = ([], [], [])  # (row, column, block) of every new table entry: one host-to-device copy for all
+        for r, k in zip(rows, reach):
+            extra = k - len(self.rows[r])
             if extra > 0:
                 new = self.allocator.allocate(extra)
                 start = len(self.rows[r])
                 self.rows[r] += new
-                self.table[r, start: start + extra] = torch.tensor(new, dtype=torch.int32)
+                writes[0].extend([r] * extra)
+                writes[1].extend(range(start, start + extra))
+                writes[2].extend(new)
                 dirty = True
+        if dirty:
+            idx = _to_device(writes, torch.int64, self.table.device)
+            self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
         self._forward_len = [self.lens[r] for r in rows]
         for r, n in zip(rows, q_lens):
             self.lens[r] += n
@@ -247,8 +271,7 @@ class _Group:
         bs = self.block_size
         dev = self.table.device
         if all(n == 1 for n in q_lens):
-            pos = torch.tensor(self._forward_len, dtype=torch.int64, device=dev)
-            ridx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            ridx, pos = _to_device([rows, self._forward_len], torch.int64, dev)
             return self.table[ridx, pos // bs].to(torch.int64) * bs + pos % bs
         slots = []
         for r, n, start in zip(rows, q_lens, self._forward_len):
@@ -380,8 +403,8 @@ class PagedLayer(CacheLayerMixin):
     def _make_step(self, rows, q_lens, tokens) -> PagedStep:
         g, dev = self.group, self.k_pool.device
         full = len(rows) == g.table.shape[0] and rows == list(range(len(rows)))
-        table = g.table if full else g.table[torch.tensor(rows, device=dev)]
-        seq_lens = torch.tensor([g.lens[r] for r in rows], dtype=torch.int32, device=dev)
+        table = g.table if full else g.table[_to_device(rows, torch.int64, dev)]
+        seq_lens = _to_device([g.lens[r] for r in rows], torch.int32, dev)
         cu, max_q = None, None
         if any(n != 1 for n in q_lens):
             cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
@@ -577,14 +600,16 @@ class PagedCache(DynamicCache):
         """Plan the next forward: ``q_lens[i]`` new tokens for row ``rows[i]`` (packed in that order)."""
         self.plan = (list(rows), list(q_lens))
 
-    def begin_static_step(self, rows: list[int]) -> list[list[int]]:
+    def begin_static_step(self, rows: list[int], ahead: int = 0) -> list[list[int]]:
         """Host half of a static one-token decode step for ``rows`` (outside any CUDA graph): frees out-of-window
-        blocks, reserves one slot per row. Returns, per group (in ``self.groups`` order), the slot of each row."""
+        blocks, reserves one slot per row (and, in full-attention groups, the blocks of each row's next ``ahead``
+        tokens whenever it needs a new one: fewer table writes). Returns, per group (in ``self.groups`` order), the
+        slot of each row, computed from the host's block lists (nothing is read back from the device)."""
         out = []
         ones = [1] * len(rows)
         self.version += 1  # the step's layers append: the dense views are stale from here
         for g in self.groups.values():
-            g.advance(rows, ones, make_slots=False)
+            g.advance(rows, ones, make_slots=False, ahead=ahead)
             bs, blocks = g.block_size, g.rows
             out.append([blocks[r][p // bs] * bs + p % bs for r, p in zip(rows, g._forward_len)])
         return out
