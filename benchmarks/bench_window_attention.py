@@ -252,6 +252,8 @@ def bench_prefill(batch, seq, window, dtype, device, gen):
 
 def main():
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--short", action="store_true",
+                   help="the GPU check's sweep: the issues' headline shapes only (each FlexAttention shape compiles)")
     args = p.parse_args()
     device = args.device
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -260,6 +262,9 @@ def main():
     if args.quick:
         decode = [(b, c, w) for b in (1, 4) for c in (256, 1024) for w in (0, 128)]
         prefill = [(1, s, w) for s in (64, 128) for w in (0, 32)]
+    elif args.short:  # decode batch 1 / 32 x 8k (+ a window past it), prefill 4k / 16k causal and 16k windowed
+        decode = [(1, 8192, 0), (32, 8192, 0), (1, 32768, 4096)]
+        prefill = [(1, 4096, 0), (1, 16384, 0), (1, 16384, 4096)]
     else:
         decode = [(b, c, w) for b in (1, 8, 32) for c in (1024, 8192, 32768) for w in (0, 4096) if b * c <= 262144]
         # prompt lengths 512..16k, batch 1 and 8 (<= 128k tokens), full causal and a 4096-token window

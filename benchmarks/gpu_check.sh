@@ -89,8 +89,10 @@ for graphs in (False, True):
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget)
   # decode: batch 1 and 32, 64 new tokens (the full 256-token sweep with torch.compile does not fit the budget)
-  declare -A extra=([int8_matmul]="--shapes 14336x4096 --ms 1 4 8 16 4096" [decode]="--batches 1,32 --new-tokens 64")
-  declare -A limit=([decode]=180)
+  # window_attention: the issues' headline shapes (--short), each with SDPA, flex_attention (compiled per shape), fp8
+  declare -A extra=([int8_matmul]="--shapes 14336x4096 --ms 1 4 8 16 4096" [decode]="--batches 1,32 --new-tokens 64"
+                    [window_attention]="--short")
+  declare -A limit=([decode]=180 [window_attention]=150)
   for b in paged_kv window_attention sampling int8_matmul decode; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086
