@@ -38,26 +38,12 @@ template <typename T>
 struct Conv;
 template <>
 struct Conv<__half> {
-  __device__ static float2 to_float2(uint32_t x) { return __half22float2(*reinterpret_cast<__half2*>(&x)); }
   __device__ static __half from_float(float x) { return __float2half_rn(x); }
-  __device__ static float to_float(__half x) { return __half2float(x); }
 };
 template <>
 struct Conv<__nv_bfloat16> {
-  __device__ static float2 to_float2(uint32_t x) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
-  }
   __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
-
-// 16 bytes = 8 elements -> 8 floats.
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
-  const float2 a = Conv<T>::to_float2(v.x), b = Conv<T>::to_float2(v.y), c = Conv<T>::to_float2(v.z),
-               d = Conv<T>::to_float2(v.w);
-  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-}
 
 // Two fp32 values -> one 32-bit register of a T pair (the lower-indexed element in the low half): an mma A fragment
 // register, or a 2-element store.
@@ -100,60 +86,6 @@ struct AttnParams {
   float scale, softcap;
   bool q_vec;  // query rows 16-byte aligned
 };
-
-// Element offset of key j's row for KV head h in a cache with strides (s0, s1, s2); -1 when its block id is invalid.
-__device__ __forceinline__ int64_t key_offset(const AttnParams& p, int64_t b, int64_t j, int h, int64_t s0, int64_t s1,
-                                              int64_t s2) {
-  const int64_t blk = dev::ld_global(p.block_table + b * p.max_blocks + j / p.block_size);
-  if (blk < 0 || blk >= p.num_blocks) return -1;
-  return blk * s0 + (j % p.block_size) * s1 + h * s2;
-}
-
-// Stage keys [j0, j0 + N) of KV head kvh into shared tiles k_dst / v_dst (row stride ld elements), the K/V tile load
-// of both kernels: thread t < N computes key j0 + t's row offsets (-1 outside [lo, hi] or under an invalid block id,
-// kept in koff_s / voff_s for the caller's masking), then all threads copy 16-byte chunks (zeros for -1 rows).
-// Requires N <= kAttnThreads; the caller synchronises before (previous tile consumed) and after (tile ready).
-template <typename T, int D, int N>
-__device__ __forceinline__ void stage_kv_tile(const AttnParams& p, int64_t b, int kvh, int64_t j0, int64_t lo, int64_t hi,
-                                              int64_t* koff_s, int64_t* voff_s, T* k_dst, T* v_dst, int ld, int tid) {
-  static_assert(N <= kAttnThreads, "one thread per key computes the offsets");
-  constexpr int kChunks = D / 8;
-  if (tid < N) {
-    const int64_t j = j0 + tid;
-    const bool in = j >= lo && j <= hi;
-    koff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.k0, p.s.k1, p.s.k2) : -1;
-    voff_s[tid] = in ? key_offset(p, b, j, kvh, p.s.v0, p.s.v1, p.s.v2) : -1;
-  }
-  __syncthreads();
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
-  for (int idx = tid; idx < N * kChunks; idx += kAttnThreads) {
-    const int k = idx / kChunks, c = idx % kChunks;
-    const int64_t ko = koff_s[k], vo = voff_s[k];
-    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-    if (ko >= 0) {
-      kv = dev::ld_global(reinterpret_cast<const uint4*>(kc + ko + c * 8));
-      vv = dev::ld_global(reinterpret_cast<const uint4*>(vc + vo + c * 8));
-    }
-    *reinterpret_cast<uint4*>(k_dst + k * ld + c * 8) = kv;
-    *reinterpret_cast<uint4*>(v_dst + k * ld + c * 8) = vv;
-  }
-}
-
-// Copy one query row (D elements) into shared memory as fp32 (decode) -- vectorised when aligned.
-template <typename T, int D>
-__device__ __forceinline__ void load_q_f32(const AttnParams& p, const T* src, float* dst, int tid, int nthreads) {
-  if (p.q_vec) {
-    for (int c = tid; c < D / 8; c += nthreads) {
-      float f[8];
-      unpack8<T>(dev::ld_global(reinterpret_cast<const uint4*>(src + c * 8)), f);
-#pragma unroll
-      for (int x = 0; x < 8; ++x) dst[c * 8 + x] = f[x];
-    }
-  } else {
-    for (int x = tid; x < D; x += nthreads) dst[x] = Conv<T>::to_float(dev::ld_global(src + x));
-  }
-}
 
 }  // namespace arkernels
 
