@@ -99,48 +99,49 @@ _K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
 _PF = "window_attention_prefill.cuh"
 _PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      } else {\n        dev::cp_async_wait<1>();\n"
             "      }\n")
+
+
+def _decode_fault(what: str, find: str, replace: str) -> Fault:
+    """A fault in the decode kernel, caught (or not) by the decode slice of the emulated tests."""
+    return Fault(f"decode: {what}", _DECODE_FILE, find, replace, build=KERNEL_BUILD, run=_kernel_run(_DECODE))
+
+
+def _prefill_fault(what: str, find: str, replace: str) -> Fault:
+    """A fault in the prefill kernel, caught (or not) by the prefill slice of the emulated tests."""
+    return Fault(f"prefill: {what}", _PF, find, replace, build=KERNEL_BUILD, run=_kernel_run(_PREFILL))
+
+
 FAULTS += [
-    Fault("decode: cp.async wait for the K tile removed", _DECODE_FILE, _K_WAIT, "",
-          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
+    _decode_fault("cp.async wait for the K tile removed", _K_WAIT, ""),
     Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, _K_SYNC, "",
           build=KERNEL_BUILD_TSAN, run=_kernel_run(_DECODE, tsan=True)),
-    Fault("decode: window off by one (W + 1 keys)", _DECODE_FILE, "lo = max64(lo, i - p.window + 1)",
-          "lo = max64(lo, i - p.window)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: ldmatrix .trans dropped for V", _DECODE_FILE, "dev::ldmatrix_x4_trans(vf,", "dev::ldmatrix_x4(vf,",
-          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: wrong quad shuffle in the row max", _DECODE_FILE,
-          "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
-          "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));",
-          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: O not rescaled by the new running max", _DECODE_FILE, "      o[nb][0] *= alpha[0];\n", "",
-          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: split size rounded down", _DECODE_FILE,
-          "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
-          "const int64_t per_split = tiles / p.num_splits;", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: masked keys read anyway (src_bytes 16)", _DECODE_FILE,
-          "o >= 0 ? src + o + c * kChunkElems : src, o >= 0 ? 16 : 0);",
-          "o >= 0 ? src + o + c * kChunkElems : src, 16);",
-          build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("decode: fp8 v_scale not applied", _DECODE_FILE, "Conv<T>::from_float(acc * inv * v_scale)",
-          "Conv<T>::from_float(acc * inv)", build=KERNEL_BUILD, run=_kernel_run(_DECODE)),
-    Fault("prefill: window off by one (W + 1 keys)", _PF,
-          "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;",
-          "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window : 0) : 1;",
-          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: ldmatrix .trans dropped (V)", _PF, "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +",
-          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: ldmatrix .trans added (K)", _PF, "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +",
-          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: cp.async wait before the tile removed", _PF, _PF_WAIT, "",
-          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: cp.async wait_group 3 instead of 2 (3-stage ring)", _PF, "dev::cp_async_wait<2>();",
-          "dev::cp_async_wait<3>();", build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: __syncthreads before the refill removed", _PF,
-          "      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async\n", "",
-          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
-    Fault("prefill: P.V k-step reads the wrong S tile pair", _PF,
-          "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),",
-          build=KERNEL_BUILD, run=_kernel_run(_PREFILL)),
+    _decode_fault("window off by one (W + 1 keys)", "lo = max64(lo, i - p.window + 1)",
+                  "lo = max64(lo, i - p.window)"),
+    _decode_fault("ldmatrix .trans dropped for V", "dev::ldmatrix_x4_trans(vf,", "dev::ldmatrix_x4(vf,"),
+    _decode_fault("wrong quad shuffle in the row max",
+                  "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
+                  "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));"),
+    _decode_fault("O not rescaled by the new running max", "      o[nb][0] *= alpha[0];\n", ""),
+    _decode_fault("split size rounded down",
+                  "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
+                  "const int64_t per_split = tiles / p.num_splits;"),
+    _decode_fault("masked keys read anyway (src_bytes 16)",
+                  "o >= 0 ? src + o + c * kChunkElems : src, o >= 0 ? 16 : 0);",
+                  "o >= 0 ? src + o + c * kChunkElems : src, 16);"),
+    _decode_fault("fp8 v_scale not applied", "Conv<T>::from_float(acc * inv * v_scale)",
+                  "Conv<T>::from_float(acc * inv)"),
+    _prefill_fault("window off by one (W + 1 keys)",
+                   "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;",
+                   "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window : 0) : 1;"),
+    _prefill_fault("ldmatrix .trans dropped (V)", "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +"),
+    _prefill_fault("ldmatrix .trans added (K)", "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +"),
+    _prefill_fault("cp.async wait before the tile removed", _PF_WAIT, ""),
+    _prefill_fault("cp.async wait_group 3 instead of 2 (3-stage ring)", "dev::cp_async_wait<2>();",
+                   "dev::cp_async_wait<3>();"),
+    _prefill_fault("__syncthreads before the refill removed",
+                   "      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async\n", ""),
+    _prefill_fault("P.V k-step reads the wrong S tile pair",
+                   "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),"),
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
 ]

@@ -373,20 +373,25 @@ def test_window_attention_length_past_block_table(device, window, prefill):
                          cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
 
 
+def _count_key_rows(want, k_cache, table, b, lo, hi):
+    """Adds 1 to the per-byte count `want` over the cache rows of sequence b's keys lo..hi, every KV head."""
+    bs, hkv, d = k_cache.shape[1:]
+    es = k_cache.element_size()
+    for j in range(lo, hi + 1):
+        blk = int(table[b, j // bs])
+        for h in range(hkv):
+            start = (blk * k_cache.stride(0) + (j % bs) * k_cache.stride(1) + h * k_cache.stride(2)) * es
+            want[start:start + d * es] += 1
+
+
 def _visible_kv_bytes(k_cache, table, lens, window, kv_start):
     """Per-byte count [storage bytes] of the K rows decode must read: each visible key's row once per KV head."""
-    nb, bs, hkv, d = k_cache.shape
-    es = k_cache.element_size()
     want = torch.zeros(k_cache.untyped_storage().nbytes(), dtype=torch.int32)
-    cap = table.shape[1] * bs
+    cap = table.shape[1] * k_cache.shape[1]
     for b, n in enumerate(lens):
         i = n - 1
         lo = max(int(kv_start[b]), 0, i - window + 1 if window else 0)
-        for j in range(lo, min(i, cap - 1) + 1):
-            blk = int(table[b, j // bs])
-            for h in range(hkv):
-                start = (blk * k_cache.stride(0) + (j % bs) * k_cache.stride(1) + h * k_cache.stride(2)) * es
-                want[start:start + d * es] += 1
+        _count_key_rows(want, k_cache, table, b, lo, min(i, cap - 1))
     return want
 
 
@@ -503,20 +508,14 @@ def _prefill_visible_kv_bytes(k_cache, table, lens, q_lens, group, window, kv_st
     of a KV head into one row space (row = token * group + head), cut into tiles of `rows_per_tile`; per tile and KV
     head it reads each key some row of the tile sees exactly once, and nothing else (tiles outside every row's
     window are skipped)."""
-    nb, bs, hkv, d = k_cache.shape
-    es = k_cache.element_size()
     want = torch.zeros(k_cache.untyped_storage().nbytes(), dtype=torch.int32)
-    cap = table.shape[1] * bs
+    cap = table.shape[1] * k_cache.shape[1]
     for b, (n, q_len) in enumerate(zip(lens, q_lens)):
         pos0 = n - q_len
         for r0 in range(0, q_len * group, rows_per_tile):
             t_first, t_last = r0 // group, (min(r0 + rows_per_tile, q_len * group) - 1) // group
             lo = max(int(kv_start[b]), 0, pos0 + t_first - window + 1 if window else 0)
-            for j in range(lo, min(pos0 + t_last, cap - 1) + 1):
-                blk = int(table[b, j // bs])
-                for h in range(hkv):
-                    start = (blk * k_cache.stride(0) + (j % bs) * k_cache.stride(1) + h * k_cache.stride(2)) * es
-                    want[start:start + d * es] += 1
+            _count_key_rows(want, k_cache, table, b, lo, min(pos0 + t_last, cap - 1))
     return want
 
 
