@@ -147,22 +147,26 @@ class _Emulate(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def emulate(device: str | None = None):
+def emulate(device: str | None = None, block_order: int | None = None):
     """Within the block, arkernels' CUDA ops called on CPU tensors run their CUDA source in the emulator.
 
     ``device``: "sm_80", "sm_89" or "sm_90" (default: the current one, initially sm_90): the SM count and shared
-    memory limit launch planning sees.
+    memory limit launch planning sees. ``block_order``: 0 runs each grid's blocks in linear order, any other value
+    in a permutation drawn from that seed (default: the current setting, initially 0).
     """
     load()
     ns = getattr(torch.ops, NAMESPACE)
-    previous = ns.get_device()
+    previous, previous_order = ns.get_device(), ns.get_block_order()
     if device is not None:
         ns.set_device(device)
+    if block_order is not None:
+        ns.set_block_order(block_order)
     try:
         with _Emulate():
             yield
     finally:
         ns.set_device(previous)
+        ns.set_block_order(previous_order)
 
 
 def traffic() -> dict[str, tuple[int, int]]:

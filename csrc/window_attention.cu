@@ -39,11 +39,14 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cuda(const at::Tensor& query
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
                          scale, softcap, k_scale, v_scale);
   const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   at::Tensor out, lse;
   C10_CUDA_CHECK(window_attention_launch(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
                                          max_q_len, window, scale, softcap, k_scale, v_scale,
-                                         cuda_device_props(query.get_device()),
-                                         c10::cuda::getCurrentCUDAStream(), out, lse));
+                                         cuda_device_props(query.get_device()), stream,
+                                         capture != cudaStreamCaptureStatusNone, out, lse));
   return {out, lse};
 }
 

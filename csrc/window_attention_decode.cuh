@@ -22,7 +22,9 @@
 //   shared memory at the end (the tile ring is reused for it).
 //   num_splits comes from shapes only (batch, heads, table width, window, SM count and the planned CTAs per SM):
 //   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
-//   own sum, and window_attention_combine_kernel merges them (a second launch).
+//   own sum, and the last split CTA of each (sequence, KV head, head chunk) to finish merges them (combine_if_last:
+//   an atomic counter per column, reset by that CTA, so the combine costs no second launch; ~num_splits x 16 x D x 4
+//   bytes of partials, L2-resident, against the K/V bytes of the split).
 // Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
 //   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.4 KB) + offsets = 110 KB,
 //   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
@@ -95,6 +97,66 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
     case 5: dev::cp_async_wait<5>(); break;
     case 6: dev::cp_async_wait<6>(); break;
     default: dev::cp_async_wait<7>(); break;
+  }
+}
+
+// Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
+// counter after publishing their partials; the last one merges them -- lse = log2 sum_s 2^lse_s, out = sum_s
+// 2^(lse_s - lse) out_s -- and resets the counter to 0 for the next launch (no second kernel, no memset per call).
+// Each split's weight is computed once per head (one warp per head, lanes over splits) into shared memory; the
+// partials of other CTAs are read through L2 (ld.global.cg: L1 is not coherent across SMs). smem: the CTA's dynamic
+// shared memory, free again (every warp passed the merge's reads).
+template <typename T, int D>
+__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, int h0, int hc, unsigned char* smem) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16] weights 2^(lse_s - lse)
+  float* lse_s = w_s + kMaxSplits * kDecodeRows;  // [16] lse, log2 units
+  int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
+  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
+  __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
+  if (tid == 0) {
+    int32_t* counter = p.counters + b * gridDim.y + blockIdx.y;
+    const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;
+    if (last) dev::atomic_exch(counter, 0);  // every split has counted: ready for the next launch
+    *last_s = last;
+  }
+  __syncthreads();
+  if (!*last_s) return;
+  dev::threadfence();  // order this CTA's reads of the partials after the count that saw them all published
+  const int64_t stride = p.rows * p.hq;
+  for (int r = warp; r < hc; r += kDecodeWarps) {
+    const int64_t oh = b * p.hq + h0 + r;
+    float m = neg_inf();
+    for (int s = lane; s < p.num_splits; s += 32) {
+      const float ls = dev::ld_global_cg(p.part_lse + s * stride + oh);
+      w_s[s * kDecodeRows + r] = ls;
+      m = fmaxf(m, ls);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.f;
+    if (m != neg_inf())
+      for (int s = lane; s < p.num_splits; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float lse = sum > 0.f ? m + log2f(sum) : neg_inf();
+    for (int s = lane; s < p.num_splits; s += 32) {
+      const float ls = w_s[s * kDecodeRows + r];
+      w_s[s * kDecodeRows + r] = sum > 0.f && ls != neg_inf() ? exp2f(ls - lse) : 0.f;
+    }
+    if (lane == 0) lse_s[r] = lse;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < hc * D; idx += kAttnThreads) {
+    const int r = idx / D, x = idx % D;
+    const int64_t oh = b * p.hq + h0 + r;
+    float v = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = w_s[s * kDecodeRows + r];
+      if (w != 0.f) v += w * dev::ld_global_cg(p.part_out + (s * stride + oh) * D + x);
+    }
+    dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(v));
+    if (x == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
   }
 }
 
@@ -385,42 +447,17 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       }
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (big + log2f(l)) / kLog2e : neg_inf();  // natural log
+    const float lse = l > 0.f ? (big + log2f(l)) / kLog2e : neg_inf();  // natural log (partials: log2)
     const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
     if (p.num_splits == 1) {
       dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
       if (x == 0) dev::st_global(p.lse + oh, lse);
     } else {
       dev::st_global(p.part_out + (split * p.rows * p.hq + oh) * D + x, acc * inv * v_scale);
-      if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse);
+      if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, l > 0.f ? big + log2f(l) : neg_inf());
     }
   }
-}
-
-// Merge num_splits partials: lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) * out_s. One CTA per (row, head).
-template <typename T>
-__global__ void __launch_bounds__(kAttnThreads) window_attention_combine_kernel(const AttnParams p, int d) {
-  const int64_t oh = blockIdx.x;
-  const int64_t stride = p.rows * p.hq;
-  float m = neg_inf();
-  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, dev::ld_global(p.part_lse + s * stride + oh));
-  float total = 0.f;
-  if (m != neg_inf()) {
-    for (int s = 0; s < p.num_splits; ++s) total += __expf(dev::ld_global(p.part_lse + s * stride + oh) - m);
-  }
-  const float lse = total > 0.f ? m + __logf(total) : neg_inf();
-  T* o = static_cast<T*>(p.out) + oh * d;
-  for (int x = threadIdx.x; x < d; x += blockDim.x) {
-    float v = 0.f;
-    if (total > 0.f) {
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float ls = dev::ld_global(p.part_lse + s * stride + oh);
-        if (ls != neg_inf()) v += __expf(ls - lse) * dev::ld_global(p.part_out + (s * stride + oh) * d + x);
-      }
-    }
-    dev::st_global(o + x, Conv<T>::from_float(v));
-  }
-  if (threadIdx.x == 0) dev::st_global(p.lse + oh, lse);
+  if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem);
 }
 
 // Shared memory of one SM: the per-block opt-in limit plus the 1 KB the system reserves per block (sm_80: 163 + 1,
@@ -450,10 +487,11 @@ inline int decode_splits(int64_t ctas, int64_t max_keys, int sms) {
 
 struct DecodePlan {
   int head_chunks = 1;     // CTAs per KV head (ceil(group / kDecodeRows))
-  int num_splits = 1;      // split-KV partitions (> 1: fp32 partials + the combine kernel)
+  int num_splits = 1;      // split-KV partitions (> 1: fp32 partials, merged by the last CTA of each column)
   int stages = 0;          // cp.async ring depth; 0: refused (the device's shared memory is too small)
   size_t smem = 0;         // dynamic shared memory, bytes
-  dim3 grid, combine_grid;
+  dim3 grid;
+  int64_t counters() const { return num_splits > 1 ? int64_t(grid.y) * grid.z : 0; }  // AttnParams::counters
 };
 
 // batch sequences, rows = batch query rows; max_blocks x block_size = the block table's capacity.
@@ -468,22 +506,17 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
-  plan.combine_grid = dim3(static_cast<unsigned>(rows * hq));
   return plan;
 }
 
-// The launches of one decode call (decode + combine), in stream order; returns the first launch error.
+// The launch of one decode call (the split-KV combine is fused into it); returns the launch error.
 template <typename T, typename KV, int D>
 cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t stream) {
   if (plan.stages == 0) return cudaErrorInvalidValue;
   auto decode = window_attention_decode_kernel<T, KV, D>;
-  cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
+  const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
   if (err != cudaSuccess) return err;
   AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
-  err = AK_LAST_ERROR();
-  if (err != cudaSuccess || plan.num_splits == 1) return err;
-  auto combine = window_attention_combine_kernel<T>;
-  AK_LAUNCH(combine, plan.combine_grid, kAttnThreads, 0, stream, p, D);
   return AK_LAST_ERROR();
 }
 

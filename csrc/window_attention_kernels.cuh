@@ -79,7 +79,8 @@ struct AttnParams {
   void* out;                   // [rows, Hq, D] contiguous
   float* lse;                  // [rows, Hq]
   float* part_out;             // [num_splits, rows, Hq, D] fp32 (decode, num_splits > 1)
-  float* part_lse;             // [num_splits, rows, Hq]
+  float* part_lse;             // [num_splits, rows, Hq], log2 units
+  int32_t* counters;           // [batch, gridDim.y] split-KV completion counts: 0 before a launch, reset to 0 by it
   AttnStrides s;
   int64_t rows, num_blocks, block_size, max_blocks;
   int hq, hkv, group, head_chunks, num_splits, window;

@@ -6,9 +6,13 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "window_attention.h"
 #include "window_attention_kernels.cuh"
@@ -37,6 +41,28 @@ inline DeviceProps apply_smem_knob(DeviceProps props) {
   return props;
 }
 
+// Split-KV completion counters (AttnParams::counters): n int32 that are zero before every launch and that every
+// launch leaves zero (the last CTA of each column resets its own), so they are zeroed once, when allocated. Kept per
+// (device, stream): launches in one stream's order reuse them; launches on different streams, which may overlap, never
+// share them. While the stream is being captured into a CUDA graph they are allocated and zeroed per call instead (a
+// memset node of the graph), so a graph's replays and eager launches never share counters either. `hold` keeps the
+// buffer alive for the call.
+inline int32_t* split_counters(const at::Tensor& like, int64_t n, const void* stream, bool capturing, at::Tensor& hold) {
+  const auto opts = like.options().dtype(at::kInt);
+  if (capturing) {
+    hold = at::zeros({n}, opts);
+    return hold.data_ptr<int32_t>();
+  }
+  static std::mutex mu;
+  // Never destroyed: a CUDA tensor must not outlive the caching allocator at exit.
+  static auto* cache = new std::map<std::tuple<int, int, const void*>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = (*cache)[{int(like.device().type()), int(like.device().index()), stream}];
+  if (!t.defined() || t.numel() < n) t = at::zeros({std::max<int64_t>(n, t.defined() ? 2 * t.numel() : 0)}, opts);
+  hold = t;
+  return t.data_ptr<int32_t>();
+}
+
 // Shared checks already ran (check_window_attention). Allocates out [rows, Hq, D] like query and lse fp32 [rows, Hq].
 inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -45,7 +71,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                            int64_t window, double scale, double softcap,
                                            const std::optional<at::Tensor>& k_scale,
                                            const std::optional<at::Tensor>& v_scale, DeviceProps props,
-                                           cudaStream_t stream, at::Tensor& out, at::Tensor& lse) {
+                                           cudaStream_t stream, bool capturing, at::Tensor& out, at::Tensor& lse) {
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,
            "CUDA kernels take float16 or bfloat16, got ", dt, " (float32 runs on the CPU)");
@@ -63,7 +89,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     const at::Tensor table = at::arange(flat.size(0), block_table.options()).view(block_table.sizes())
                                  .masked_fill_(valid.logical_not(), -1);
     return window_attention_launch(query, kd, vd, table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window, scale,
-                                   softcap, std::nullopt, std::nullopt, props, stream, out, lse);
+                                   softcap, std::nullopt, std::nullopt, props, stream, capturing, out, lse);
   }
   const int64_t d = query.size(2);
   AK_CHECK("window_attention", d == 64 || d == 80 || d == 96 || d == 128 || d == 256,
@@ -122,12 +148,11 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                                          p.block_size, window, max_q_len, apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
   p.num_splits = plan.decode.num_splits;
-  at::Tensor part_out, part_lse;
+  at::Tensor part_out, part_lse, counters;
   if (!prefill) {
-    // gridDim.y <= 65535; the combine grid (one CTA per (row, head)) <= 2^31 - 1.
-    AK_CHECK("window_attention", hkv * plan.decode.head_chunks <= 65535 && rows * hq <= INT32_MAX,
+    AK_CHECK("window_attention", hkv * plan.decode.head_chunks <= 65535,
              "decode grid too large on CUDA: num_kv_heads * ceil(group / 16) = ", hkv * plan.decode.head_chunks,
-             " (at most 65535), batch * num_q_heads = ", rows * hq, " (at most 2^31 - 1)");
+             " (at most 65535)");
     AK_CHECK("window_attention", plan.decode.stages > 0, "decode with head_dim ", d, " needs ",
              decode_layout(int(d), 1, fp8).smem, " bytes of shared memory per block but this GPU allows ",
              apply_smem_knob(props).smem_optin);
@@ -136,6 +161,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
       part_lse = at::empty({plan.decode.num_splits, rows, hq}, query.options().dtype(at::kFloat));
       p.part_out = part_out.data_ptr<float>();
       p.part_lse = part_lse.data_ptr<float>();
+      p.counters = split_counters(query, plan.decode.counters(), stream, capturing, counters);
     }
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);

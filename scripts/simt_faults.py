@@ -92,7 +92,7 @@ def _kernel_run(select: str, tsan: bool = False) -> str:
 
 _DECODE_FILE = "window_attention_decode.cuh"
 _DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and heads1 or stages_and_groups and 128 "
-           "or fp8_cache and False")
+           "or fp8_cache and False or split_combine")
 _PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1"
 _K_WAIT = "    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...\n"
 _K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
@@ -130,6 +130,10 @@ FAULTS += [
                   "o >= 0 ? src + o + c * kChunkElems : src, 16);"),
     _decode_fault("fp8 v_scale not applied", "Conv<T>::from_float(acc * inv * v_scale)",
                   "Conv<T>::from_float(acc * inv)"),
+    _decode_fault("split-KV counter not reset by the last CTA", "    if (last) dev::atomic_exch(counter, 0);", ""),
+    _decode_fault("split-KV: the highest split index taken to be the last CTA",
+                  "const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;",
+                  "const bool last = (dev::atomic_add(counter, 1), int(blockIdx.x) == p.num_splits - 1);"),
     _prefill_fault("window off by one (W + 1 keys)",
                    "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;",
                    "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window : 0) : 1;"),

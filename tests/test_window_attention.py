@@ -472,6 +472,64 @@ def test_window_attention_decode_stages_and_groups(device, monkeypatch, head_dim
     _check(out, lse, query, k, v, table, lens, None, window, head_dim ** -0.5, softcap, kv_start=kv_start)
 
 
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("block_order", [0, 1, 2])
+def test_window_attention_decode_split_combine(device, block_order):
+    """Split-KV decode is one launch: the last split CTA of each (sequence, KV head) to finish merges the partials,
+    whichever it is (the emulator runs the grid's blocks in linear order and in seeded permutations), and leaves its
+    completion counter at zero: three calls in a row on the same counters, with other split counts in between
+    (each checked against the fp64 reference), all right. Heads with no visible key in a split (a window much shorter
+    than the context, kv_start past a split) contribute nothing; a sequence with no key at all gets zeros, lse -inf."""
+    import arkernels.simt
+
+    gen = torch.Generator().manual_seed(40 + block_order)
+    calls = [([1000, 0, 700], 0, [0, 0, 650]), ([1000, 333, 9], 300, [0, 0, 0]), ([1000, 0, 700], 0, [0, 0, 650])]
+    with arkernels.simt.emulate(block_order=block_order):
+        for lens, window, starts in calls:
+            k, v, table = _paged(lens, 16, 2, 64, torch.bfloat16, device, gen)
+            query = torch.randn(3, 6, 64, generator=gen).bfloat16()
+            kv_start = torch.tensor(starts, dtype=torch.int32)
+            out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
+                                        kv_start=kv_start, return_lse=True)
+            launches = arkernels.simt.launches()
+            assert len(launches) == 1 and launches[0]["grid"][0] > 1, launches  # split, and no combine launch
+            _check(out, lse, query, k, v, table, lens, None, window, 64 ** -0.5, 0.0, kv_start=kv_start)
+            if lens[1] == 0:
+                assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
+
+
+@pytest.mark.cuda
+def test_window_attention_decode_split_combine_cuda_graph():
+    """Split-KV decode captured in a CUDA graph (its completion counters are the graph's own, zeroed per replay by a
+    memset node) and replayed with new queries, interleaved with eager calls and calls on another stream (each stream
+    keeps its own counters): every result matches the fp64 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    gen = torch.Generator().manual_seed(45)
+    lens = [3000, 1700]
+    k, v, table = _paged(lens, 16, 2, 128, torch.bfloat16, "cuda", gen)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(2, 8, 128, generator=gen).bfloat16().cuda()
+    run = lambda: window_attention(query, k, v, table, lens_t, return_lse=True)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for _ in range(3):
+        query.copy_(torch.randn(2, 8, 128, generator=gen).bfloat16())
+        graph.replay()
+        eager = run()
+        with torch.cuda.stream(side):
+            other = run()
+        torch.cuda.synchronize()
+        for o, l in ((out, lse), eager, other):
+            _check(o, l, query, k, v, table, lens, None, 0, 128 ** -0.5, 0.0)
+
+
 @pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("prefill", [False, True])

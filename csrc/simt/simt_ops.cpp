@@ -101,7 +101,8 @@ std::tuple<at::Tensor, at::Tensor> window_attention_simt(const at::Tensor& query
     at::Tensor out, lse;
     const cudaError_t err = window_attention_launch(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                     kv_start, max_q_len, window, scale, softcap, k_scale, v_scale,
-                                                    emulated_device_props(), nullptr, out, lse);
+                                                    emulated_device_props(), nullptr, /*capturing=*/false, out,
+                                                    lse);
     TORCH_CHECK(err == cudaSuccess, "window_attention (SIMT emulator): launch failed");
     return std::make_tuple(out, lse);
   });
@@ -145,6 +146,9 @@ void set_device(const std::string& name) {
   TORCH_CHECK(::simt::set_device(name), "arkernels.simt: unknown device ", name, " (sm_80, sm_89, sm_90)");
 }
 std::string get_device() { return ::simt::device().name; }
+// 0: blocks in linear order; otherwise a permutation drawn from this seed (see simt.h, g_block_order).
+void set_block_order(int64_t seed) { ::simt::g_block_order = static_cast<unsigned>(seed); }
+int64_t get_block_order() { return ::simt::g_block_order; }
 
 }  // namespace
 }  // namespace arkernels
@@ -155,6 +159,8 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("launch_log() -> int[]", &arkernels::launch_log);
   m.def("set_device(str name) -> ()", &arkernels::set_device);
   m.def("get_device() -> str", &arkernels::get_device);
+  m.def("set_block_order(int seed) -> ()", &arkernels::set_block_order);
+  m.def("get_block_order() -> int", &arkernels::get_block_order);
 }
 
 TORCH_LIBRARY_IMPL(arkernels_simt, CPU, m) {
