@@ -7,7 +7,7 @@
 //   AK_DYNAMIC_SHARED(T, name)                             the dynamic shared memory buffer as T*
 //   dev::ld_global / dev::st_global                        every global load and store of a kernel: a plain (vector)
 //                                                          access on the GPU, counted by the emulator's traffic meter
-//   dev::ld_global_cg, atomic_add, atomic_exch, threadfence  the same for data blocks exchange within one launch
+//   dev::ld_global_cg, atomic_add, threadfence             the same for data blocks exchange within one launch
 //   DeviceProps + cuda_device_props()                       what launch planning may ask of a device
 // Fast-math intrinsics (__expf, __logf, __int_as_float) and fp16/bf16 conversions are the CUDA headers' own on the
 // GPU; the emulator supplies host versions.
@@ -63,7 +63,7 @@ __device__ __forceinline__ T ld_global_cg(const T* p) {
 #endif
   return __ldcg(p);
 }
-// Device-scope atomic read-modify-writes (counted as one read and one write) and the device-scope fence.
+// Device-scope atomic add (counted as one read and one write) and the device-scope fence.
 template <typename T>
 __device__ __forceinline__ T atomic_add(T* p, T v) {
 #if defined(ARKERNELS_SIMT)
@@ -71,14 +71,6 @@ __device__ __forceinline__ T atomic_add(T* p, T v) {
   ::simt::on_global_write(p, sizeof(T));
 #endif
   return atomicAdd(p, v);
-}
-template <typename T>
-__device__ __forceinline__ T atomic_exch(T* p, T v) {
-#if defined(ARKERNELS_SIMT)
-  ::simt::on_global_read(p, sizeof(T));
-  ::simt::on_global_write(p, sizeof(T));
-#endif
-  return atomicExch(p, v);
 }
 __device__ __forceinline__ void threadfence() { __threadfence(); }
 

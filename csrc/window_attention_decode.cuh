@@ -117,7 +117,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   if (tid == 0) {
     int32_t* counter = p.counters + b * gridDim.y + blockIdx.y;
     const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;
-    if (last) dev::atomic_exch(counter, 0);  // every split has counted: ready for the next launch
+    if (last) dev::atomic_add(counter, -p.num_splits);  // every split has counted: back to 0 for the next launch
     *last_s = last;
   }
   __syncthreads();

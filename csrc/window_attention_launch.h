@@ -47,7 +47,8 @@ inline DeviceProps apply_smem_knob(DeviceProps props) {
 // share them. While the stream is being captured into a CUDA graph they are allocated and zeroed per call instead (a
 // memset node of the graph), so a graph's replays and eager launches never share counters either. `hold` keeps the
 // buffer alive for the call.
-inline int32_t* split_counters(const at::Tensor& like, int64_t n, const void* stream, bool capturing, at::Tensor& hold) {
+inline int32_t* split_counters(const at::Tensor& like, int64_t n, const void* stream, bool capturing,
+                               at::Tensor& hold) {
   const auto opts = like.options().dtype(at::kInt);
   if (capturing) {
     hold = at::zeros({n}, opts);
