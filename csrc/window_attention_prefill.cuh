@@ -15,6 +15,15 @@
 //     range [klo, khi] or under an invalid block id (zeros land, nothing is read). Shared rows are D + 8 elements
 //     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
 //     conflict free; the padding of each K row carries that key's valid flag (1: block id in range).
+//   - fp8 caches (KV = uint8_t: float8_e4m3fn, key = stored * k_scale, value = stored * v_scale): the ring holds the
+//     tiles as stored, rows of D bytes (no padding: only the conversion reads them), so a tile stages half the bytes.
+//     After the wait for tile `it` each thread converts exactly the 16-byte chunks it copied (its own cp.async data
+//     is visible to it: no barrier before) into one 16-bit K/V tile pair [BN][D + 8] (fp8x16_to: exact for fp16 and
+//     bf16), which ldmatrix then reads as it reads a 16-bit stage. The tile's barrier follows the conversion and the
+//     closing barrier keeps the pair from being rewritten while a warp still reads it: 2 barriers per key tile, as
+//     with 16-bit caches. A key's valid flag for ring stage s is element D + s of its converted V row (padding),
+//     written only by the thread that copies the key. k_scale is folded into the score scale (scale * k_scale), O / l
+//     is multiplied by v_scale at the end.
 //   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
 //     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
 //     (g = lane / 4) of its warp's 16, the row max needs two quad shuffles, the row sum stays per lane until the end.
@@ -24,8 +33,9 @@
 //     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans; O in fp32 registers, rescaled there.
 //   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
 //     sees no key).
-// Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2; FLOPs = 4 * BM * BN * D):
-//   D=128, BM=128, BN=64: 32 KB staged, 4.2 MFLOP -> 128 FLOP per staged byte (the WMMA kernel's 64-row tiles: 64).
+// Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2, fp8: 2 * BN * D; FLOPs = 4 * BM * BN * D):
+//   D=128, BM=128, BN=64: 32 KB staged (fp8: 16 KB), 4.2 MFLOP -> 128 FLOP per staged byte (fp8: 256; the WMMA
+//   kernel's 64-row tiles: 64).
 //     Packed GQA: a tile serves 128 / G tokens of all G heads. For long prompts that stages as many K/V bytes per
 //     token as a per-head grid with 128-row tiles (2x fewer than the WMMA kernel's 64-row per-head tiles: emulator,
 //     B=1, 256 tokens, GQA 32/8, D=128: 2.36 MB of k_cache reads instead of 5.24 MB); for short q_len (chunked
@@ -36,14 +46,21 @@
 //     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
 //     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
 //       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 14
+//   fp8 caches: BM * (D + 8) * 2 (Q) + 2 * BN * (D + 8) * 2 (converted K, V) + STAGES * 2 * BN * D (K, V ring):
+//     D=64: 18 + 18 + 3 x 8 = 60 KB     D=80: 22 + 22 + 3 x 10 = 74 KB     D=96: 26 + 26 + 3 x 12 = 88 KB (all GPUs)
+//     D=128: 34 + 34 + 3 x 16 = 116 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 + 17 + 3 x 8 = 75 KB ((64, 2): 100 KB)
+//     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32 = 195 KB; sm_80 BN=64, 33 + 66 + 2 x 32 = 163 KB (exactly the
+//       166912-byte opt-in); 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98 KB.
+// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 28
 // per arch; `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
 //   registers sm_90 (sm_80): D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216), D=128 BN=32
-//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only). So 1 CTA per SM everywhere:
+//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only); fp8 caches: D=64 166 (163),
+//   D=80 180 (170), D=96 191 (185), D=128 BN=64 218 (213), BN=32 211 (204), D=256 BN=32 239 (239), BN=64 247 (241;
+//   sm_90 and sm_80). So 1 CTA per SM everywhere:
 //   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
 //   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
 //   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
-//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile.
+//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4, then converts those 4 chunks).
 #pragma once
 
 #include <cstring>
