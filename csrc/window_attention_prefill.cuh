@@ -91,11 +91,10 @@ struct PrefillPlan {
   size_t smem = 0;                   // dynamic shared memory, bytes
 };
 
-// Tile width and ring depth for head_dim d (and the caches' layout: fp8 or 16-bit) under a per-block shared-memory
-// limit: the first of (BN 64, 3 stages),
-// (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128 only: smaller D always fit 64). Three
-// stages keep two tiles in flight while one is consumed; the ring never limits occupancy below what registers allow
-// (registers already hold every variant to 1 CTA per SM).
+// Tile width and ring depth for head_dim d and the caches' layout (fp8 or 16-bit) under a per-block shared-memory
+// limit: the first of (BN 64, 3 stages), (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128
+// only: smaller D always fit 64). Three stages keep two tiles in flight while one is consumed; the ring never limits
+// occupancy below what registers allow (registers already hold every variant to 1 CTA per SM).
 inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, bool fp8, int64_t max_q_len,
                                 const DeviceProps& props) {
   (void)hq;
