@@ -563,6 +563,22 @@ def test_window_attention_prefill_fp8(device, gpu, head_dim):
 
 
 @pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
+def test_window_attention_prefill_fp8_refused_below_its_smem(device, monkeypatch):
+    """Below the fp8 layout's smallest plan (head_dim 256: 32-key tiles, 2 stages, 100352 bytes) prefill over an fp8
+    cache is refused with a message naming the op and the sizes; at exactly that limit it runs."""
+    k8 = torch.zeros(2, 16, 1, 256, dtype=torch.float8_e4m3fn, device=device)
+    args = (torch.zeros(2, 1, 256, dtype=torch.float16, device=device), k8, k8,
+            torch.zeros(1, 1, dtype=torch.int32, device=device), torch.full((1,), 2, dtype=torch.int32, device=device))
+    kwargs = dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device),
+                  k_scale=torch.tensor([1.0], device=device), v_scale=torch.tensor([1.0], device=device))
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(100352 - 16))
+    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs at least 100352 bytes"):
+        window_attention(*args, **kwargs)
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(100352))
+    assert bool((window_attention(*args, **kwargs).cpu() == 0).all())  # zero keys and values: zero output
+
+
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("prefill", [False, True])
 def test_window_attention_invalid_blocks_masked(device, fp8, prefill):
