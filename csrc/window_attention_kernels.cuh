@@ -104,14 +104,14 @@ struct WindowAttentionPlan {
 };
 
 // prefill: cu_seqlens_q given. rows = query rows; max_blocks x block_size = the block table's capacity; fp8: the caches
-// are float8_e4m3fn (decode only: prefill takes 16-bit caches).
+// are float8_e4m3fn (both kernels read them as stored: the shared-memory layouts differ).
 inline WindowAttentionPlan plan_window_attention(bool prefill, int64_t batch, int64_t rows, int64_t hq, int64_t hkv,
                                                  int64_t d, bool fp8, int64_t max_blocks, int64_t block_size,
                                                  int64_t window, int64_t max_q_len, const DeviceProps& props) {
   WindowAttentionPlan plan;
   plan.prefill = prefill;
   if (prefill) {
-    plan.pre = plan_prefill(batch, hq, d, max_q_len, props);
+    plan.pre = plan_prefill(batch, hq, d, fp8, max_q_len, props);
   } else {
     plan.decode = plan_decode(batch, rows, hq, hkv, d, fp8, max_blocks, block_size, window, props);
   }
@@ -119,13 +119,10 @@ inline WindowAttentionPlan plan_window_attention(bool prefill, int64_t batch, in
 }
 
 // The launches of one call, in stream order; returns the first launch error. KV: the caches' element type (T, or
-// uint8_t for float8_e4m3fn, decode only).
+// uint8_t for float8_e4m3fn).
 template <typename T, typename KV, int D>
 cudaError_t run_window_attention(const AttnParams& p, const WindowAttentionPlan& plan, cudaStream_t stream) {
-  if (plan.prefill) {
-    if constexpr (std::is_same_v<KV, T>) return run_prefill<T, D>(p, plan.pre, stream);
-    return cudaErrorInvalidValue;
-  }
+  if (plan.prefill) return run_prefill<T, KV, D>(p, plan.pre, stream);
   return run_decode<T, KV, D>(p, plan.decode, stream);
 }
 

@@ -4,7 +4,6 @@
 // properties), so the two cannot drift. Returns the first launch error (cudaSuccess when none).
 #pragma once
 
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -77,21 +76,6 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,
            "CUDA kernels take float16 or bfloat16, got ", dt, " (float32 runs on the CPU)");
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;  // scales present (check_kv_scales)
-  if (fp8 && cu_seqlens_q.has_value() && k_cache.size(0) > 0) {
-    // The prefill kernel reads 16-bit caches only: prefill over an fp8 cache first dequantizes the blocks the block
-    // table addresses (batch x max_blocks of them, not the whole pool) to the query's dtype, in a compact copy with
-    // an identity table (invalid entries stay invalid); device ops only, no host sync. Decode, the per-token path,
-    // reads the fp8 tiles directly.
-    const at::Tensor ids = block_table.to(at::kLong);
-    const at::Tensor valid = ids.ge(0).logical_and_(ids.lt(k_cache.size(0)));
-    const at::Tensor flat = ids.clamp(0, k_cache.size(0) - 1).flatten();
-    const at::Tensor kd = k_cache.index_select(0, flat).to(dt).mul_(*k_scale);
-    const at::Tensor vd = v_cache.index_select(0, flat).to(dt).mul_(*v_scale);
-    const at::Tensor table = at::arange(flat.size(0), block_table.options()).view(block_table.sizes())
-                                 .masked_fill_(valid.logical_not(), -1);
-    return window_attention_launch(query, kd, vd, table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window, scale,
-                                   softcap, std::nullopt, std::nullopt, props, stream, capturing, out, lse);
-  }
   const int64_t d = query.size(2);
   AK_CHECK("window_attention", d == 64 || d == 80 || d == 96 || d == 128 || d == 256,
            "head_dim must be 64, 80, 96, 128 or 256 on CUDA, got ", d);
@@ -167,7 +151,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
     AK_CHECK("window_attention", plan.pre.bn > 0, "prefill with head_dim ", d, " needs at least ",
-             prefill_smem(int(d), d < 128 ? 64 : 32, 2), " bytes of shared memory per block but this GPU allows ",
+             prefill_smem(int(d), d < 128 ? 64 : 32, 2, fp8), " bytes of shared memory per block but this GPU allows ",
              apply_smem_knob(props).smem_optin);
   }
   cudaError_t err = cudaSuccess;

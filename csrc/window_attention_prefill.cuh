@@ -15,6 +15,15 @@
 //     range [klo, khi] or under an invalid block id (zeros land, nothing is read). Shared rows are D + 8 elements
 //     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
 //     conflict free; the padding of each K row carries that key's valid flag (1: block id in range).
+//   - fp8 caches (KV = uint8_t: float8_e4m3fn, key = stored * k_scale, value = stored * v_scale): the ring holds the
+//     tiles as stored, rows of D bytes (no padding: only the conversion reads them), so a tile stages half the bytes.
+//     After the wait for tile `it` each thread converts exactly the 16-byte chunks it copied (its own cp.async data
+//     is visible to it: no barrier before) into one 16-bit K/V tile pair [BN][D + 8] (fp8x16_to: exact for fp16 and
+//     bf16), which ldmatrix then reads as it reads a 16-bit stage. The tile's barrier follows the conversion and the
+//     closing barrier keeps the pair from being rewritten while a warp still reads it: 2 barriers per key tile, as
+//     with 16-bit caches. A key's valid flag for ring stage s is element D + s of its converted V row (padding),
+//     written only by the thread that copies the key. k_scale is folded into the score scale (scale * k_scale), O / l
+//     is multiplied by v_scale at the end.
 //   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
 //     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
 //     (g = lane / 4) of its warp's 16, the row max needs two quad shuffles, the row sum stays per lane until the end.
@@ -24,8 +33,9 @@
 //     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans; O in fp32 registers, rescaled there.
 //   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
 //     sees no key).
-// Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2; FLOPs = 4 * BM * BN * D):
-//   D=128, BM=128, BN=64: 32 KB staged, 4.2 MFLOP -> 128 FLOP per staged byte (the WMMA kernel's 64-row tiles: 64).
+// Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2, fp8: 2 * BN * D; FLOPs = 4 * BM * BN * D):
+//   D=128, BM=128, BN=64: 32 KB staged (fp8: 16 KB), 4.2 MFLOP -> 128 FLOP per staged byte (fp8: 256; the WMMA
+//   kernel's 64-row tiles: 64).
 //     Packed GQA: a tile serves 128 / G tokens of all G heads. For long prompts that stages as many K/V bytes per
 //     token as a per-head grid with 128-row tiles (2x fewer than the WMMA kernel's 64-row per-head tiles: emulator,
 //     B=1, 256 tokens, GQA 32/8, D=128: 2.36 MB of k_cache reads instead of 5.24 MB); for short q_len (chunked
@@ -36,14 +46,21 @@
 //     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
 //     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
 //       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 14
+//   fp8 caches: BM * (D + 8) * 2 (Q) + 2 * BN * (D + 8) * 2 (converted K, V) + STAGES * 2 * BN * D (K, V ring):
+//     D=64: 18 + 18 + 3 x 8 = 60 KB     D=80: 22 + 22 + 3 x 10 = 74 KB     D=96: 26 + 26 + 3 x 12 = 88 KB (all GPUs)
+//     D=128: 34 + 34 + 3 x 16 = 116 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 + 17 + 3 x 8 = 75 KB ((64, 2): 100 KB)
+//     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32 = 195 KB; sm_80 BN=64, 33 + 66 + 2 x 32 = 163 KB (exactly the
+//       166912-byte opt-in); 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98 KB.
+// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 28
 // per arch; `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
 //   registers sm_90 (sm_80): D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216), D=128 BN=32
-//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only). So 1 CTA per SM everywhere:
+//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only); fp8 caches: D=64 166 (163),
+//   D=80 180 (170), D=96 191 (185), D=128 BN=64 218 (213), BN=32 211 (204), D=256 BN=32 239 (239), BN=64 247 (241;
+//   sm_90 and sm_80). So 1 CTA per SM everywhere:
 //   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
 //   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
 //   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
-//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile.
+//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4, then converts those 4 chunks).
 #pragma once
 
 #include <cstring>
@@ -58,9 +75,13 @@ namespace arkernels {
 constexpr int prefill_rows(int d) { return d <= 128 ? 128 : 64; }
 constexpr int prefill_threads(int d) { return prefill_rows(d) / 16 * 32; }
 
-// Dynamic shared memory of a prefill CTA (bytes): the Q tile, then `stages` x (K tile, V tile), rows of D + 8.
-constexpr size_t prefill_smem(int d, int bn, int stages) {
-  return (size_t(prefill_rows(d)) + size_t(stages) * 2 * bn) * size_t(d + 8) * 2;
+// Dynamic shared memory of a prefill CTA (bytes), one formula for the kernel and the plan: the Q tile [BM][D + 8],
+// then the ring of `stages` x (K tile, V tile) as stored: 16-bit rows of D + 8 elements (the K row's padding holds the
+// key's valid flag); fp8 rows of D bytes (only the conversion reads them), followed by one converted 16-bit (K, V)
+// tile pair [BN][D + 8] that ldmatrix reads (the V rows' padding holds the per-stage valid flags).
+constexpr size_t prefill_smem(int d, int bn, int stages, bool fp8 = false) {
+  return fp8 ? (size_t(prefill_rows(d)) + 2 * size_t(bn)) * size_t(d + 8) * 2 + size_t(stages) * 2 * bn * d
+             : (size_t(prefill_rows(d)) + size_t(stages) * 2 * bn) * size_t(d + 8) * 2;
 }
 
 struct PrefillPlan {
@@ -70,11 +91,12 @@ struct PrefillPlan {
   size_t smem = 0;                   // dynamic shared memory, bytes
 };
 
-// Tile width and ring depth for head_dim d under a per-block shared-memory limit: the first of (BN 64, 3 stages),
-// (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128 only: smaller D always fit 64). Three
-// stages keep two tiles in flight while one is consumed; the ring never limits occupancy below what registers allow
-// (registers already hold every variant to 1 CTA per SM).
-inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, int64_t max_q_len, const DeviceProps& props) {
+// Tile width and ring depth for head_dim d and the caches' layout (fp8 or 16-bit) under a per-block shared-memory
+// limit: the first of (BN 64, 3 stages), (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128
+// only: smaller D always fit 64). Three stages keep two tiles in flight while one is consumed; the ring never limits
+// occupancy below what registers allow (registers already hold every variant to 1 CTA per SM).
+inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, bool fp8, int64_t max_q_len,
+                                const DeviceProps& props) {
   (void)hq;
   PrefillPlan plan;
   plan.batch = batch;
@@ -82,7 +104,7 @@ inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, int64_t ma
   static constexpr int kCands[4][2] = {{64, 3}, {64, 2}, {32, 3}, {32, 2}};
   for (const auto& c : kCands) {
     if (c[0] == 32 && d < 128) break;
-    const size_t bytes = prefill_smem(int(d), c[0], c[1]);
+    const size_t bytes = prefill_smem(int(d), c[0], c[1], fp8);
     if (bytes <= size_t(props.smem_optin)) {
       plan.bn = c[0];
       plan.stages = c[1];
@@ -99,20 +121,32 @@ __device__ __forceinline__ int prefill_q_len(const AttnParams& p, int64_t b) {
   return static_cast<int>(max64(min64(dev::ld_global(p.cu_seqlens_q + b + 1), p.rows) - first, 0));
 }
 
-template <typename T, int D, int BN>
+// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: each thread converts the chunks it copied
+// into the one 16-bit tile pair ldmatrix reads; key = stored * k_scale folded into the score scale, value = stored *
+// v_scale into the output).
+template <typename T, typename KV, int D, int BN>
 __global__ void __launch_bounds__(prefill_threads(D), 1)
     window_attention_prefill_kernel(const AttnParams p, int stages) {
+  constexpr bool kFp8 = sizeof(KV) == 1;
+  static_assert(kFp8 || std::is_same_v<KV, T>, "16-bit caches have the query's dtype");
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
+  constexpr int SLD = kFp8 ? D : LD;  // row stride of the ring's tiles, cache elements (fp8 rows: no padding)
   constexpr int KD = D / 16;          // k-steps of S = Q K^T
   constexpr int NS = BN / 8;          // n8 tiles of S
   constexpr int ND = D / 8;           // n8 tiles of O
-  constexpr int kChunks = D / 8;      // 16-byte chunks per row
+  constexpr int kChunkElems = 16 / int(sizeof(KV));
+  constexpr int kChunks = D / kChunkElems;  // 16-byte chunks per cached row
+  constexpr int kQChunks = D / 8;     // 16-byte chunks per query row
   constexpr int TPK = NT / BN;        // threads copying one key's rows
   constexpr bool kQInRegs = D <= 128;
   static_assert(NT % BN == 0 && NS % 2 == 0 && ND % 2 == 0, "threads per key, n8 tile pairs");
   AK_DYNAMIC_SHARED(T, smem);
   T* const q_s = smem;                // [BM][LD]
-  T* const kv_s = smem + BM * LD;     // stage s: K at kv_s + s * 2 * BN * LD, V after it
+  KV* const kv_s = reinterpret_cast<KV*>(smem + BM * LD);  // stage s: K at kv_s + s * 2 * BN * SLD, V after it
+  // fp8: the converted tile pair after the ring, [BN][LD] each. Key k's valid flag for ring stage s is element D + s
+  // of v_cvt's row k (padding: ldmatrix reads columns < D only); only the thread that copies key k writes it.
+  T* const k_cvt = kFp8 ? reinterpret_cast<T*>(kv_s + stages * 2 * BN * SLD) : nullptr;
+  T* const v_cvt = kFp8 ? k_cvt + BN * LD : nullptr;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kvh = blockIdx.y;
@@ -123,8 +157,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   // Keys at or past the table's capacity are masked (check=False); positions are int32 (seq_lens is).
   const int64_t cap64 = p.max_blocks * p.block_size;
   const T* const qg = static_cast<const T*>(p.query);
-  const T* const kc = static_cast<const T*>(p.k_cache);
-  const T* const vc = static_cast<const T*>(p.v_cache);
+  const KV* const kc = static_cast<const KV*>(p.k_cache);
+  const KV* const vc = static_cast<const KV*>(p.v_cache);
   const int32_t* const table = p.block_table + b * p.max_blocks;
   // This thread's key row in every tile, and its 16-byte chunks of that row.
   const int my_key = tid / TPK, my_sub = tid % TPK;
@@ -152,8 +186,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 
     __syncthreads();  // the previous query tile's last reads of the ring and of q_s are done
     // Q tile: packed row r -> token R / group, head kvh * group + R % group; rows past the sequence: zeros.
-    for (int idx = tid; idx < BM * kChunks; idx += NT) {
-      const int r = idx / kChunks, c = idx % kChunks;
+    for (int idx = tid; idx < BM * kQChunks; idx += NT) {
+      const int r = idx / kQChunks, c = idx % kQChunks;
       const int64_t R = R0 + r;
       T* dst = q_s + r * LD + c * 8;
       const bool live = R < nrows;
@@ -173,8 +207,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     // K/V tile i into ring stage i % stages: this thread's key, chunks my_sub, my_sub + TPK, ...
     auto load_tile = [&](int i) {
       const int j = tile_first + i * BN + my_key;
-      T* const ks = kv_s + (i % stages) * 2 * BN * LD + my_key * LD;
-      T* const vs = ks + BN * LD;
+      KV* const ks = kv_s + (i % stages) * 2 * BN * SLD + my_key * SLD;
+      KV* const vs = ks + BN * SLD;
       int64_t ko = 0, vo = 0;
       bool valid = false;
       if (j >= klo && j <= khi) {
@@ -187,12 +221,16 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       const int n = valid ? 16 : 0;
 #pragma unroll
       for (int c = my_sub; c < kChunks; c += TPK) {
-        dev::cp_async_16(ks + c * 8, valid ? kc + ko + c * 8 : kc, n);
-        dev::cp_async_16(vs + c * 8, valid ? vc + vo + c * 8 : vc, n);
+        dev::cp_async_16(ks + c * kChunkElems, valid ? kc + ko + c * kChunkElems : kc, n);
+        dev::cp_async_16(vs + c * kChunkElems, valid ? vc + vo + c * kChunkElems : vc, n);
       }
       if (my_sub == 0) {
         const uint16_t flag = valid ? 1 : 0;
-        memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
+        if constexpr (kFp8) {
+          memcpy(v_cvt + my_key * LD + D + i % stages, &flag, 2);  // read by the masking of tile i
+        } else {
+          memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
+        }
       }
     };
     for (int i = 0; i < stages - 1; ++i) {
@@ -216,6 +254,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
+    const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
     uint32_t qf[kQInRegs ? KD : 1][4];
     const T* const q_warp = q_s + (warp * 16 + lane % 16) * LD + (lane / 16) * 8;  // ldmatrix.x4 row address
 
@@ -228,9 +268,28 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       } else {
         dev::cp_async_wait<1>();
       }
-      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies
-      const T* const ks = kv_s + (it % stages) * 2 * BN * LD;
+      if constexpr (kFp8) {
+        // This thread's own copies of tile `it` landed (the wait): it converts exactly those (key my_key, chunks
+        // my_sub, my_sub + TPK, ...), so no barrier is needed before; k_cvt / v_cvt are free (every warp passed the
+        // previous tile's closing barrier after its last ldmatrix of them).
+        const uint8_t* const k8 = reinterpret_cast<const uint8_t*>(kv_s + (it % stages) * 2 * BN * SLD + my_key * SLD);
+        T* const kd = k_cvt + my_key * LD;
+#pragma unroll
+        for (int c = my_sub; c < kChunks; c += TPK) {
+          uint4 two[2];
+          fp8x16_to<T>(*reinterpret_cast<const uint4*>(k8 + c * 16), two);
+          *reinterpret_cast<uint4*>(kd + c * 16) = two[0];
+          *reinterpret_cast<uint4*>(kd + c * 16 + 8) = two[1];
+          fp8x16_to<T>(*reinterpret_cast<const uint4*>(k8 + BN * SLD + c * 16), two);
+          *reinterpret_cast<uint4*>(kd + BN * LD + c * 16) = two[0];
+          *reinterpret_cast<uint4*>(kd + BN * LD + c * 16 + 8) = two[1];
+        }
+      }
+      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies (fp8: converted)
+      const T* const ks = kFp8 ? k_cvt : reinterpret_cast<const T*>(kv_s + (it % stages) * 2 * BN * SLD);
       const T* const vs = ks + BN * LD;
+      // Key row k's valid flag: at fl[k * LD] (16-bit: K row padding; fp8: v_cvt row padding, slot of this stage).
+      const T* const fl = kFp8 ? v_cvt + D + it % stages : ks + D;
       const int j0 = tile_first + it * BN;
       if constexpr (kQInRegs) {
         if (it == 0) {
@@ -268,14 +327,14 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 #pragma unroll
       for (int n = 0; n < NS; ++n) {
         uint16_t flag[2];
-        memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
-        memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
+        memcpy(&flag[0], fl + (n * 8 + 2 * t4) * LD, 2);
+        memcpy(&flag[1], fl + (n * 8 + 2 * t4 + 1) * LD, 2);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = j0 + n * 8 + 2 * t4 + (e & 1);
           bool vis = flag[e & 1] != 0;
           if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
-          s[n][e] = vis ? cap_score(s[n][e] * p.scale, p.softcap) : neg_inf();
+          s[n][e] = vis ? cap_score(s[n][e] * qk_scale, p.softcap) : neg_inf();
         }
       }
       // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); the row's 4 lanes are a quad.
@@ -325,6 +384,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async
     }
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
+    const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;  // fp8: value = stored * v_scale
 
     // Write this lane's rows: O / l, lse (zeros and -inf for a row with no visible key).
 #pragma unroll
@@ -335,7 +395,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       const int64_t R = R0 + warp * 16 + g + 8 * r;
       if (R < nrows) {
         const int64_t oh = (first + R / group) * p.hq + kvh * group + R % group;
-        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        const float inv = lr > 0.f ? out_scale / lr : 0.f;
         T* const out = static_cast<T*>(p.out) + oh * D + 2 * t4;
 #pragma unroll
         for (int n = 0; n < ND; ++n)
@@ -348,14 +408,14 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 }
 
 // The prefill launch; returns the first launch error. The grid: packed query tiles x KV heads x batch.
-template <typename T, int D>
+template <typename T, typename KV, int D>
 cudaError_t run_prefill(const AttnParams& p, const PrefillPlan& plan, cudaStream_t stream) {
   const int64_t tiles = std::min<int64_t>(
       std::max<int64_t>(1, ceil_div<int64_t>(plan.max_q_len * p.group, prefill_rows(D))), int64_t{0x7fffffff});
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.hkv), static_cast<unsigned>(plan.batch));
   auto go = [&](auto bn) -> cudaError_t {
     constexpr int BN = decltype(bn)::value;
-    auto prefill = window_attention_prefill_kernel<T, D, BN>;
+    auto prefill = window_attention_prefill_kernel<T, KV, D, BN>;
     const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(prefill, plan.smem);
     if (err != cudaSuccess) return err;
     AK_LAUNCH(prefill, grid, prefill_threads(D), plan.smem, stream, p, plan.stages);

@@ -54,14 +54,18 @@ FALLBACK_THREADS = [
 ]
 
 
-def prefill_smem(d: int, bn: int, stages: int) -> int:
-    """prefill_smem(d, bn, stages) of window_attention_prefill.cuh: the prefill CTA's dynamic shared memory, bytes.
+def prefill_smem(d: int, bn: int, stages: int, fp8: bool = False) -> int:
+    """prefill_smem(d, bn, stages, fp8) of window_attention_prefill.cuh: the prefill CTA's dynamic shared memory, bytes.
 
-    A Q tile of 128 packed rows (64 for head_dim 256) and a ring of `stages` (K, V) tiles of `bn` keys; every row is
-    head_dim + 8 halves (16 bytes of padding: conflict-free ldmatrix; the K row's padding holds the key's valid flag).
+    A Q tile of 128 packed rows (64 for head_dim 256) of head_dim + 8 halves (16 bytes of padding: conflict-free
+    ldmatrix) and a ring of `stages` (K, V) tiles of `bn` keys as stored: 16-bit rows padded like Q (the K row's
+    padding holds the key's valid flag); fp8 rows of head_dim bytes, plus one converted 16-bit (K, V) pair padded like
+    Q that ldmatrix reads (its V rows' padding holds the per-stage valid flags).
     """
-    rows = 128 if d <= 128 else 64
-    return (rows + stages * 2 * bn) * (d + 8) * 2
+    rows, ld = (128 if d <= 128 else 64), d + 8
+    if fp8:
+        return (rows + 2 * bn) * ld * 2 + stages * 2 * bn * d
+    return (rows + stages * 2 * bn) * ld * 2
 
 
 def decode_smem(d: int, fp8: bool, spec: dict) -> int:
@@ -82,22 +86,25 @@ def decode_smem(d: int, fp8: bool, spec: dict) -> int:
     return next(layout(s) for s in (4, 3, 2, 1) if layout(s) <= spec["smem_block"])
 
 
-def prefill_plan_smem(d: int, bn: int, smem_block: int) -> int:
-    """The bytes plan_prefill gives kernel <D, BN> under a per-block limit: 3 stages if they fit, else 2.
+def prefill_plan_smem(d: int, bn: int, smem_block: int, fp8: bool = False) -> int:
+    """The bytes plan_prefill gives kernel <T, KV, D, BN> under a per-block limit: 3 stages if they fit, else 2.
 
-    D=64: 73728 (72 KB); D=128, BN=64: 139264 (136 KB) on sm_80 and sm_90; D=256: BN=64 168960 (165 KB, sm_90),
-    BN=32 135168 (132 KB, sm_80). A variant the arch never launches (D=256, BN=64 on sm_80) shows its 2-stage bytes.
+    16-bit: D=64: 73728 (72 KB); D=128, BN=64: 139264 (136 KB) on sm_80 and sm_90; D=256: BN=64 168960 (165 KB,
+    sm_90), BN=32 135168 (132 KB, sm_80). fp8: D=64: 61440 (60 KB); D=128, BN=64: 118784 (116 KB); D=256, BN=64:
+    199680 (195 KB, sm_90), 166912 (2 stages, sm_80). A variant the arch never launches (16-bit D=256, BN=64 on sm_80)
+    shows its 2-stage bytes.
     """
-    three = prefill_smem(d, bn, 3)
-    return three if three <= smem_block else prefill_smem(d, bn, 2)
+    three = prefill_smem(d, bn, 3, fp8)
+    return three if three <= smem_block else prefill_smem(d, bn, 2, fp8)
 
 
 # Dynamic shared memory per launch: (regex on the short name, bytes from the match and the arch's GPU_SPECS entry).
 # THE place to update when a kernel's shared memory plan changes or a kernel with `extern __shared__` is added;
 # kernels matching none get 0.
 DYNAMIC_SMEM = [
-    (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, (\d+), (\d+)>$"),
-     lambda m, spec: prefill_plan_smem(int(m.group(1)), int(m.group(2)), spec["smem_block"])),
+    (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, ([^,<>]+), (\d+), (\d+)>$"),
+     lambda m, spec: prefill_plan_smem(int(m.group(2)), int(m.group(3)), spec["smem_block"],
+                                       m.group(1) == "unsigned char")),
     (re.compile(r"^window_attention_decode_kernel<[^,<>]+, ([^,<>]+), (\d+)>$"),
      lambda m, spec: decode_smem(int(m.group(2)), m.group(1) == "unsigned char", spec)),
 ]
@@ -154,7 +161,8 @@ def run_cuobjdump(cuobjdump: str, nvdisasm: str | None, args: list[str]) -> str:
 
 
 def demangle(names: list[str]) -> dict[str, str]:
-    """Mangled -> short readable name ('window_attention_prefill_kernel<__half, 128, 64>'); mangled if no c++filt."""
+    """Mangled -> short readable name ('window_attention_prefill_kernel<__half, __half, 128, 64>'); mangled if no
+    c++filt."""
     full = dict(zip(names, names))
     cxxfilt = shutil.which("c++filt")
     if cxxfilt is None:

@@ -93,10 +93,16 @@ def _kernel_run(select: str, tsan: bool = False) -> str:
 _DECODE_FILE = "window_attention_decode.cuh"
 _DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and heads1 or stages_and_groups and 128 "
            "or fp8_cache and False or split_combine")
-_PREFILL = "prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1"
+_PREFILL = ("prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1 "
+            "or prefill_fp8 and 128-sm_89 or prefill_fp8 and 256-sm_80 or invalid_blocks and True-True "
+            "or invalid_blocks and True-False")
+_PREFILL_FP8_TSAN = "prefill_traffic and True-24-heads1 or prefill_fp8 and 128-sm_89"
 _K_WAIT = "    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...\n"
 _K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
 _PF = "window_attention_prefill.cuh"
+_PF_CVT_SYNC = ("      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's "
+                "copies (fp8: converted)\n")
+_PF_CVT_SYNC_FP8_GONE = "      if constexpr (!kFp8) __syncthreads();\n"  # the 16-bit path keeps its barrier
 _PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      } else {\n        dev::cp_async_wait<1>();\n"
             "      }\n")
 
@@ -147,6 +153,18 @@ FAULTS += [
                    "      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async\n", ""),
     _prefill_fault("P.V k-step reads the wrong S tile pair",
                    "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),"),
+    _prefill_fault("fp8 v_scale not applied", "const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;",
+                   "const float out_scale = 1.f;"),
+    _prefill_fault("fp8 k_scale not folded into the score scale",
+                   "kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;", "p.scale;"),
+    _prefill_fault("fp8 barrier after the K/V conversion removed", _PF_CVT_SYNC, _PF_CVT_SYNC_FP8_GONE),
+    Fault("prefill: fp8 barrier after the K/V conversion removed (TSan)", _PF, _PF_CVT_SYNC, _PF_CVT_SYNC_FP8_GONE,
+          build=KERNEL_BUILD_TSAN, run=_kernel_run(_PREFILL_FP8_TSAN, tsan=True)),
+    _prefill_fault("fp8 conversion reads the next ring stage",
+                   "reinterpret_cast<const uint8_t*>(kv_s + (it % stages)",
+                   "reinterpret_cast<const uint8_t*>(kv_s + ((it + 1) % stages)"),
+    _prefill_fault("fp8 valid flags of ring stage 0 for every tile", "kFp8 ? v_cvt + D + it % stages : ks + D;",
+                   "kFp8 ? v_cvt + D : ks + D;"),
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
 ]

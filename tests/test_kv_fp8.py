@@ -213,21 +213,17 @@ def test_window_attention_fp8_cpu(q_dtype, case):
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(ATTN_CASES)))
 def test_window_attention_fp8_cuda_kernel(device, q_dtype, case):
-    """The CUDA kernels on fp8 caches (decode reads e4m3 tiles and converts them in shared memory, prefill dequantizes
-    the cache first) against the same fp64 reference and tolerance as the CPU kernel (query fp16/bf16 on CUDA)."""
+    """The CUDA kernels on fp8 caches (decode and prefill read the e4m3 tiles as stored and convert them in shared
+    memory, exactly; the scales act in fp32) against the same fp64 reference and tolerance as the CPU kernel (query
+    fp16/bf16 on CUDA)."""
     gen = torch.Generator().manual_seed(case)
     query, k_cache, v_cache, table, lens, cu, window, ks, vs = _attn_inputs(ATTN_CASES[case], q_dtype, gen)
     dev = "cpu" if device != "cuda" else "cuda"
     out, lse = window_attention(query.to(dev), k_cache.to(dev), v_cache.to(dev), table.to(dev), lens.to(dev),
                                 cu_seqlens_q=None if cu is None else cu.to(dev), window=window, k_scale=ks.to(dev),
                                 v_scale=vs.to(dev), return_lse=True)
-    if cu is None:
-        want, want_lse = window_attention_ref(query, k_cache, v_cache, table, lens, window=window, k_scale=ks,
-                                              v_scale=vs)
-    else:  # prefill dequantizes the cache to the query's dtype first: that rounding is part of what it computes
-        kd = dequantize_e4m3_ref(k_cache, ks).to(q_dtype)
-        vd = dequantize_e4m3_ref(v_cache, vs).to(q_dtype)
-        want, want_lse = window_attention_ref(query, kd, vd, table, lens, cu_seqlens_q=cu, window=window)
+    want, want_lse = window_attention_ref(query, k_cache, v_cache, table, lens, cu_seqlens_q=cu, window=window,
+                                          k_scale=ks, v_scale=vs)
     assert out.dtype == q_dtype and out.shape == query.shape
     assert (out.cpu().double() - want).abs().max().item() <= ATTN_TOL[q_dtype]
     assert (lse.cpu().double() - want_lse).abs().max().item() <= 1e-4

@@ -18,7 +18,7 @@ _spec.loader.exec_module(sr)
 
 NS_WA = "_ZN9arkernels52_GLOBAL__N__b279223b_19_window_attention_cu_db9532b5"
 DECODE = NS_WA + "30window_attention_decode_kernelI6__halfLi128EEEvNS0_6ParamsE"
-PREFILL = NS_WA + "31window_attention_prefill_kernelI6__halfLi128ELi64EEEvNS0_6ParamsE"
+PREFILL = NS_WA + "31window_attention_prefill_kernelI6__halfS2_Li128ELi64EEEvNS0_6ParamsE"  # <__half, __half, 128, 64>
 GATHER = ("_ZN9arkernels44_GLOBAL__N__d47db4b3_11_paged_kv_cu_098fbcbe22paged_kv_gather_kernelI5uint4EEvPKT_S5_PKiS7_"
           "PS3_S8_lllliiillllll")
 SPILLY = "_Z13spilly_kernelPf"
@@ -176,9 +176,9 @@ def test_parse_sass_counts():
 
 
 def test_short_name():
-    name = sr.short_name("void arkernels::(anonymous namespace)::window_attention_prefill_kernel<__half, 128, 64>"
-                         "(arkernels::(anonymous namespace)::Params)")
-    assert name == "window_attention_prefill_kernel<__half, 128, 64>"
+    name = sr.short_name("void arkernels::(anonymous namespace)::window_attention_prefill_kernel<__half, unsigned char, "
+                         "128, 64>(arkernels::(anonymous namespace)::Params)")
+    assert name == "window_attention_prefill_kernel<__half, unsigned char, 128, 64>"
     assert sr.short_name("void arkernels::(anonymous namespace)::paged_kv_append_kernel<uint4, long>(uint4 const*, "
                          "long const*, long)") == "paged_kv_append_kernel<uint4, long>"
     assert sr.short_name("spilly_kernel(float*)") == "spilly_kernel"
@@ -193,6 +193,32 @@ def test_prefill_smem_matches_source_comment():
     sm80, sm90 = sr.GPU_SPECS["sm_80"]["smem_block"], sr.GPU_SPECS["sm_90"]["smem_block"]
     assert [sr.prefill_plan_smem(256, 64, sm90), sr.prefill_plan_smem(256, 32, sm80),
             sr.prefill_plan_smem(128, 64, sm80)] == [168960, 135168, 139264]
+
+
+def test_prefill_smem_fp8_matches_source_comment():
+    # fp8 caches: Q tile + one converted 16-bit (K, V) pair of rows d + 8, ring of d-byte rows. D=64 60 KB, D=128
+    # 116 KB (BN=64, 3 stages) and 75 KB (BN=32, 3, 99 KB GPUs), D=256 195 KB (BN=64, 3, sm_90), 163 KB (BN=64, 2,
+    # sm_80: exactly its 166912-byte opt-in), 98 KB (BN=32, 2, 99 KB GPUs)
+    assert [sr.prefill_smem(d, bn, st, fp8=True) for d, bn, st in [(64, 64, 3), (128, 64, 3), (128, 32, 3),
+                                                                   (256, 64, 3), (256, 64, 2), (256, 32, 2)]] == \
+        [61440, 118784, 76800, 199680, 166912, 100352]
+    sm80, sm90 = sr.GPU_SPECS["sm_80"]["smem_block"], sr.GPU_SPECS["sm_90"]["smem_block"]
+    assert [sr.prefill_plan_smem(256, 64, sm90, fp8=True), sr.prefill_plan_smem(256, 64, sm80, fp8=True),
+            sr.prefill_plan_smem(128, 64, sm80, fp8=True)] == [199680, 166912, 118784]
+
+
+def _dynamic_smem(name, arch):
+    spec = sr.GPU_SPECS[arch]
+    return next((f(m, spec) for pat, f in sr.DYNAMIC_SMEM for m in [pat.match(name)] if m), None)
+
+
+def test_dynamic_smem_table_tells_fp8_from_16bit_prefill():
+    # The report's short names carry the caches' element type (unsigned char: float8_e4m3fn): each gets its layout.
+    assert _dynamic_smem("window_attention_prefill_kernel<__half, __half, 128, 64>", "sm_90") == 139264
+    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, __nv_bfloat16, 256, 64>", "sm_90") == 168960
+    assert _dynamic_smem("window_attention_prefill_kernel<__half, unsigned char, 128, 64>", "sm_90") == 118784
+    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 64>", "sm_90") == 199680
+    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 64>", "sm_80") == 166912
 
 
 @pytest.mark.parametrize("arch,regs,threads,smem,ctas,limiter", [
@@ -226,7 +252,7 @@ def test_build_rows():
     assert dec90["static_smem"] == dec80["static_smem"] == 22144  # sm_90's in-cubin 1 KB reservation taken out
     assert (dec90["threads"], dec90["threads_from"]) == (128, "launch_bounds")  # 64 x 2 x 1
     assert (dec80["threads"], dec80["threads_from"]) == (128, "fallback")
-    pre = rows[("sm_90", "window_attention_prefill_kernel<__half, 128, 64>")]
+    pre = rows[("sm_90", "window_attention_prefill_kernel<__half, __half, 128, 64>")]
     assert (pre["static_smem"], pre["dynamic_smem"], pre["ctas_per_sm"], pre["hmma"]) == (0, 139264, 1, 1)
     gat = rows[("sm_90", "paged_kv_gather_kernel<uint4>")]
     assert (gat["threads"], gat["threads_from"], gat["dynamic_smem"]) == (256, "fallback", 0)
@@ -253,7 +279,7 @@ case "$1" in -lelf) cat $d/lelf.txt;; -res-usage) cat $d/res.txt;; -elf) cat $d/
     assert sr.main(["--so", str(so), "--arch", "sm_90", "--json", str(out_json)]) == 1
     out = capsys.readouterr().out
     assert "FAIL local memory: sm_90 spilly_kernel: STL 1 (8 B), LDL 1 (4 B), stack 16 B" in out
-    assert "window_attention_prefill_kernel<__half, 128, 64>" in out and "summary: 4 kernel cubins" in out
+    assert "window_attention_prefill_kernel<__half, __half, 128, 64>" in out and "summary: 4 kernel cubins" in out
     rows = json.loads(out_json.read_text())["rows"]
     assert {r["arch"] for r in rows} == {"sm_90"} and len(rows) == 4
     assert "warning" not in out
@@ -262,5 +288,5 @@ case "$1" in -lelf) cat $d/lelf.txt;; -res-usage) cat $d/res.txt;; -elf) cat $d/
     monkeypatch.setattr(sr, "DYNAMIC_SMEM", [])
     capsys.readouterr()
     assert sr.main(["--so", str(so), "--arch", "sm_90"]) == 1
-    assert "warning: sm_90 window_attention_prefill_kernel<__half, 128, 64>: accesses shared memory" in \
+    assert "warning: sm_90 window_attention_prefill_kernel<__half, __half, 128, 64>: accesses shared memory" in \
         capsys.readouterr().out

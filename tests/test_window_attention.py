@@ -534,9 +534,9 @@ def test_window_attention_decode_split_combine_cuda_graph():
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("prefill", [False, True])
 def test_window_attention_fp8_cache(device, head_dim, prefill):
-    """float8_e4m3fn caches (key = stored * k_scale, value = stored * v_scale) in the CUDA kernels: decode converts each
-    landed tile to 16 bits in shared memory and folds the scales into the score scale and the output; prefill
-    dequantizes the cache first. Scales are powers of two, so the 16-bit copy of the dequantized cache is exact and
+    """float8_e4m3fn caches (key = stored * k_scale, value = stored * v_scale) in the CUDA kernels: decode and prefill
+    convert each landed tile to 16 bits in shared memory and fold the scales into the score scale and the output.
+    Scales are powers of two, so the 16-bit copy of the dequantized cache is exact and
     the fp64 reference over it is the yardstick (a missing or misplaced scale is off by 2x or 4x). GQA, windows,
     softcap, block sizes 1/16/13, split-KV partitions."""
     hi = HEAD_DIMS.index(head_dim)
@@ -561,6 +561,113 @@ def test_window_attention_fp8_cache(device, head_dim, prefill):
     _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap)
 
 
+def _prefill_smem(d, bn, stages, fp8=False):
+    """Dynamic shared memory of a prefill CTA (csrc/window_attention_prefill.cuh, prefill_smem): the Q tile of 128
+    packed rows (64 at head_dim 256) of d + 8 16-bit elements, and the ring of `stages` K/V tile pairs of `bn` keys:
+    16-bit rows padded like Q; fp8 rows of d bytes plus one converted 16-bit K/V pair padded like Q."""
+    rows, ld = (128 if d <= 128 else 64), d + 8
+    return (rows + 2 * bn) * ld * 2 + stages * 2 * bn * d if fp8 else (rows + stages * 2 * bn) * ld * 2
+
+
+# (key-tile width, ring depth) of the fp8 prefill plan per emulated GPU and head_dim: the first of (64, 3), (64, 2),
+# (32, 3), (32, 2) that fits the per-block limit (sm_80 166912, sm_89 101376, sm_90 232448 bytes). sm_80 at 256:
+# (64, 2) is exactly 166912; sm_89: 128 needs 102400 for (64, 2), 256 fits (32, 2) in 100352.
+FP8_PREFILL_PLANS = {
+    "sm_80": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (64, 2)},
+    "sm_89": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (32, 3), 256: (32, 2)},
+    "sm_90": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (64, 3)},
+}
+FP8_GROUPS = [(3, 3), (6, 2), (8, 1), (10, 2), (16, 1)]
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("gpu", list(FP8_PREFILL_PLANS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_window_attention_prefill_fp8(device, gpu, head_dim):
+    """Prefill over float8_e4m3fn caches read as stored (no 16-bit copy): every head_dim under the plan of each
+    emulated GPU (the launch's shared memory says which tile width and ring depth ran), fp16 and bf16 queries for every
+    head_dim, GQA 1..16, block sizes 1, 16 and 13, windows (1, 40, longer than every prompt, none), softcap,
+    kv_start, ragged lengths: a one-token prompt, chunked prefill over a cache (several 128-row query tiles and more
+    key tiles than ring stages), a whole prompt, a sequence with no new query. Power-of-two scales make the 16-bit
+    copy of the dequantized cache exact, so the fp64 reference over it is the yardstick (a missing or misplaced
+    scale is off by 4x or 8x)."""
+    import arkernels.simt
+
+    hi, gi = HEAD_DIMS.index(head_dim), list(FP8_PREFILL_PLANS).index(gpu)
+    dtype = _pick([torch.float16, torch.bfloat16], hi, gi)
+    hq, hkv = _pick(FP8_GROUPS, hi, 2 * gi)
+    block_size = _pick(BLOCK_SIZES, hi, gi)
+    window = _pick([0, 1, 40, 1000], hi, 3 * gi)
+    softcap = _pick([0.0, 2.5], hi, gi + 1)
+    gen = torch.Generator().manual_seed(300 + 10 * hi + gi)
+    lens, q_lens = [1, 70, 200, 45, 9], [1, 30, 40, 45, 0]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    k, v, table = _paged(lens, block_size, hkv, head_dim, torch.float32, "cpu", gen)
+    k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 8).to(torch.float8_e4m3fn)  # NaN poison stays NaN
+    kd, vd = k8.to(dtype) * 0.25, v8.to(dtype) * 0.125  # exact: powers of two
+    kv_start = torch.tensor([0, 3, 17, 5, 0], dtype=torch.int32)
+    query = torch.randn(cu[-1], hq, head_dim, generator=gen).to(dtype)
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    with arkernels.simt.emulate(gpu):
+        out, lse = window_attention(query, k8, v8, table, torch.tensor(lens, dtype=torch.int32), window=window,
+                                    softcap=softcap, kv_start=kv_start, k_scale=torch.tensor([0.25]),
+                                    v_scale=torch.tensor([0.125]), return_lse=True,
+                                    cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    assert [launch["smem"] for launch in arkernels.simt.launches()] == \
+        [_prefill_smem(head_dim, *FP8_PREFILL_PLANS[gpu][head_dim], fp8=True)]
+    _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap, kv_start=kv_start)
+
+
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
+def test_window_attention_prefill_fp8_refused_below_its_smem(device, monkeypatch):
+    """Below the fp8 layout's smallest plan (head_dim 256: 32-key tiles, 2 stages, 100352 bytes) prefill over an fp8
+    cache is refused with a message naming the op and the sizes; at exactly that limit it runs."""
+    k8 = torch.zeros(2, 16, 1, 256, dtype=torch.float8_e4m3fn, device=device)
+    args = (torch.zeros(2, 1, 256, dtype=torch.float16, device=device), k8, k8,
+            torch.zeros(1, 1, dtype=torch.int32, device=device), torch.full((1,), 2, dtype=torch.int32, device=device))
+    kwargs = dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device),
+                  k_scale=torch.tensor([1.0], device=device), v_scale=torch.tensor([1.0], device=device))
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(100352 - 16))
+    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs at least 100352 bytes"):
+        window_attention(*args, **kwargs)
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(100352))
+    assert bool((window_attention(*args, **kwargs).cpu() == 0).all())  # zero keys and values: zero output
+
+
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_window_attention_invalid_blocks_masked(device, fp8, prefill):
+    """check=False with block ids out of range (-1, num_blocks + 3) inside the visible range: the keys of such a block
+    are masked and never read (the kernels' valid flags; fp8 prefill keeps them per ring stage), which for ids from
+    table column 4 on is the same as a table of 4 columns (64 slots: keys past it are masked too)."""
+    gen = torch.Generator().manual_seed(40 + 2 * fp8 + prefill)
+    lens = [100, 90]
+    k, v, table = _paged(lens, 16, 2, 64, torch.float32, "cpu", gen)
+    num_blocks = k.shape[0]
+    bad = table.clone()
+    bad[0, 4:] = -1
+    bad[1, 4:] = num_blocks + 3
+    scales = {}
+    if fp8:
+        k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 8).to(torch.float8_e4m3fn)
+        kd, vd = k8.half() * 0.25, v8.half() * 0.125  # exact: powers of two
+        scales = {"k_scale": torch.tensor([0.25], device=device), "v_scale": torch.tensor([0.125], device=device)}
+        k_in, v_in = k8, v8
+    else:
+        kd, vd = k.half(), v.half()
+        k_in, v_in = kd, vd
+    cu = [0, 40, 70] if prefill else None
+    query = torch.randn(cu[-1] if prefill else 2, 6, 64, generator=gen).half()
+    out, lse = window_attention(query.to(device), k_in.to(device), v_in.to(device), bad.to(device),
+                                torch.tensor(lens, dtype=torch.int32, device=device), return_lse=True, check=False,
+                                cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device),
+                                **scales)
+    _check(out, lse, query, kd, vd, table[:, :4].contiguous(), lens, cu, 0, 64 ** -0.5, 0.0)
+
+
 def _prefill_visible_kv_bytes(k_cache, table, lens, q_lens, group, window, kv_start, rows_per_tile):
     """Per-byte count [storage bytes] of the K rows prefill must read: the CUDA kernel packs the `group` query heads
     of a KV head into one row space (row = token * group + head), cut into tiles of `rows_per_tile`; per tile and KV
@@ -580,11 +687,14 @@ def _prefill_visible_kv_bytes(k_cache, table, lens, q_lens, group, window, kv_st
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("heads", [(2, 2), (6, 2), (32, 2)])
 @pytest.mark.parametrize("window", [0, 24])
-def test_window_attention_prefill_traffic(device, heads, window):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_window_attention_prefill_traffic(device, heads, window, fp8):
     """Prefill reads each K/V byte once per KV head per query tile (the GQA group's query heads share it: packed
     rows), only keys some row of the tile sees (tiles wholly outside the causal window are never read), each query
     element exactly once, and writes each output element once (the emulator counts every global access per byte).
-    head_dim 64: 128 packed rows per CTA."""
+    head_dim 64: 128 packed rows per CTA. fp8 caches: the kernel reads the e4m3 rows as stored, each element exactly
+    as often as the 16-bit kernel reads it on the same table (half the bytes), and makes no 16-bit copy of the cache
+    (nothing outside the named arguments is read; only out and lse are written)."""
     import arkernels.simt
 
     hq, hkv = heads
@@ -597,19 +707,31 @@ def test_window_attention_prefill_traffic(device, heads, window):
     for n in q_lens:
         cu.append(cu[-1] + n)
     query = torch.randn(cu[-1], hq, 64, generator=gen).half()
-    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
-                                kv_start=kv_start, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), return_lse=True)
+    args = dict(window=window, kv_start=kv_start, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    cache, scales, reads16 = (k, v), {}, None
+    if fp8:  # first the 16-bit kernel's reads on the same table
+        window_attention(query, k, v, table, lens_t, **args)
+        reads16 = {name: arkernels.simt.traffic_map(name)[0] for name in ("k_cache", "v_cache")}
+        k8, v8 = (k.float() * 4).to(torch.float8_e4m3fn), (v.float() * 8).to(torch.float8_e4m3fn)
+        k, v = k8.half() * 0.25, v8.half() * 0.125  # the reference's inputs: exact (powers of two)
+        cache, scales = (k8, v8), {"k_scale": torch.tensor([0.25]), "v_scale": torch.tensor([0.125])}
+    out, lse = window_attention(query, *cache, table, lens_t, return_lse=True, **args, **scales)
     maps, totals = {name: arkernels.simt.traffic_map(name) for name in ("k_cache", "v_cache")}, arkernels.simt.traffic()
     _check(out, lse, query, k, v, table, lens, cu, window, 64 ** -0.5, 0.0, kv_start=kv_start)
-    want = _prefill_visible_kv_bytes(k, table, lens, q_lens, group, window, kv_start, rows_per_tile=128)
+    want = _prefill_visible_kv_bytes(cache[0], table, lens, q_lens, group, window, kv_start, rows_per_tile=128)
     for name, (reads, writes) in maps.items():
         assert int(writes.sum()) == 0
         bad = (reads != want).nonzero()
         assert bad.numel() == 0, (f"{name}: {bad.numel()} bytes read a wrong number of times (first at byte "
                                   f"{int(bad[0])}: {int(reads[bad[0]])}x, want {int(want[bad[0]])}x)")
+        if fp8:  # per element: byte e of the fp8 cache as often as bytes 2e, 2e + 1 of the 16-bit one
+            assert torch.equal(reads, reads16[name][0::2]) and torch.equal(reads, reads16[name][1::2])
     assert totals["query"] == (query.numel() * 2, 0)  # each query element loaded by exactly one CTA
-    assert totals["other"][1] == out.numel() * 2 + lse.numel() * 4  # out and lse written once each
+    assert totals["other"] == (0, out.numel() * 2 + lse.numel() * 4)  # no scratch: out and lse written once each
     assert totals["block_table"][1] == totals["seq_lens"][1] == 0
+    if fp8:
+        assert totals["k_scale"][0] > 0 and totals["v_scale"][0] > 0 and totals["k_scale"][1] == 0
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
