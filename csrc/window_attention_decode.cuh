@@ -32,6 +32,12 @@
 //   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
 //   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
 //   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
+// fp8 caches (same shape): K+V = 16.8 MB. Tiles are staged as stored (rows of D + 16 bytes: a stage is 18 KB; 4
+//   stages + Q + offsets = 78.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
+//   ldmatrix.x4 (K, two k-steps each) + 4 ldmatrix.x4.trans (V, 32 dims each), 64 cvt (e4m3x2 -> f16x2) and 16 prmt,
+//   the same 64 mma. Shared memory moves each cache byte twice (cp.async in, ldmatrix out), as for 16-bit caches; a
+//   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
+//   (5.5 bytes of shared-memory traffic per byte from HBM instead of 2).
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
 #pragma once
@@ -45,45 +51,69 @@ constexpr int kDecodeMaxStages = 4;
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs as stored (16-bit rows padded to D + 8
-// elements; fp8 rows of D bytes, which only the conversion reads), for fp8 caches one converted 16-bit K/V tile pair,
-// the query tile, per-stage K offsets (their sign is the key's validity) and the V offsets of the tile being issued.
-// One formula for the kernel and the plan.
+// Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs as stored (rows padded by 16 bytes: 16-bit
+// rows of D + 8 elements, fp8 rows of D + 16 bytes), the query tile, per-stage K offsets (their sign is the key's
+// validity) and the V offsets of the tile being issued; at least what the final merge of the 4 warps reuses it for
+// ([4][16][D] fp32 O and [2][4][16] m, l). One formula for the kernel and the plan.
 struct DecodeLayout {
-  int ld;                 // row stride of the 16-bit K, V and Q tiles, elements: D + 8 (16 bytes of skew: ldmatrix
-                          // conflict-free)
-  int stage_ld;           // row stride of a stage's tiles, cache elements: ld (16-bit caches) or D (fp8)
-  size_t stage, off_cvt, off_q, off_koff, off_voff, smem;
+  int ld;                 // row stride of the 16-bit Q tile, elements: D + 8
+  int stage_ld;           // row stride of a stage's K and V tiles, cache elements: D + 8 (16-bit) or D + 16 (fp8):
+                          // 16 bytes of skew, so the 8 rows of an ldmatrix hit distinct banks
+  size_t stage, off_q, off_koff, off_voff, smem;
 };
 __host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages, bool fp8 = false) {
-  DecodeLayout l{d + 8, fp8 ? d : d + 8, 0, 0, 0, 0, 0, 0};
+  DecodeLayout l{d + 8, fp8 ? d + 16 : d + 8, 0, 0, 0, 0, 0};
   l.stage = size_t(2) * kDecodeTileKeys * l.stage_ld * (fp8 ? 1 : 2);  // K tile + V tile as stored
-  l.off_cvt = size_t(stages) * l.stage;
-  l.off_q = l.off_cvt + (fp8 ? size_t(2) * kDecodeTileKeys * l.ld * 2 : 0);  // fp8: converted K and V tiles
+  l.off_q = size_t(stages) * l.stage;
   l.off_koff = l.off_q + size_t(kDecodeRows) * l.ld * 2;      // Q tile [16][ld]
   l.off_voff = l.off_koff + size_t(stages) * kDecodeTileKeys * 8;
+  const size_t merge = size_t(kDecodeWarps) * kDecodeRows * (d + 2) * 4;
   l.smem = l.off_voff + size_t(kDecodeTileKeys) * 8;
+  l.smem = l.smem < merge ? merge : l.smem;
   return l;
 }
 
-// 16 e4m3 bytes -> 16 T elements (8 registers of pairs); exact for both fp16 and bf16 (e4m3 has 4 exponent bits and
-// 3 mantissa bits, subnormals down to 2^-9).
+// 2 e4m3 bytes (low byte first) -> a pair of T in one register; exact for both fp16 and bf16 (e4m3 has 4 exponent bits
+// and 3 mantissa bits, subnormals down to 2^-9).
+template <typename T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint16_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+  if constexpr (std::is_same_v<T, __half>) {
+    uint32_t r;
+    memcpy(&r, &h, 4);
+    return r;
+  } else {
+    return pack_pair<T>(__half2float(__half(__half_raw{h.x})), __half2float(__half(__half_raw{h.y})));
+  }
+}
+
+// 16 e4m3 bytes -> 16 T elements (8 registers of pairs).
 template <typename T>
 __device__ __forceinline__ void fp8x16_to(const uint4& in, uint4 (&out)[2]) {
   uint16_t two[8];
   memcpy(two, &in, 16);
   uint32_t r[8];
 #pragma unroll
-  for (int x = 0; x < 8; ++x) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two[x], __NV_E4M3);
-    if constexpr (std::is_same_v<T, __half>) {
-      memcpy(&r[x], &h, 4);
-    } else {
-      const float lo = __half2float(__half(__half_raw{h.x})), hi = __half2float(__half(__half_raw{h.y}));
-      r[x] = pack_pair<T>(lo, hi);
-    }
-  }
+  for (int x = 0; x < 8; ++x) r[x] = fp8x2_to<T>(two[x]);
   memcpy(out, r, 32);
+}
+
+// fp8 fragments straight from the staged tiles (decode): ldmatrix moves 16-bit words, so on e4m3 rows a lane gets
+// 4 bytes where an fp16 operand would have 2 elements, and the layouts are matched by permutations instead of a
+// conversion pass through shared memory.
+// - K (non-trans, rows = keys): lane (g, t4) gets dims 4 t4 .. 4 t4 + 3 of key g in a 16-dim k-step; as the B
+//   fragment of Q K^T they stand at k = 2 t4, 2 t4 + 1 (low pair) and 2 t4 + 8, 2 t4 + 9 (high pair). The sum over k
+//   does not care about the order as long as Q follows it: the query tile stores dim fp8_k_dim(c) at column c.
+__host__ __device__ constexpr int fp8_k_dim(int c) {  // c in [0, 16): the dim at mma column c of a k-step
+  return c < 8 ? 4 * (c / 2) + c % 2 : 4 * ((c - 8) / 2) + 2 + c % 2;
+}
+// - V (.trans, rows = keys): lane (g, t4) gets bytes {key 2 t4: dims 2g, 2g + 1; key 2 t4 + 1: dims 2g, 2g + 1} of a
+//   16-dim block; one byte permute gives the key pair of dim 2g (low half) and of dim 2g + 1 (high half), each the
+//   B fragment half of an 8-column block whose column n is dim 2n (even block) or 2n + 1 (odd block). So a 32-dim
+//   chunk of V is one ldmatrix.x4.trans -> O blocks 4c + {0, 1, 2, 3} at dims 32c + {0, 1, 16, 17} + 2n, and the
+//   merge puts O's columns back in place (fp8_o_dim).
+__host__ __device__ constexpr int fp8_o_dim(int block, int n) {  // dim of column n of O block `block` (fp8 path)
+  return (block / 4) * 32 + (block % 4 >= 2 ? 16 : 0) + block % 2 + 2 * n;
 }
 
 // cp.async.wait_group n for a run-time n in [0, 2 * kDecodeMaxStages - 1].
@@ -161,8 +191,9 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
 }
 
 // ------------------------------------------------------------------------------------------------ decode
-// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: converted to T in shared memory once per
-// tile, key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
+// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
+// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
+// v_scale into the output).
 template <typename T, typename KV, int D>
 __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(const AttnParams p, const int stages) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -261,7 +292,17 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
         memcpy(&v, e, 16);
       }
     }
-    *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = v;
+    if constexpr (kFp8) {  // column fp8_k_dim^-1 of each dim (see fp8_k_dim)
+      T e[8];
+      memcpy(e, &v, 16);
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        const int dim = (c % 2) * 8 + x, j = dim / 4, m = dim % 4;  // dim within its 16-dim k-step
+        q_s[r * LD + (c / 2) * 16 + (m < 2 ? 2 * j + m : 8 + 2 * j + m - 2)] = e[x];
+      }
+    } else {
+      *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = v;
+    }
   }
   // Prologue: tiles 0 .. stages-2 in flight.
   for (int t = 0; t < stages - 1; ++t) {
@@ -291,24 +332,14 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale; value = stored * v_scale.
   const float k_scale = kFp8 ? dev::ld_global(p.k_scale) : 1.f, v_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;
   const float qk_scale = p.softcap > 0.f ? p.scale * k_scale : p.scale * k_scale * kLog2e;
-  // fp8: a landed stage tile (64 rows of D bytes) -> the 16-bit tile at dst [64][LD].
-  auto convert = [&](const void* src, T* dst) {
-    const uint8_t* s8 = static_cast<const uint8_t*>(src);
-    for (int idx = tid; idx < kDecodeTileKeys * D / 16; idx += kAttnThreads) {
-      const int k = idx / (D / 16), c = idx % (D / 16);
-      uint4 two[2];
-      fp8x16_to<T>(*reinterpret_cast<const uint4*>(s8 + k * D + c * 16), two);
-      *reinterpret_cast<uint4*>(dst + k * LD + c * 16) = two[0];
-      *reinterpret_cast<uint4*>(dst + k * LD + c * 16 + 8) = two[1];
-    }
-  };
-  T* k_cvt = reinterpret_cast<T*>(smem + lay.off_cvt);
-  T* v_cvt = k_cvt + kDecodeTileKeys * LD;
   // ldmatrix lane addressing inside a warp's 16 keys: K (non-trans): matrix l / 8 = (key half, column half) ->
   // key (l / 16) * 8 + l % 8, column ((l / 8) % 2) * 8; V (.trans): matrix l / 8 = (column half, key half) ->
   // key ((l / 8) % 2) * 8 + l % 8, column (l / 16) * 8.
   const int k_row = warp * 16 + (lane / 16) * 8 + lane % 8, k_col = ((lane / 8) % 2) * 8;
   const int v_row = warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, v_col = (lane / 16) * 8;
+  // fp8 (K and V alike): matrix l / 8 = (key half, 16-byte column half) -> key ((l / 8) % 2) * 8 + l % 8, byte
+  // column (l / 16) * 16: registers {keys 0-7, keys 8-15} x {first 16 dims, next 16 dims}.
+  const int f_col = (lane / 16) * 16;
 
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % stages;
@@ -317,21 +348,11 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     issue(t + stages - 1);
     cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
     __syncthreads();                  // ... and everyone's
-    const T* k_s = reinterpret_cast<const T*>(smem + st * lay.stage);
-    const T* v_s = k_s + kDecodeTileKeys * LD;
-    if constexpr (kFp8) {  // k_cvt / v_cvt are free: every warp passed this tile's first barrier after tile t-1's PV
-      convert(smem + st * lay.stage, k_cvt);
-      __syncthreads();
-      k_s = k_cvt;
-      v_s = v_cvt;
-    }
+    const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
+    const KV* v_s = k_s + kDecodeTileKeys * SLD;
     // S = Q K^T for this warp's 16 keys: two 8-key blocks.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t kf[4];
-      dev::ldmatrix_x4(kf, k_s + k_row * LD + ks * 16 + k_col);
-      const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+    auto qk = [&](int ks, const uint32_t (&b0)[2], const uint32_t (&b1)[2]) {
       if constexpr (kQInRegs) {
         dev::mma_m16n8k16<T>(s[0], qf[ks], b0, s[0]);
         dev::mma_m16n8k16<T>(s[1], qf[ks], b1, s[1]);
@@ -340,6 +361,37 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
         dev::ldmatrix_x4(a, q_lane + ks * 16);
         dev::mma_m16n8k16<T>(s[0], a, b0, s[0]);
         dev::mma_m16n8k16<T>(s[1], a, b1, s[1]);
+      }
+    };
+    if constexpr (kFp8) {  // two k-steps per ldmatrix.x4 (registers: {key block 0, 1} x {k-step ks, ks + 1})
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ks += 2) {
+        uint32_t kf[4] = {0u, 0u, 0u, 0u};
+        if (ks + 1 < kKSteps) {
+          dev::ldmatrix_x4(kf, k_s + v_row * SLD + ks * 16 + f_col);
+        } else {  // D = 80: the last k-step alone
+          uint32_t two[2];
+          dev::ldmatrix_x2(two, k_s + v_row * SLD + ks * 16);
+          kf[0] = two[0];
+          kf[1] = two[1];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (ks + h < kKSteps) {
+            const uint32_t b0[2] = {fp8x2_to<T>(uint16_t(kf[2 * h])), fp8x2_to<T>(uint16_t(kf[2 * h] >> 16))};
+            const uint32_t b1[2] = {fp8x2_to<T>(uint16_t(kf[2 * h + 1])),
+                                    fp8x2_to<T>(uint16_t(kf[2 * h + 1] >> 16))};
+            qk(ks + h, b0, b1);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t kf[4];
+        dev::ldmatrix_x4(kf, k_s + k_row * SLD + ks * 16 + k_col);
+        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+        qk(ks, b0, b1);
       }
     }
     // Scale (log2 units), softcap, mask; row max over the quad.
@@ -389,17 +441,35 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
                             pack_pair<T>(s[1][0], s[1][1]), pack_pair<T>(s[1][2], s[1][3])};
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
-    if constexpr (kFp8) {
-      convert(smem + st * lay.stage + kDecodeTileKeys * SLD, v_cvt);
-      __syncthreads();
-    }
+    if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
+      auto pv = [&](int blk, uint32_t lo_keys, uint32_t hi_keys) {  // even and odd blocks of one 16-dim register pair
+        const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
+        const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
+        const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
+        dev::mma_m16n8k16<T>(o[blk], pa, be, o[blk]);
+        dev::mma_m16n8k16<T>(o[blk + 1], pa, bo, o[blk + 1]);
+      };
 #pragma unroll
-    for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
-      uint32_t vf[4];
-      dev::ldmatrix_x4_trans(vf, v_s + v_row * LD + dp * 16 + v_col);
-      const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-      dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
-      dev::mma_m16n8k16<T>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+      for (int c = 0; c < D / 32; ++c) {
+        uint32_t vf[4];
+        dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + c * 32 + f_col);
+        pv(4 * c, vf[0], vf[1]);
+        pv(4 * c + 2, vf[2], vf[3]);
+      }
+      if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
+        uint32_t vf[2];
+        dev::ldmatrix_x2_trans(vf, v_s + v_row * SLD + (D / 32) * 32);
+        pv(4 * (D / 32), vf[0], vf[1]);
+      }
+    } else {
+#pragma unroll
+      for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
+        uint32_t vf[4];
+        dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16 + v_col);
+        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+        dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
+        dev::mma_m16n8k16<T>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+      }
     }
   }
 
@@ -416,11 +486,12 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   float* ml_s = mo_s + kDecodeWarps * kDecodeRows * D;                        // [4][16] m, then [4][16] l
 #pragma unroll
   for (int nb = 0; nb < 2 * kKSteps; ++nb) {
-    float* row0 = mo_s + (warp * kDecodeRows + g) * D + nb * 8 + 2 * t4;
-    row0[0] = o[nb][0];
-    row0[1] = o[nb][1];
-    row0[8 * D] = o[nb][2];
-    row0[8 * D + 1] = o[nb][3];
+    float* row0 = mo_s + (warp * kDecodeRows + g) * D;
+    const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;
+    row0[d0] = o[nb][0];
+    row0[d1] = o[nb][1];
+    row0[8 * D + d0] = o[nb][2];
+    row0[8 * D + d1] = o[nb][3];
   }
   if (t4 == 0) {
     ml_s[warp * kDecodeRows + g] = m_run[0];
