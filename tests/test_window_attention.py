@@ -430,11 +430,13 @@ def test_window_attention_decode_traffic(device, heads, window, fp8):
     assert totals["block_table"][1] == totals["seq_lens"][1] == 0  # index tensors are never written
 
 
-def _decode_smem(d, stages):
+def _decode_smem(d, stages, fp8=False):
     """Dynamic shared memory of a decode CTA (csrc/window_attention_decode.cuh, decode_layout): `stages` K/V tile
-    pairs of 64 keys and the 16-row query tile, rows padded to d + 8 16-bit elements, plus 8-byte key offsets."""
+    pairs of 64 keys as stored (16-bit rows padded to d + 8 elements, fp8 rows to d + 16 bytes), the 16-row query tile
+    (d + 8 16-bit elements a row) and 8-byte key offsets; at least the final merge's [4][16][d + 2] fp32."""
     ld = d + 8
-    return stages * 2 * 64 * ld * 2 + 16 * ld * 2 + stages * 64 * 8 + 64 * 8
+    stage = 2 * 64 * (d + 16) if fp8 else 2 * 64 * ld * 2
+    return max(stages * stage + 16 * ld * 2 + stages * 64 * 8 + 64 * 8, 4 * 16 * (d + 2) * 4)
 
 
 DECODE_GROUPS = [(1, 1), (2, 1), (8, 2), (10, 2), (16, 1), (20, 1)]  # GQA 1, 2, 4, 5, 16 and 20 (two CTAs per KV head)
@@ -443,14 +445,16 @@ DECODE_GROUPS = [(1, 1), (2, 1), (8, 2), (10, 2), (16, 1), (20, 1)]  # GQA 1, 2,
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_window_attention_decode_stages_and_groups(device, monkeypatch, head_dim, stages):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_window_attention_decode_stages_and_groups(device, monkeypatch, head_dim, stages, fp8):
     """The tensor-core decode kernel for every head dim at every cp.async ring depth: the per-block shared-memory
     limit is lowered to exactly what `stages` stages need, so the planner must pick that depth (the launch's dynamic
     shared memory says which ran). GQA groups 1..20, block sizes 1, 16 and 13, ragged lengths over several 64-key
-    tiles and split-KV partitions, windows, kv_start, softcap, fp16 and bf16, against the fp64 reference."""
+    tiles and split-KV partitions, windows, kv_start, softcap, fp16 and bf16, 16-bit and fp8 caches (fp8: operands
+    converted in registers; 1 stage at small head dims is sized by the merge buffer), against the fp64 reference."""
     import arkernels.simt
 
-    smem = _decode_smem(head_dim, stages)
+    smem = _decode_smem(head_dim, stages, fp8)
     if smem > 227 * 1024:
         pytest.skip(f"{stages} stages at head_dim {head_dim} need {smem} bytes: more than sm_90 allows per block")
     monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(smem))
@@ -462,12 +466,18 @@ def test_window_attention_decode_stages_and_groups(device, monkeypatch, head_dim
     dtype = _pick([torch.float16, torch.bfloat16], hi, si + 1)
     gen = torch.Generator().manual_seed(100 * hi + si)
     lens = [1, 70, 200]  # 200 keys: 4 tiles, in 2 split-KV partitions on sm_90
-    k, v, table = _paged(lens, block_size, hkv, head_dim, dtype, device, gen)
+    k, v, table = _paged(lens, block_size, hkv, head_dim, torch.float32 if fp8 else dtype, device, gen)
+    scales = {}
+    if fp8:  # powers of two: the 16-bit copy of the dequantized cache is exact, the reference runs on it
+        k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 8).to(torch.float8_e4m3fn)
+        scales = {"k_scale": torch.tensor([0.25]), "v_scale": torch.tensor([0.125])}
     kv_start = torch.tensor([0, 3, 0], dtype=torch.int32)
     query = torch.randn(3, hq, head_dim, generator=gen).to(dtype)
     _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
-    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
-                                softcap=softcap, kv_start=kv_start, return_lse=True)
+    out, lse = window_attention(query, k8 if fp8 else k, v8 if fp8 else v, table, torch.tensor(lens, dtype=torch.int32),
+                                window=window, softcap=softcap, kv_start=kv_start, return_lse=True, **scales)
+    if fp8:
+        k, v = k8.to(dtype) * 0.25, v8.to(dtype) * 0.125
     assert arkernels.simt.launches()[0]["smem"] == smem
     _check(out, lse, query, k, v, table, lens, None, window, head_dim ** -0.5, softcap, kv_start=kv_start)
 
