@@ -16,14 +16,14 @@
 //     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
 //     conflict free; the padding of each K row carries that key's valid flag (1: block id in range).
 //   - fp8 caches (KV = uint8_t: float8_e4m3fn, key = stored * k_scale, value = stored * v_scale): the ring holds the
-//     tiles as stored, rows of D bytes (no padding: only the conversion reads them), so a tile stages half the bytes.
-//     After the wait for tile `it` each thread converts exactly the 16-byte chunks it copied (its own cp.async data
-//     is visible to it: no barrier before) into one 16-bit K/V tile pair [BN][D + 8] (fp8x16_to: exact for fp16 and
-//     bf16), which ldmatrix then reads as it reads a 16-bit stage. The tile's barrier follows the conversion and the
-//     closing barrier keeps the pair from being rewritten while a warp still reads it: 2 barriers per key tile, as
-//     with 16-bit caches. A key's valid flag for ring stage s is element D + s of its converted V row (padding),
-//     written only by the thread that copies the key. k_scale is folded into the score scale (scale * k_scale), O / l
-//     is multiplied by v_scale at the end.
+//     tiles as stored, rows of D + 16 bytes (the K row's padding holds the valid flag), so a tile stages half the
+//     bytes, and the MMA operands are converted in registers as in decode (window_attention_decode.cuh: fp8_k_dim,
+//     fp8_o_dim): K fragments by ldmatrix.x4 on the e4m3 rows (two key blocks x two k-steps per instruction, each
+//     register -> one B fragment by cvt e4m3x2 -> f16x2), the query tile's columns permuted once per query tile to
+//     match (one pass over q_s and a barrier); V by ldmatrix.x4.trans (32 dims) and one byte permute per register,
+//     O's columns put back at the store. Shared memory moves each cache byte twice, as for 16-bit caches (a
+//     conversion pass would add a read of the fp8 tile and a write and read of a 16-bit copy per tile). k_scale is
+//     folded into the score scale (scale * k_scale), O / l is multiplied by v_scale at the end.
 //   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
 //     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
 //     (g = lane / 4) of its warp's 16, the row max needs two quad shuffles, the row sum stays per lane until the end.
@@ -46,21 +46,20 @@
 //     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
 //     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
 //       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-//   fp8 caches: BM * (D + 8) * 2 (Q) + 2 * BN * (D + 8) * 2 (converted K, V) + STAGES * 2 * BN * D (K, V ring):
-//     D=64: 18 + 18 + 3 x 8 = 60 KB     D=80: 22 + 22 + 3 x 10 = 74 KB     D=96: 26 + 26 + 3 x 12 = 88 KB (all GPUs)
-//     D=128: 34 + 34 + 3 x 16 = 116 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 + 17 + 3 x 8 = 75 KB ((64, 2): 100 KB)
-//     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32 = 195 KB; sm_80 BN=64, 33 + 66 + 2 x 32 = 163 KB (exactly the
-//       166912-byte opt-in); 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98 KB.
-// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v, fp16 = bf16; no spills, no local memory in any of the 28
-// per arch; `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
-//   registers sm_90 (sm_80): D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216), D=128 BN=32
-//   209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only); fp8 caches: D=64 166 (163),
-//   D=80 180 (170), D=96 191 (185), D=128 BN=64 218 (213), BN=32 211 (204), D=256 BN=32 239 (239), BN=64 247 (241;
-//   sm_90 and sm_80). So 1 CTA per SM everywhere:
+//   fp8 caches: BM * (D + 8) * 2 (Q) + STAGES * 2 * BN * (D + 16) (K, V ring as stored):
+//     D=64: 18 + 3 x 10 = 48 KB     D=80: 22 + 3 x 12 = 58 KB     D=96: 26 + 3 x 14 = 68 KB     D=128: 34 + 3 x 18
+//     = 88 KB (every GPU)     D=256 (BM=64): BN=64, 33 + 3 x 34 = 135 KB (sm_80, sm_90); 99 KB GPUs BN=32, 33 + 3 x
+//     17 = 84 KB.
+// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v; no spills, no local memory in any of the 28 per arch;
+// `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
+//   registers sm_90 (sm_80), fp16 = bf16: D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216),
+//   D=128 BN=32 209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only); fp8 caches, fp16
+//   (bf16) on sm_90: D=64 157 (204), D=80 167 (230), D=96 178 (238), D=128 BN=64 205 (240), BN=32 185 (236), D=256
+//   BN=32 221 (240), BN=64 239 (241); sm_80 153-229 (bf16 = fp16 + 0-1). So 1 CTA per SM everywhere:
 //   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
 //   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
 //   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
-//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4, then converts those 4 chunks).
+//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
 #pragma once
 
 #include <cstring>
@@ -76,11 +75,10 @@ constexpr int prefill_rows(int d) { return d <= 128 ? 128 : 64; }
 constexpr int prefill_threads(int d) { return prefill_rows(d) / 16 * 32; }
 
 // Dynamic shared memory of a prefill CTA (bytes), one formula for the kernel and the plan: the Q tile [BM][D + 8],
-// then the ring of `stages` x (K tile, V tile) as stored: 16-bit rows of D + 8 elements (the K row's padding holds the
-// key's valid flag); fp8 rows of D bytes (only the conversion reads them), followed by one converted 16-bit (K, V)
-// tile pair [BN][D + 8] that ldmatrix reads (the V rows' padding holds the per-stage valid flags).
+// then the ring of `stages` x (K tile, V tile) as stored: 16-bit rows of D + 8 elements, fp8 rows of D + 16 bytes (16
+// bytes of padding either way: conflict-free ldmatrix; the K row's padding holds the key's valid flag).
 constexpr size_t prefill_smem(int d, int bn, int stages, bool fp8 = false) {
-  return fp8 ? (size_t(prefill_rows(d)) + 2 * size_t(bn)) * size_t(d + 8) * 2 + size_t(stages) * 2 * bn * d
+  return fp8 ? size_t(prefill_rows(d)) * size_t(d + 8) * 2 + size_t(stages) * 2 * bn * size_t(d + 16)
              : (size_t(prefill_rows(d)) + size_t(stages) * 2 * bn) * size_t(d + 8) * 2;
 }
 
@@ -121,16 +119,15 @@ __device__ __forceinline__ int prefill_q_len(const AttnParams& p, int64_t b) {
   return static_cast<int>(max64(min64(dev::ld_global(p.cu_seqlens_q + b + 1), p.rows) - first, 0));
 }
 
-// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: each thread converts the chunks it copied
-// into the one 16-bit tile pair ldmatrix reads; key = stored * k_scale folded into the score scale, value = stored *
-// v_scale into the output).
+// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted in the MMA
+// operand registers; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
 template <typename T, typename KV, int D, int BN>
 __global__ void __launch_bounds__(prefill_threads(D), 1)
     window_attention_prefill_kernel(const AttnParams p, int stages) {
   constexpr bool kFp8 = sizeof(KV) == 1;
   static_assert(kFp8 || std::is_same_v<KV, T>, "16-bit caches have the query's dtype");
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
-  constexpr int SLD = kFp8 ? D : LD;  // row stride of the ring's tiles, cache elements (fp8 rows: no padding)
+  constexpr int SLD = kFp8 ? D + 16 : LD;  // row stride of the ring's tiles, cache elements (16 bytes of padding)
   constexpr int KD = D / 16;          // k-steps of S = Q K^T
   constexpr int NS = BN / 8;          // n8 tiles of S
   constexpr int ND = D / 8;           // n8 tiles of O
@@ -143,10 +140,6 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   AK_DYNAMIC_SHARED(T, smem);
   T* const q_s = smem;                // [BM][LD]
   KV* const kv_s = reinterpret_cast<KV*>(smem + BM * LD);  // stage s: K at kv_s + s * 2 * BN * SLD, V after it
-  // fp8: the converted tile pair after the ring, [BN][LD] each. Key k's valid flag for ring stage s is element D + s
-  // of v_cvt's row k (padding: ldmatrix reads columns < D only); only the thread that copies key k writes it.
-  T* const k_cvt = kFp8 ? reinterpret_cast<T*>(kv_s + stages * 2 * BN * SLD) : nullptr;
-  T* const v_cvt = kFp8 ? k_cvt + BN * LD : nullptr;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kvh = blockIdx.y;
@@ -227,7 +220,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       if (my_sub == 0) {
         const uint16_t flag = valid ? 1 : 0;
         if constexpr (kFp8) {
-          memcpy(v_cvt + my_key * LD + D + i % stages, &flag, 2);  // read by the masking of tile i
+          ks[D] = uint8_t(flag);  // the row's padding: read by the masking, never by ldmatrix
         } else {
           memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
         }
@@ -268,28 +261,21 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       } else {
         dev::cp_async_wait<1>();
       }
+      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies
       if constexpr (kFp8) {
-        // This thread's own copies of tile `it` landed (the wait): it converts exactly those (key my_key, chunks
-        // my_sub, my_sub + TPK, ...), so no barrier is needed before; k_cvt / v_cvt are free (every warp passed the
-        // previous tile's closing barrier after its last ldmatrix of them).
-        const uint8_t* const k8 = reinterpret_cast<const uint8_t*>(kv_s + (it % stages) * 2 * BN * SLD + my_key * SLD);
-        T* const kd = k_cvt + my_key * LD;
+        if (it == 0) {  // Q's columns in the order of the fp8 K fragments (fp8_k_dim), once per query tile
+          for (int idx = tid; idx < BM * KD; idx += NT) {
+            T* const row = q_s + (idx / KD) * LD + (idx % KD) * 16;
+            T e[16];
+            memcpy(e, row, 32);
 #pragma unroll
-        for (int c = my_sub; c < kChunks; c += TPK) {
-          uint4 two[2];
-          fp8x16_to<T>(*reinterpret_cast<const uint4*>(k8 + c * 16), two);
-          *reinterpret_cast<uint4*>(kd + c * 16) = two[0];
-          *reinterpret_cast<uint4*>(kd + c * 16 + 8) = two[1];
-          fp8x16_to<T>(*reinterpret_cast<const uint4*>(k8 + BN * SLD + c * 16), two);
-          *reinterpret_cast<uint4*>(kd + BN * LD + c * 16) = two[0];
-          *reinterpret_cast<uint4*>(kd + BN * LD + c * 16 + 8) = two[1];
+            for (int c = 0; c < 16; ++c) row[c] = e[fp8_k_dim(c)];
+          }
+          __syncthreads();
         }
       }
-      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies (fp8: converted)
-      const T* const ks = kFp8 ? k_cvt : reinterpret_cast<const T*>(kv_s + (it % stages) * 2 * BN * SLD);
-      const T* const vs = ks + BN * LD;
-      // Key row k's valid flag: at fl[k * LD] (16-bit: K row padding; fp8: v_cvt row padding, slot of this stage).
-      const T* const fl = kFp8 ? v_cvt + D + it % stages : ks + D;
+      const KV* const ks = kv_s + (it % stages) * 2 * BN * SLD;
+      const KV* const vs = ks + BN * SLD;
       const int j0 = tile_first + it * BN;
       if constexpr (kQInRegs) {
         if (it == 0) {
@@ -303,32 +289,79 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       for (int n = 0; n < NS; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        uint32_t a[4];
+      auto q_frag = [&](int kk, uint32_t (&a)[4]) {
         if constexpr (kQInRegs) {
 #pragma unroll
           for (int x = 0; x < 4; ++x) a[x] = qf[kk][x];
         } else {
           dev::ldmatrix_x4(a, q_warp + kk * 16);
         }
+      };
+      if constexpr (kFp8) {
+        // fp8 K fragments straight from the stored rows (see fp8_k_dim): per ldmatrix.x4 two key blocks x two
+        // k-steps; each register converts to one B fragment.
+        auto b_of = [](uint32_t r, uint32_t (&b)[2]) {
+          b[0] = fp8x2_to<T>(uint16_t(r));
+          b[1] = fp8x2_to<T>(uint16_t(r >> 16));
+        };
 #pragma unroll
-        for (int n = 0; n < NS; n += 2) {
-          // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
-          uint32_t r[4];
-          dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
-          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-          dev::mma_m16n8k16<T>(s[n], a, b0, s[n]);
-          dev::mma_m16n8k16<T>(s[n + 1], a, b1, s[n + 1]);
+        for (int kk = 0; kk < KD; kk += 2) {
+          uint32_t a0[4], a1[4];
+          q_frag(kk, a0);
+          if (kk + 1 < KD) q_frag(kk + 1, a1);
+#pragma unroll
+          for (int n = 0; n < NS; n += 2) {
+            uint32_t r[4], b[2];
+            const KV* const row = ks + (n * 8 + ((lane / 8) % 2) * 8 + lane % 8) * SLD + kk * 16;
+            if (kk + 1 < KD) {
+              dev::ldmatrix_x4(r, row + (lane / 16) * 16);
+            } else {  // D = 80: the last k-step alone
+              uint32_t two[2];
+              dev::ldmatrix_x2(two, row);
+              r[0] = two[0];
+              r[1] = two[1];
+            }
+            b_of(r[0], b);
+            dev::mma_m16n8k16<T>(s[n], a0, b, s[n]);
+            b_of(r[1], b);
+            dev::mma_m16n8k16<T>(s[n + 1], a0, b, s[n + 1]);
+            if (kk + 1 < KD) {
+              b_of(r[2], b);
+              dev::mma_m16n8k16<T>(s[n], a1, b, s[n]);
+              b_of(r[3], b);
+              dev::mma_m16n8k16<T>(s[n + 1], a1, b, s[n + 1]);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+          uint32_t a[4];
+          q_frag(kk, a);
+#pragma unroll
+          for (int n = 0; n < NS; n += 2) {
+            // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
+            uint32_t r[4];
+            dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
+            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+            dev::mma_m16n8k16<T>(s[n], a, b0, s[n]);
+            dev::mma_m16n8k16<T>(s[n + 1], a, b1, s[n + 1]);
+          }
         }
       }
       // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary).
       const bool ranged = j0 < lo_all || j0 + BN - 1 > hi_all;
 #pragma unroll
       for (int n = 0; n < NS; ++n) {
+        // Key row k's valid flag: the K row's padding (element D).
         uint16_t flag[2];
-        memcpy(&flag[0], fl + (n * 8 + 2 * t4) * LD, 2);
-        memcpy(&flag[1], fl + (n * 8 + 2 * t4 + 1) * LD, 2);
+        if constexpr (kFp8) {
+          flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];
+          flag[1] = ks[(n * 8 + 2 * t4 + 1) * SLD + D];
+        } else {
+          memcpy(&flag[0], ks + (n * 8 + 2 * t4) * SLD + D, 2);
+          memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * SLD + D, 2);
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = j0 + n * 8 + 2 * t4 + (e & 1);
@@ -371,14 +404,37 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         const uint32_t a[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]), pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
                                pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
+          auto pv = [&](int blk, uint32_t lo_keys, uint32_t hi_keys) {  // even and odd blocks of one register pair
+            const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
+            const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
+            const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
+            dev::mma_m16n8k16<T>(o[blk], a, be, o[blk]);
+            dev::mma_m16n8k16<T>(o[blk + 1], a, bo, o[blk + 1]);
+          };
+          const KV* const row = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * SLD;
 #pragma unroll
-        for (int n = 0; n < ND; n += 2) {
-          // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
-          uint32_t r[4];
-          dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
-          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-          dev::mma_m16n8k16<T>(o[n], a, b0, o[n]);
-          dev::mma_m16n8k16<T>(o[n + 1], a, b1, o[n + 1]);
+          for (int c = 0; c < D / 32; ++c) {
+            uint32_t r[4];
+            dev::ldmatrix_x4_trans(r, row + c * 32 + (lane / 16) * 16);
+            pv(4 * c, r[0], r[1]);
+            pv(4 * c + 2, r[2], r[3]);
+          }
+          if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
+            uint32_t r[2];
+            dev::ldmatrix_x2_trans(r, row + (D / 32) * 32);
+            pv(4 * (D / 32), r[0], r[1]);
+          }
+        } else {
+#pragma unroll
+          for (int n = 0; n < ND; n += 2) {
+            // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
+            uint32_t r[4];
+            dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
+            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+            dev::mma_m16n8k16<T>(o[n], a, b0, o[n]);
+            dev::mma_m16n8k16<T>(o[n + 1], a, b1, o[n + 1]);
+          }
         }
       }
       __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async
@@ -396,11 +452,21 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       if (R < nrows) {
         const int64_t oh = (first + R / group) * p.hq + kvh * group + R % group;
         const float inv = lr > 0.f ? out_scale / lr : 0.f;
-        T* const out = static_cast<T*>(p.out) + oh * D + 2 * t4;
+        T* const out = static_cast<T*>(p.out) + oh * D;
+        if constexpr (kFp8) {  // blocks 2q (even dims) and 2q + 1 (odd dims) of fp8_o_dim: adjacent pairs
 #pragma unroll
-        for (int n = 0; n < ND; ++n)
-          dev::st_global(reinterpret_cast<uint32_t*>(out + n * 8),
-                         pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
+          for (int q = 0; q < ND / 2; ++q) {
+            T* const w = out + fp8_o_dim(2 * q, 0) + 4 * t4;
+            dev::st_global(reinterpret_cast<uint32_t*>(w), pack_pair<T>(o[2 * q][2 * r] * inv, o[2 * q + 1][2 * r] * inv));
+            dev::st_global(reinterpret_cast<uint32_t*>(w + 2),
+                           pack_pair<T>(o[2 * q][2 * r + 1] * inv, o[2 * q + 1][2 * r + 1] * inv));
+          }
+        } else {
+#pragma unroll
+          for (int n = 0; n < ND; ++n)
+            dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
+                           pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
+        }
         if (t4 == 0) dev::st_global(p.lse + oh, lr > 0.f ? m[r] + __logf(lr) : neg_inf());
       }
     }

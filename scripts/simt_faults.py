@@ -94,15 +94,14 @@ _DECODE_FILE = "window_attention_decode.cuh"
 _DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and heads1 or stages_and_groups and 128 "
            "or fp8_cache and False or split_combine")
 _PREFILL = ("prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1 "
-            "or prefill_fp8 and 128-sm_89 or prefill_fp8 and 256-sm_80 or invalid_blocks and True-True "
+            "or prefill_fp8 and 80-sm_90 or prefill_fp8 and 256-sm_89 or invalid_blocks and True-True "
             "or invalid_blocks and True-False")
-_PREFILL_FP8_TSAN = "prefill_traffic and True-24-heads1 or prefill_fp8 and 128-sm_89"
+_PREFILL_FP8_TSAN = "prefill_traffic and True-24-heads1 or prefill_fp8 and 128-sm_89 or prefill_fp8 and 80-sm_90"
 _K_WAIT = "    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...\n"
 _K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
 _PF = "window_attention_prefill.cuh"
-_PF_CVT_SYNC = ("      __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's "
-                "copies (fp8: converted)\n")
-_PF_CVT_SYNC_FP8_GONE = "      if constexpr (!kFp8) __syncthreads();\n"  # the 16-bit path keeps its barrier
+_PF_QPERM_SYNC = "row[c] = e[fp8_k_dim(c)];\n          }\n          __syncthreads();\n"
+_PF_QPERM_SYNC_GONE = "row[c] = e[fp8_k_dim(c)];\n          }\n"
 _PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      } else {\n        dev::cp_async_wait<1>();\n"
             "      }\n")
 
@@ -141,8 +140,8 @@ FAULTS += [
     _decode_fault("fp8 K: query columns not permuted like the K fragments",
                   "(m < 2 ? 2 * j + m : 8 + 2 * j + m - 2)", "(dim)"),
     _decode_fault("fp8 V: O columns not put back in place",
-                  "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;",
-                  "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
+                  "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? fp8_o_dim(nb, 2 * t4 + 1) "
+                  ": d0 + 1;", "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
     _decode_fault("split-KV counter not reset by the last CTA",
                   "    if (last) dev::atomic_add(counter, -p.num_splits);", ""),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
@@ -164,14 +163,16 @@ FAULTS += [
                    "const float out_scale = 1.f;"),
     _prefill_fault("fp8 k_scale not folded into the score scale",
                    "kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;", "p.scale;"),
-    _prefill_fault("fp8 barrier after the K/V conversion removed", _PF_CVT_SYNC, _PF_CVT_SYNC_FP8_GONE),
-    Fault("prefill: fp8 barrier after the K/V conversion removed (TSan)", _PF, _PF_CVT_SYNC, _PF_CVT_SYNC_FP8_GONE,
-          build=KERNEL_BUILD_TSAN, run=_kernel_run(_PREFILL_FP8_TSAN, tsan=True)),
-    _prefill_fault("fp8 conversion reads the next ring stage",
-                   "reinterpret_cast<const uint8_t*>(kv_s + (it % stages)",
-                   "reinterpret_cast<const uint8_t*>(kv_s + ((it + 1) % stages)"),
-    _prefill_fault("fp8 valid flags of ring stage 0 for every tile", "kFp8 ? v_cvt + D + it % stages : ks + D;",
-                   "kFp8 ? v_cvt + D : ks + D;"),
+    _prefill_fault("fp8 barrier after the query's column permutation removed", _PF_QPERM_SYNC, _PF_QPERM_SYNC_GONE),
+    Fault("prefill: fp8 barrier after the query's column permutation removed (TSan)", _PF, _PF_QPERM_SYNC,
+          _PF_QPERM_SYNC_GONE, build=KERNEL_BUILD_TSAN, run=_kernel_run(_PREFILL_FP8_TSAN, tsan=True)),
+    _prefill_fault("fp8 query columns not permuted like the K fragments", "row[c] = e[fp8_k_dim(c)];",
+                   "row[c] = e[c];"),
+    _prefill_fault("fp8 V: wrong byte permute (keys of one dim not paired)",
+                   "p0 = __byte_perm(lo_keys, 0u, 0x3120u)", "p0 = __byte_perm(lo_keys, 0u, 0x3210u)"),
+    _prefill_fault("fp8 O columns written in place of the 16-bit layout",
+                   "T* const w = out + fp8_o_dim(2 * q, 0) + 4 * t4;", "T* const w = out + 8 * q + 2 * t4;"),
+    _prefill_fault("fp8 valid flags ignored", "flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];", "flag[0] = 1;"),
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
 ]
