@@ -457,7 +457,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 #pragma unroll
           for (int q = 0; q < ND / 2; ++q) {
             T* const w = out + fp8_o_dim(2 * q, 0) + 4 * t4;
-            dev::st_global(reinterpret_cast<uint32_t*>(w), pack_pair<T>(o[2 * q][2 * r] * inv, o[2 * q + 1][2 * r] * inv));
+            dev::st_global(reinterpret_cast<uint32_t*>(w),
+                           pack_pair<T>(o[2 * q][2 * r] * inv, o[2 * q + 1][2 * r] * inv));
             dev::st_global(reinterpret_cast<uint32_t*>(w + 2),
                            pack_pair<T>(o[2 * q][2 * r + 1] * inv, o[2 * q + 1][2 * r + 1] * inv));
           }

@@ -140,8 +140,8 @@ FAULTS += [
     _decode_fault("fp8 K: query columns not permuted like the K fragments",
                   "(m < 2 ? 2 * j + m : 8 + 2 * j + m - 2)", "(dim)"),
     _decode_fault("fp8 V: O columns not put back in place",
-                  "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? fp8_o_dim(nb, 2 * t4 + 1) "
-                  ": d0 + 1;", "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
+                  "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? "
+                  "fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;", "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
     _decode_fault("split-KV counter not reset by the last CTA",
                   "    if (last) dev::atomic_add(counter, -p.num_splits);", ""),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
