@@ -630,6 +630,28 @@ def test_window_attention_prefill_fp8(device, gpu, head_dim):
     _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap, kv_start=kv_start)
 
 
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_window_attention_prefill_fp8_bn32(device, monkeypatch, dtype):
+    """head_dim 128 over fp8 caches with 32-key tiles (the plan under a 61 KB per-block limit: no GPU in the table is
+    that small, so the knob forces it): GQA 8/1, block size 13, a window, softcap, chunked and whole prompts."""
+    import arkernels.simt
+
+    smem = _prefill_smem(128, 32, 3, fp8=True)
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(smem))
+    gen = torch.Generator().manual_seed(350 + (dtype == torch.bfloat16))
+    lens, q_lens = [150, 37], [100, 37]
+    cu = [0, q_lens[0], q_lens[0] + q_lens[1]]
+    k, v, table = _paged(lens, 13, 1, 128, torch.float32, "cpu", gen)
+    k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 8).to(torch.float8_e4m3fn)
+    query = torch.randn(cu[-1], 8, 128, generator=gen).to(dtype)
+    out, lse = window_attention(query, k8, v8, table, torch.tensor(lens, dtype=torch.int32), window=40, softcap=2.5,
+                                k_scale=torch.tensor([0.25]), v_scale=torch.tensor([0.125]), return_lse=True,
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    assert [launch["smem"] for launch in arkernels.simt.launches()] == [smem]
+    _check(out, lse, query, k8.to(dtype) * 0.25, v8.to(dtype) * 0.125, table, lens, cu, 40, 128 ** -0.5, 2.5)
+
+
 @pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 def test_window_attention_prefill_fp8_refused_below_its_smem(device, monkeypatch):
     """Below the fp8 layout's smallest plan (head_dim 256: 32-key tiles, 2 stages, 68608 bytes) prefill over an fp8
