@@ -87,18 +87,7 @@ __device__ __forceinline__ uint32_t fp8x2_to(uint16_t two) {
   }
 }
 
-// 16 e4m3 bytes -> 16 T elements (8 registers of pairs).
-template <typename T>
-__device__ __forceinline__ void fp8x16_to(const uint4& in, uint4 (&out)[2]) {
-  uint16_t two[8];
-  memcpy(two, &in, 16);
-  uint32_t r[8];
-#pragma unroll
-  for (int x = 0; x < 8; ++x) r[x] = fp8x2_to<T>(two[x]);
-  memcpy(out, r, 32);
-}
-
-// fp8 fragments straight from the staged tiles (decode): ldmatrix moves 16-bit words, so on e4m3 rows a lane gets
+// fp8 fragments straight from the staged tiles (decode and prefill): ldmatrix moves 16-bit words, so on e4m3 rows a lane gets
 // 4 bytes where an fp16 operand would have 2 elements, and the layouts are matched by permutations instead of a
 // conversion pass through shared memory.
 // - K (non-trans, rows = keys): lane (g, t4) gets dims 4 t4 .. 4 t4 + 3 of key g in a 16-dim k-step; as the B
@@ -107,6 +96,15 @@ __device__ __forceinline__ void fp8x16_to(const uint4& in, uint4 (&out)[2]) {
 __host__ __device__ constexpr int fp8_k_dim(int c) {  // c in [0, 16): the dim at mma column c of a k-step
   return c < 8 ? 4 * (c / 2) + c % 2 : 4 * ((c - 8) / 2) + 2 + c % 2;
 }
+__host__ __device__ constexpr int fp8_k_col(int dim) {  // its inverse: the mma column of dim (in [0, 16))
+  return dim % 4 < 2 ? 2 * (dim / 4) + dim % 4 : 8 + 2 * (dim / 4) + dim % 4 - 2;
+}
+// One ldmatrix register of e4m3 K (dims 4 t4 .. 4 t4 + 3 of one key) -> the B fragment of one k-step.
+template <typename T>
+__device__ __forceinline__ void fp8_k_frag(uint32_t r, uint32_t (&b)[2]) {
+  b[0] = fp8x2_to<T>(uint16_t(r));
+  b[1] = fp8x2_to<T>(uint16_t(r >> 16));
+}
 // - V (.trans, rows = keys): lane (g, t4) gets bytes {key 2 t4: dims 2g, 2g + 1; key 2 t4 + 1: dims 2g, 2g + 1} of a
 //   16-dim block; one byte permute gives the key pair of dim 2g (low half) and of dim 2g + 1 (high half), each the
 //   B fragment half of an 8-column block whose column n is dim 2n (even block) or 2n + 1 (odd block). So a 32-dim
@@ -114,6 +112,17 @@ __host__ __device__ constexpr int fp8_k_dim(int c) {  // c in [0, 16): the dim a
 //   merge puts O's columns back in place (fp8_o_dim).
 __host__ __device__ constexpr int fp8_o_dim(int block, int n) {  // dim of column n of O block `block` (fp8 path)
   return (block / 4) * 32 + (block % 4 >= 2 ? 16 : 0) + block % 2 + 2 * n;
+}
+// O += P V for the even and odd 8-column blocks of one 16-dim block of e4m3 V, from its two ldmatrix.trans registers
+// (keys 0-7, keys 8-15); pa: P's A fragment.
+template <typename T>
+__device__ __forceinline__ void fp8_pv(float (&o_even)[4], float (&o_odd)[4], const uint32_t (&pa)[4],
+                                       uint32_t lo_keys, uint32_t hi_keys) {
+  const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
+  const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
+  const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
+  dev::mma_m16n8k16<T>(o_even, pa, be, o_even);
+  dev::mma_m16n8k16<T>(o_odd, pa, bo, o_odd);
 }
 
 // cp.async.wait_group n for a run-time n in [0, 2 * kDecodeMaxStages - 1].
@@ -292,14 +301,11 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
         memcpy(&v, e, 16);
       }
     }
-    if constexpr (kFp8) {  // column fp8_k_dim^-1 of each dim (see fp8_k_dim)
+    if constexpr (kFp8) {  // each dim at its mma column (fp8_k_col)
       T e[8];
       memcpy(e, &v, 16);
 #pragma unroll
-      for (int x = 0; x < 8; ++x) {
-        const int dim = (c % 2) * 8 + x, j = dim / 4, m = dim % 4;  // dim within its 16-dim k-step
-        q_s[r * LD + (c / 2) * 16 + (m < 2 ? 2 * j + m : 8 + 2 * j + m - 2)] = e[x];
-      }
+      for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
     } else {
       *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = v;
     }
@@ -378,9 +384,9 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (ks + h < kKSteps) {
-            const uint32_t b0[2] = {fp8x2_to<T>(uint16_t(kf[2 * h])), fp8x2_to<T>(uint16_t(kf[2 * h] >> 16))};
-            const uint32_t b1[2] = {fp8x2_to<T>(uint16_t(kf[2 * h + 1])),
-                                    fp8x2_to<T>(uint16_t(kf[2 * h + 1] >> 16))};
+            uint32_t b0[2], b1[2];
+            fp8_k_frag<T>(kf[2 * h], b0);
+            fp8_k_frag<T>(kf[2 * h + 1], b1);
             qk(ks + h, b0, b1);
           }
         }
@@ -442,24 +448,17 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
     if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
-      auto pv = [&](int blk, uint32_t lo_keys, uint32_t hi_keys) {  // even and odd blocks of one 16-dim register pair
-        const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
-        const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
-        const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
-        dev::mma_m16n8k16<T>(o[blk], pa, be, o[blk]);
-        dev::mma_m16n8k16<T>(o[blk + 1], pa, bo, o[blk + 1]);
-      };
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) {
         uint32_t vf[4];
         dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + c * 32 + f_col);
-        pv(4 * c, vf[0], vf[1]);
-        pv(4 * c + 2, vf[2], vf[3]);
+        fp8_pv<T>(o[4 * c], o[4 * c + 1], pa, vf[0], vf[1]);
+        fp8_pv<T>(o[4 * c + 2], o[4 * c + 3], pa, vf[2], vf[3]);
       }
       if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
         uint32_t vf[2];
         dev::ldmatrix_x2_trans(vf, v_s + v_row * SLD + (D / 32) * 32);
-        pv(4 * (D / 32), vf[0], vf[1]);
+        fp8_pv<T>(o[4 * (D / 32)], o[4 * (D / 32) + 1], pa, vf[0], vf[1]);
       }
     } else {
 #pragma unroll

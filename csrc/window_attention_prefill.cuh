@@ -300,10 +300,6 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       if constexpr (kFp8) {
         // fp8 K fragments straight from the stored rows (see fp8_k_dim): per ldmatrix.x4 two key blocks x two
         // k-steps; each register converts to one B fragment.
-        auto b_of = [](uint32_t r, uint32_t (&b)[2]) {
-          b[0] = fp8x2_to<T>(uint16_t(r));
-          b[1] = fp8x2_to<T>(uint16_t(r >> 16));
-        };
 #pragma unroll
         for (int kk = 0; kk < KD; kk += 2) {
           uint32_t a0[4], a1[4];
@@ -321,14 +317,14 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
               r[0] = two[0];
               r[1] = two[1];
             }
-            b_of(r[0], b);
+            fp8_k_frag<T>(r[0], b);
             dev::mma_m16n8k16<T>(s[n], a0, b, s[n]);
-            b_of(r[1], b);
+            fp8_k_frag<T>(r[1], b);
             dev::mma_m16n8k16<T>(s[n + 1], a0, b, s[n + 1]);
             if (kk + 1 < KD) {
-              b_of(r[2], b);
+              fp8_k_frag<T>(r[2], b);
               dev::mma_m16n8k16<T>(s[n], a1, b, s[n]);
-              b_of(r[3], b);
+              fp8_k_frag<T>(r[3], b);
               dev::mma_m16n8k16<T>(s[n + 1], a1, b, s[n + 1]);
             }
           }
@@ -405,25 +401,18 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
                                pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
         if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
-          auto pv = [&](int blk, uint32_t lo_keys, uint32_t hi_keys) {  // even and odd blocks of one register pair
-            const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
-            const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
-            const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
-            dev::mma_m16n8k16<T>(o[blk], a, be, o[blk]);
-            dev::mma_m16n8k16<T>(o[blk + 1], a, bo, o[blk + 1]);
-          };
           const KV* const row = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * SLD;
 #pragma unroll
           for (int c = 0; c < D / 32; ++c) {
             uint32_t r[4];
             dev::ldmatrix_x4_trans(r, row + c * 32 + (lane / 16) * 16);
-            pv(4 * c, r[0], r[1]);
-            pv(4 * c + 2, r[2], r[3]);
+            fp8_pv<T>(o[4 * c], o[4 * c + 1], a, r[0], r[1]);
+            fp8_pv<T>(o[4 * c + 2], o[4 * c + 3], a, r[2], r[3]);
           }
           if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
             uint32_t r[2];
             dev::ldmatrix_x2_trans(r, row + (D / 32) * 32);
-            pv(4 * (D / 32), r[0], r[1]);
+            fp8_pv<T>(o[4 * (D / 32)], o[4 * (D / 32) + 1], a, r[0], r[1]);
           }
         } else {
 #pragma unroll
