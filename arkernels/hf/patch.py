@@ -40,6 +40,10 @@ class PatchHandle:
         if not self.active:
             return
         model = self.model
+        if "init_continuous_batching" in self._attrs:
+            from arkernels.hf.cb import unhook_continuous_batching
+
+            unhook_continuous_batching(model)  # before the attention is restored: it may hold the CB name
         for name in self._attrs:
             model.__dict__.pop(name, None)  # the class method shows through again
         if self._saved_attn is not None:
@@ -113,6 +117,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
 
         saved_attn = model.config._attn_implementation
         model.set_attn_implementation(register())
+        # continuous batching (generate_batch, init_continuous_batching, generate(cache_implementation="paged")):
+        # its own instance hook, see arkernels.hf.cb
+        from arkernels.hf.cb import hook_continuous_batching
+
+        if hook_continuous_batching(model, sampler=sampler):
+            attrs.append("init_continuous_batching")
     state = {"mode": None}  # this call's generation mode (the cache hook runs before the logits-processor hook)
     if cache or sampler:
         model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
