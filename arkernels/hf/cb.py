@@ -122,10 +122,21 @@ def _seq_lens(cu_k: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(query, k_cache, v_cache, block_table, cu_k, cu_q, max_q, window, scaling, softcap):
-    """``window_attention`` over CB's packed queries ``[1, Hq, T, D]``; returns ``[1, T, Hq, D]``."""
+    """``window_attention`` over CB's packed queries ``[1, Hq, T, D]``; returns ``[1, T, Hq, D]``.
+
+    Under CUDA graphs / compile CB pads the queries to a static ``T`` past its last sequence (``cu_q[-1] < T``).
+    Whether it did is only known on the device, so one more sequence always owns the tail rows
+    (``T - cu_q[-1]`` queries, 0 when unpadded) over as many keys of page 0 (any page: its outputs are discarded),
+    which keeps every shape static and needs no host sync."""
     q = query[0].transpose(0, 1)  # [T, Hq, D], a view
-    out = window_attention(q, k_cache, v_cache, block_table, _seq_lens(cu_k), window=window, scale=scaling,
-                           softcap=softcap, cu_seqlens_q=cu_q.to(torch.int32), max_q_len=max(int(max_q), 1),
+    total_q = q.shape[0]
+    cu_q = cu_q.to(torch.int32)
+    tail = total_q - cu_q[-1:]
+    cu_q = torch.cat([cu_q, cu_q.new_full((1,), total_q)])
+    seq_lens = torch.cat([_seq_lens(cu_k), tail])
+    block_table = torch.cat([block_table, block_table.new_zeros((1, block_table.shape[1]))])
+    out = window_attention(q, k_cache, v_cache, block_table, seq_lens, window=window, scale=scaling,
+                           softcap=softcap, cu_seqlens_q=cu_q, max_q_len=max(int(max_q), 1),
                            check=False)  # CB built the indices; no host sync (CUDA graphs)
     return out.unsqueeze(0)
 
