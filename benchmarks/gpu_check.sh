@@ -90,10 +90,13 @@ for graphs in (False, True):
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget)
   # decode: batch 1 and 32, 64 new tokens (the full 256-token sweep with torch.compile does not fit the budget)
   # window_attention: the issues' headline shapes (--short), each with SDPA, flex_attention (compiled per shape), fp8
+  # cb: transformers' continuous batching, stock sdpa / paged|eager (/ flash where installed) vs patched, 64 requests
+  # of 16-256 prompt tokens, 32 new tokens; patched+graphs: CB's padded step captured in CUDA graphs (use_cuda_graph)
   declare -A extra=([int8_matmul]="--shapes 14336x4096 --ms 1 4 8 16 4096" [decode]="--batches 1,32 --new-tokens 64"
-                    [window_attention]="--short")
-  declare -A limit=([decode]=180 [window_attention]=150)
-  for b in paged_kv window_attention sampling int8_matmul decode; do
+                    [window_attention]="--short"
+                    [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024")
+  declare -A limit=([decode]=180 [window_attention]=150 [cb]=60)
+  for b in paged_kv window_attention sampling int8_matmul cb decode; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086
     step "bench_$b" "${limit[$b]:-60}" $PY "benchmarks/bench_$b.py" --out "$LOG/bench" ${extra[$b]:-}
