@@ -254,6 +254,20 @@ def test_undo_restores_stock_cb(counter):
     assert again == stock and counter.attn == calls
 
 
+def test_undo_stops_a_running_session(counter):
+    """undo() while a session runs on our functions: the session is flushed and stopped, then stock is back."""
+    model = tiny_model("llama")
+    handle = arkernels.patch(model)
+    manager = model.init_continuous_batching(generation_config=_greedy(), continuous_batching_config=_cb_config())
+    manager.start()
+    rid = manager.add_request(PROMPTS[0], max_new_tokens=NEW)
+    handle.undo()
+    assert not manager.is_running()
+    assert model.config._attn_implementation == "sdpa" and "init_continuous_batching" not in model.__dict__
+    result = manager.get_result(request_id=rid, timeout=1)
+    assert result is not None and result.is_finished() and len(result.generated_tokens) == NEW
+
+
 def test_unpatched_models_keep_stock_cb(counter, patched):
     """The CB names are registered globally, but only a patched model's session selects them."""
     patched(_model("llama"))

@@ -38,6 +38,7 @@ What runs per layer:
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -364,6 +365,7 @@ def hook_continuous_batching(model, sampler: bool = True) -> bool:
     if original is None:
         return False
     name = register_cb()
+    managers = weakref.WeakSet()  # managers this hook built (undo stops those still running)
 
     @functools.wraps(original)
     def init_continuous_batching(*args, **kwargs):
@@ -387,16 +389,22 @@ def hook_continuous_batching(model, sampler: bool = True) -> bool:
             manager._original_attn_impl = NAME  # CB's stop() restores it, as it restores its own switches
             _hook_manager(manager, sampler)
             setattr(manager, _CREATED, True)
+            managers.add(manager)
         return manager
 
+    init_continuous_batching._arkernels_managers = managers
     model.init_continuous_batching = init_continuous_batching
     return True
 
 
 def unhook_continuous_batching(model) -> None:
-    """Undo ``hook_continuous_batching``: drop the wrapper, and destroy a persistent manager kept from a hooked session
-    (it holds our processors and cache hook) so the next session is built by stock CB."""
-    model.__dict__.pop("init_continuous_batching", None)
+    """Undo ``hook_continuous_batching``: stop (flush, then join) a session of this hook still running (it runs our
+    functions under our name), destroy a persistent manager kept from a hooked session (it holds our processors and
+    cache hook) so the next session is built by stock CB, and drop the wrapper."""
+    hook = model.__dict__.pop("init_continuous_batching", None)
+    for manager in list(getattr(hook, "_arkernels_managers", ())):
+        if manager.is_running():
+            manager.stop(block=True)  # CB's stop() puts our plain name back; the patch handle then restores its own
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if cached is not None and getattr(cached, _CREATED, False):
         model.destroy_cached_continuous_batching_manager()

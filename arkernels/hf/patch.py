@@ -43,7 +43,7 @@ class PatchHandle:
         if "init_continuous_batching" in self._attrs:
             from arkernels.hf.cb import unhook_continuous_batching
 
-            unhook_continuous_batching(model)  # before the attention is restored: it may hold the CB name
+            unhook_continuous_batching(model)  # first: it stops a CB session still running on our attention
         for name in self._attrs:
             model.__dict__.pop(name, None)  # the class method shows through again
         if self._saved_attn is not None:
