@@ -77,7 +77,8 @@ def _run(model, method, prompts, new_tokens, cb_args):
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=_cb_config(*cb_args, **extra),
+        config = _cb_config(*cb_args, **extra)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
                                    record_timestamps=True)
         if model.device.type == "cuda":
             torch.cuda.synchronize()

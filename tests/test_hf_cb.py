@@ -141,6 +141,16 @@ def test_generate_batch_greedy_matches_stock(family, sharing, counter, patched):
         assert counter.shared_pages() == sharing
 
 
+def test_forked_requests_match_stock(counter, patched):
+    """``num_return_sequences``: CB forks a request after its prefill (children share or copy its blocks)."""
+    model = _model("llama")
+    gen = _greedy(num_return_sequences=2)
+    stock = _tokens(model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=_cb_config()))
+    patched(model)
+    ours = _tokens(model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=_cb_config()))
+    assert ours == stock and len(ours) == 6 and counter.in_place > 0
+
+
 def _session(model, requests, generation_config, cb_config):
     """init_continuous_batching + add_request while it runs: two requests first, the rest once one result is out."""
     manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
@@ -196,9 +206,9 @@ def test_sampling_fused_and_seeded(per_request, counter, patched):
     reproducible; another seed draws other tokens; the fused draw replaced CB's processors."""
     model = _model("llama")
     patched(model)
+    configs = [_cb_config(seed=s, per_request_processors=per_request) for s in (7, 7, 8)]
     runs = [_tokens(model.generate_batch(PROMPTS, generation_config=GenerationConfig(**SAMPLED),
-                                         continuous_batching_config=_cb_config(seed=s, per_request_processors=per_request)))
-            for s in (7, 7, 8)]
+                                         continuous_batching_config=c)) for c in configs]
     assert counter.sample > 0
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]

@@ -195,8 +195,8 @@ def arkernels_cb_attention(module, query, key, value, attention_mask, *, scaling
             out = _attend(query, ip.k_pages, ip.v_pages, _block_table(ip.index, cu_k, max_k, cache.block_size),
                           cu_k, cu_q, max_q, window, scaling, cap)
             return out, None
-        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=kwargs[
-            "read_index"], write_index=kwargs["write_index"])  # [total_k, Hkv, D]
+        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                            read_index=kwargs["read_index"], write_index=kwargs["write_index"])  # [total_k, Hkv, D]
         return _attend_gathered(query, k, v, cu_k, cu_q, max_q, max_k, window, scaling, cap), None
     # 5.24: the cache update already ran (and, for full layers, handed us the pages)
     cu_k = kwargs["cu_seq_lens_k"].to(torch.int32)
