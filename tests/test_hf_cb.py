@@ -142,13 +142,14 @@ def test_generate_batch_greedy_matches_stock(family, sharing, counter, patched):
 
 
 def test_forked_requests_match_stock(counter, patched):
-    """``num_return_sequences``: CB forks a request after its prefill (children share or copy its blocks)."""
+    """``num_return_sequences``: CB forks a request after its prefill (children share or copy its blocks). Sampled
+    with ``top_k=1`` (greedy refuses ``num_return_sequences``): stock's processors and our draw both keep the maximum."""
     model = _model("llama")
-    gen = _greedy(num_return_sequences=2)
+    gen = GenerationConfig(do_sample=True, top_k=1, num_return_sequences=2, max_new_tokens=NEW, eos_token_id=-1)
     stock = _tokens(model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=_cb_config()))
     patched(model)
     ours = _tokens(model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=_cb_config()))
-    assert ours == stock and len(ours) == 6 and counter.in_place > 0
+    assert ours == stock and len(ours) == 6 and counter.in_place > 0 and counter.sample > 0
 
 
 def _session(model, requests, generation_config, cb_config):
