@@ -149,7 +149,9 @@ def test_forked_requests_match_stock(counter, patched):
     stock = _tokens(model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=_cb_config()))
     patched(model)
     ours = _tokens(model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=_cb_config()))
-    assert ours == stock and len(ours) == 6 and counter.in_place > 0 and counter.sample > 0
+    assert ours == stock and counter.in_place > 0 and counter.sample > 0
+    # 5.24's generate_batch returns the children (req_i__child#0); 5.17's returns the parents only
+    assert len(ours) == (6 if any("__child#" in k for k in ours) else 3)
 
 
 def _session(model, requests, generation_config, cb_config):
