@@ -64,12 +64,14 @@ class _Counter:
     def __init__(self, monkeypatch):
         self.attn, self.in_place, self.gathered, self.append, self.sample = 0, 0, 0, 0, 0
         self.tables = []  # the block tables of in-place calls (prefix-sharing check)
+        self.storages = set()  # the storages in-place calls read
         attn, append, draw = cb.window_attention, cb.paged_kv_append, cb.sample
 
         def window_attention(q, k_cache, v_cache, block_table, *a, **kw):
             self.attn += 1
             if k_cache.shape[1] == PAGE:
                 self.in_place += 1
+                self.storages.add(k_cache.untyped_storage().data_ptr())
                 self.tables.append((block_table.clone(), kw["cu_seqlens_q"].clone(), a[0].clone()))
             else:
                 self.gathered += 1
@@ -139,6 +141,19 @@ def test_generate_batch_greedy_matches_stock(family, sharing, counter, patched):
     assert (counter.gathered > 0) == has_sliding
     if family == "llama":  # CB shares prefix blocks only when every layer is full attention
         assert counter.shared_pages() == sharing
+
+
+def test_full_layers_read_cb_storage(counter, patched):
+    """In place means CB's own cache memory: every in-place call reads a storage of the cache CB allocated."""
+    model = tiny_model("llama")
+    patched(model)
+    model.generate_batch(PROMPTS, generation_config=_greedy(), continuous_batching_config=_cb_config(),
+                         persistent_manager=True)
+    cache = model._cached_continuous_batching_manager.batch_processor.cache
+    tensors = [cache.cache_tensor] if hasattr(cache, "cache_tensor") else cache.key_cache  # 5.24: one flat tensor
+    assert counter.in_place > 0
+    assert counter.storages <= {t.untyped_storage().data_ptr() for t in tensors}
+    model.destroy_cached_continuous_batching_manager()
 
 
 def test_forked_requests_match_stock(counter, patched):
