@@ -5,7 +5,8 @@ CB has three entry points: ``model.generate_batch(...)``, ``model.init_continuou
 through ``init_continuous_batching``, so an instance attribute wrapping that one method covers all three
 (``hook_continuous_batching``, called by ``arkernels.patch``; the patch handle removes it).
 
-Registration. CB's gate (``switch_to_cb_friendly_attn``) refuses our plain attention name, and it differs by version:
+Registration. CB's gate (``switch_to_cb_friendly_attn``) refuses our plain attention name, and it differs by version
+(told apart by whether ``"paged|sdpa"`` is registered, ``paged_prefix_layout``; tested on 5.17 and 5.24):
 - transformers 5.17-5.22 switch the model to ``"paged|" + name`` and call that registered function with the
   ``PagedAttentionCache`` in its kwargs (the function calls ``cache.update`` itself): our CB function is registered
   under ``"paged|arkernels"``, the name CB itself would switch to (its official extension point).
@@ -34,6 +35,9 @@ What runs per layer:
   run of exactly those, the run is replaced by one draw with ``arkernels.sample`` (CB's softmax + multinomial over
   the resulting one-hot row returns that token). CB's per-request values still arrive through CB's own argument rows.
   Anything else, and ``return_logprobs`` (a one-hot row would report log-probability 0), keeps CB's processors.
+Compile / CUDA graphs: every step is device-side (no host sync, shapes fixed by CB's padded sizes); the queries CB pads
+past its last sequence are given to one extra sequence (``_attend``). CB's decode fast path (block tables) is never on
+for our names, so decode steps take CB's varlen path (in place for full layers, as above).
 """
 from __future__ import annotations
 
