@@ -23,6 +23,7 @@
 
 #include "device.cuh"
 #include "device_mma.cuh"
+#include "window_attention_mask.h"
 
 #include <cuda_fp8.h>  // e4m3 -> half (cvt on sm_89+; the header's software path elsewhere and in the emulator)
 
@@ -74,6 +75,7 @@ struct AttnParams {
   const int32_t* seq_lens;     // [batch]
   const int32_t* cu_seqlens_q; // [batch + 1] or nullptr (decode)
   const int32_t* kv_start;     // [batch] or nullptr
+  const float* sinks;          // [Hq] fp32 attention-sink logits (natural log, unscaled) or nullptr
   const float* k_scale;        // fp8 caches: stored = key / k_scale (a one-element fp32 tensor); nullptr otherwise
   const float* v_scale;
   void* out;                   // [rows, Hq, D] contiguous
@@ -84,6 +86,7 @@ struct AttnParams {
   AttnStrides s;
   int64_t rows, num_blocks, block_size, max_blocks;
   int hq, hkv, group, head_chunks, num_splits, window;
+  int chunk;  // chunked attention: chunks of `chunk` positions from max(kv_start, 0); 0: off
   float scale, softcap;
   bool q_vec;  // query rows 16-byte aligned
 };
