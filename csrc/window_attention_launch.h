@@ -89,8 +89,6 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   AK_CHECK("window_attention", batch <= 65535, "batch must be <= 65535 on CUDA, got ", batch);
   AK_CHECK("window_attention", window <= INT32_MAX, "window must fit in int32, got ", window);
   AK_CHECK("window_attention", chunk_size <= INT32_MAX, "chunk_size must fit in int32, got ", chunk_size);
-  AK_CHECK("window_attention", !sinks.has_value() && chunk_size == 0,
-           "sinks and chunk_size are not in the CUDA kernels yet (CPU only)");
   out = at::empty({rows, hq, d}, query.options());
   lse = at::empty({rows, hq}, query.options().dtype(at::kFloat));
   if (rows == 0 || hq == 0 || batch == 0) return cudaSuccess;
@@ -141,7 +139,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
 
   const bool prefill = cu_seqlens_q.has_value();
   const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, fp8, p.max_blocks,
-                                                         p.block_size, window, max_q_len, apply_smem_knob(props));
+                                                         p.block_size, window, chunk_size, max_q_len,
+                                                         apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
   p.num_splits = plan.decode.num_splits;
   at::Tensor part_out, part_lse, counters;
