@@ -157,7 +157,8 @@ __device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w
 
 // Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
 // counter after publishing their partials; the last one merges them -- lse = log2 (sum_s 2^lse_s + 2^sink), out =
-// sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without) -- and resets the counter to 0 for the next launch (no second kernel, no memset per call).
+// sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without) -- and resets the
+// counter to 0 for the next launch (no second kernel, no memset per call).
 // Each split's weight is computed once per head (one warp per head, lanes over splits) into shared memory; the
 // partials of other CTAs are read through L2 (ld.global.cg: L1 is not coherent across SMs). smem: the CTA's dynamic
 // shared memory, free again (every warp passed the merge's reads).

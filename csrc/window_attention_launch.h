@@ -71,7 +71,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                            int64_t window, double scale, double softcap,
                                            const std::optional<at::Tensor>& k_scale,
                                            const std::optional<at::Tensor>& v_scale,
-                                           const std::optional<at::Tensor>& sinks, int64_t chunk_size, DeviceProps props,
+                                           const std::optional<at::Tensor>& sinks, int64_t chunk_size,
+                                           DeviceProps props,
                                            cudaStream_t stream, bool capturing, at::Tensor& out, at::Tensor& lse) {
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,

@@ -322,8 +322,8 @@ def test_window_attention_sinks_chunked_fp8(device, head_dim, prefill):
     out, lse = window_attention(query, k8.to(device), v8.to(device), table.to(device),
                                 torch.tensor(lens, dtype=torch.int32, device=device), window=window,
                                 kv_start=kv_start.to(device), sinks=sinks.to(device), chunk_size=chunk,
-                                k_scale=torch.tensor([0.25], device=device), v_scale=torch.tensor([0.125], device=device),
-                                return_lse=True,
+                                k_scale=torch.tensor([0.25], device=device),
+                                v_scale=torch.tensor([0.125], device=device), return_lse=True,
                                 cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
     _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, 0.0, kv_start=kv_start, sinks=sinks,
            chunk_size=chunk)
