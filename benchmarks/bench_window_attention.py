@@ -12,6 +12,10 @@ reference (small case) and against the masked SDPA output (every case) before ti
 Decode is timed over rotating copies of the cache (enough for 4x the 50 MB L2 of an H100/H200, column `rotations`), so
 a batch-1 8k-token cache (33.5 MB) is read from HBM, not L2; the fp8 column times the same problem with
 float8_e4m3fn caches (tokens/s ratio against the 16-bit cache).
+Sinks and chunks (issue 21): decode with gpt-oss attention sinks against the same call without them (the sink's cost)
+and against transformers' gpt_oss eager attention on the dense copy (matmul, a sink column, softmax, matmul); decode
+with Llama 4 chunked attention (the query at ctx - 1 reads only its chunk's (ctx - 1) % C + 1 keys) against SDPA on the
+chunk's keys sliced out and SDPA with the chunked mask; prefill with chunks against SDPA with the chunked mask.
 GPU goals (issue 11, H200): decode >= 85% of copy bandwidth at batch 32 x 8k, >= 60% at batch 1 x 8k (bf16), >= 1.8x
 that throughput with the fp8 cache, >= SDPA-flash and flex_attention; prefill (issue 12) >= SDPA flash for full causal
 and >= 2x SDPA with a window mask.
@@ -88,6 +92,25 @@ def flex_fn(window, q_len, ctx, device):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
+def chunked_mask(q_pos, ctx, chunk, device):
+    """bool [len(q_pos), ctx]: causal and in the query's chunk of `chunk` positions (no left padding)."""
+    j = torch.arange(ctx, device=device)[None, :]
+    i = q_pos[:, None]
+    return (j <= i) & (j // chunk == i // chunk)
+
+
+def gpt_oss_eager(q4, kd, vd, sinks, mask):
+    """transformers' gpt_oss eager attention on dense K/V: [B, Hq, Tq, D] -> [B, Hq, Tq, D] (repeat_kv, a sink column,
+    softmax in the inputs' dtype, drop the sink)."""
+    k = kd.repeat_interleave(HQ // HKV, dim=1)
+    v = vd.repeat_interleave(HQ // HKV, dim=1)
+    s = (q4 @ k.transpose(2, 3)) * HEAD_DIM ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    col = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+    return p @ v
+
+
 def check_reference(dtype, device):
     """Decode and prefill against the fp64 reference on a small paged problem, before any timing."""
     gen = torch.Generator().manual_seed(0)
@@ -105,6 +128,12 @@ def check_reference(dtype, device):
         want, _ = window_attention_ref(qp, k, v, table, lens, window=window, cu_seqlens_q=cu)
         err = (got.cpu().double() - want).abs().max().item()
         assert err < tol, f"prefill window={window}: error {err:.3g} vs the fp64 reference"
+    sinks = torch.randn(HQ, generator=gen).to(device)
+    for kw in (dict(sinks=sinks), dict(chunk_size=32), dict(sinks=sinks, chunk_size=32, window=20)):
+        got = arkernels.window_attention(q, k, v, table, lens, **kw)
+        want, _ = window_attention_ref(q, k, v, table, lens, **kw)
+        err = (got.cpu().double() - want).abs().max().item()
+        assert err < tol, f"decode {sorted(kw)}: error {err:.3g} vs the fp64 reference"
 
 
 L2_BYTES = 50 * 2**20  # H100/H200 L2 (50 MB): a batch-1 8k-token K/V (33.5 MB) would stay in it between calls
@@ -179,6 +208,87 @@ def bench_decode(batch, ctx, window, dtype, device, gen):
     for key in ("sdpa_full", "sdpa_mask", "sdpa_flash", "sdpa_math", "flex"):
         if f"{key}_us" in row:
             row[f"x_vs_{key}"] = row[f"{key}_us"] / row["ours_us"]
+    return row
+
+
+def bench_sinks_decode(batch, ctx, dtype, device, gen):
+    """Decode with per-head sinks (gpt-oss): ours with and without sinks (the same bytes), and transformers' gpt_oss
+    eager attention on the dense copy."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    nbytes = 2 * batch * ctx * HKV * HEAD_DIM * elt
+    rot = rotations(nbytes, device)
+    probs = [paged_problem(batch, ctx, dtype, device, gen) for _ in range(rot)]
+    q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    sinks = torch.randn(HQ, generator=gen).to(device)
+    mask = torch.ones(1, 1, 1, ctx, dtype=torch.bool, device=device)
+    ours = cycle([lambda k=k, v=v, t=t, n=n: arkernels.window_attention(q, k, v, t, n, sinks=sinks, max_q_len=1,
+                                                                         check=False) for k, v, t, n, _, _ in probs])
+    plain = cycle([lambda k=k, v=v, t=t, n=n: arkernels.window_attention(q, k, v, t, n, max_q_len=1, check=False)
+                   for k, v, t, n, _, _ in probs])
+    eager = cycle([lambda kd=kd, vd=vd: gpt_oss_eager(q[:, :, None], kd, vd, sinks, mask) for *_, kd, vd in probs])
+    err = (ours().float() - eager()[:, :, 0].float()).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"sinks decode disagrees with gpt_oss eager: {err:.3g}"
+    row = dict(kind="sinks", batch=batch, ctx=ctx, chunk=0, tokens=batch * ctx, rotations=rot)
+    row["ours_us"] = timeit(ours, **_timing(device)) * 1e6
+    row["no_sinks_us"] = timeit(plain, **_timing(device)) * 1e6
+    row["eager_us"] = timeit(eager, **_timing(device)) * 1e6
+    row["ours_GBps"] = nbytes / row["ours_us"] / 1e3
+    row["x_vs_no_sinks"] = row["no_sinks_us"] / row["ours_us"]
+    row["x_vs_eager"] = row["eager_us"] / row["ours_us"]
+    return row
+
+
+def bench_chunked_decode(batch, ctx, chunk, dtype, device, gen):
+    """Decode with Llama 4 chunked attention at position ctx - 1: ours reads the chunk's keys only; SDPA on those keys
+    sliced from the dense copy (what a user would write) and SDPA with the chunked mask over all ctx keys."""
+    keys = (ctx - 1) % chunk + 1
+    elt = torch.tensor([], dtype=dtype).element_size()
+    nbytes = 2 * batch * keys * HKV * HEAD_DIM * elt
+    rot = rotations(2 * batch * ctx * HKV * HEAD_DIM * elt, device)
+    probs = [paged_problem(batch, ctx, dtype, device, gen) for _ in range(rot)]
+    q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    q4 = q[:, :, None]
+    mask = chunked_mask(torch.tensor([ctx - 1], device=device), ctx, chunk, device)[None, None]
+    lo = ctx - keys
+    ours = cycle([lambda k=k, v=v, t=t, n=n: arkernels.window_attention(q, k, v, t, n, chunk_size=chunk, max_q_len=1,
+                                                                         check=False) for k, v, t, n, _, _ in probs])
+    sdpa_sliced = cycle([lambda kd=kd, vd=vd: F.scaled_dot_product_attention(q4, kd[:, :, lo:], vd[:, :, lo:],
+                                                                             enable_gqa=True) for *_, kd, vd in probs])
+    sdpa_mask = cycle([lambda kd=kd, vd=vd: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)
+                       for *_, kd, vd in probs])
+    err = (ours().float() - sdpa_mask()[:, :, 0].float()).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"chunked decode disagrees with SDPA: {err:.3g}"
+    row = dict(kind="chunked", batch=batch, ctx=ctx, chunk=chunk, tokens=batch * ctx, rotations=rot)
+    row["ours_us"] = timeit(ours, **_timing(device)) * 1e6
+    row["sdpa_sliced_us"] = timeit(sdpa_sliced, **_timing(device)) * 1e6
+    row["sdpa_mask_us"] = timeit(sdpa_mask, **_timing(device)) * 1e6
+    row["ours_GBps"] = nbytes / row["ours_us"] / 1e3
+    row["x_vs_sdpa_sliced"] = row["sdpa_sliced_us"] / row["ours_us"]
+    row["x_vs_sdpa_mask"] = row["sdpa_mask_us"] / row["ours_us"]
+    return row
+
+
+def bench_chunked_prefill(batch, seq, chunk, dtype, device, gen):
+    """Prefill with chunks of `chunk` positions: ours (key tiles before each query tile's chunk never visited) against
+    SDPA with the chunked mask; FLOPs counted per visible (query, key) pair, as for windows."""
+    k, v, table, lens, kd, vd = paged_problem(batch, seq, dtype, device, gen)
+    q = torch.randn(batch * seq, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    q4 = q.view(batch, seq, HQ, HEAD_DIM).transpose(1, 2)
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+    mask = chunked_mask(torch.arange(seq, device=device), seq, chunk, device)[None, None]
+    ours = lambda: arkernels.window_attention(q, k, v, table, lens, chunk_size=chunk, cu_seqlens_q=cu,  # noqa: E731
+                                              max_q_len=seq, check=False)
+    sdpa_mask = lambda: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    want = sdpa_mask().transpose(1, 2).reshape(batch * seq, HQ, HEAD_DIM)
+    err = (ours().float() - want.float()).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"chunked prefill disagrees with SDPA: {err:.3g}"
+    flops = 4 * batch * HQ * HEAD_DIM * sum(i % chunk + 1 for i in range(seq))
+    row = dict(kind="chunked_prefill", batch=batch, ctx=seq, chunk=chunk, tokens=batch * seq)
+    row["ours_us"] = timeit(ours, **_timing(device)) * 1e6
+    row["sdpa_mask_us"] = timeit(sdpa_mask, **_timing(device)) * 1e6
+    row["ours_TFLOPs"] = flops / row["ours_us"] / 1e6
+    row["sdpa_mask_TFLOPs"] = flops / row["sdpa_mask_us"] / 1e6
+    row["x_vs_sdpa_mask"] = row["sdpa_mask_us"] / row["ours_us"]
     return row
 
 
@@ -262,16 +372,25 @@ def main():
     if args.quick:
         decode = [(b, c, w) for b in (1, 4) for c in (256, 1024) for w in (0, 128)]
         prefill = [(1, s, w) for s in (64, 128) for w in (0, 32)]
+        sinks, chunked, chunked_prefill = [(1, 1024)], [(1, 1024, 256)], [(1, 128, 48)]
     elif args.short:  # decode batch 1 / 32 x 8k (+ a window past it), prefill 4k / 16k causal and 16k windowed
         decode = [(1, 8192, 0), (32, 8192, 0), (1, 32768, 4096)]
         prefill = [(1, 4096, 0), (1, 16384, 0), (1, 16384, 4096)]
+        sinks, chunked, chunked_prefill = [(1, 8192)], [(1, 32768, 8192)], [(1, 16384, 8192)]
     else:
         decode = [(b, c, w) for b in (1, 8, 32) for c in (1024, 8192, 32768) for w in (0, 4096) if b * c <= 262144]
         # prompt lengths 512..16k, batch 1 and 8 (<= 128k tokens), full causal and a 4096-token window
         prefill = [(b, s, w) for b in (1, 8) for s in (512, 1024, 2048, 4096, 8192, 16384) for w in (0, 4096)
                    if b * s <= 131072 and not (w and w >= s)]
+        # gpt-oss sinks at batch 1 / 32; Llama 4 chunks of 8192 (its attention_chunk_size) at the chunk's end
+        sinks = [(1, 8192), (32, 8192), (1, 32768)]
+        chunked = [(1, 32768, 8192), (32, 16384, 8192)]
+        chunked_prefill = [(1, 16384, 8192), (1, 16384, 2048)]
     rows = [bench_decode(b, c, w, dtype, device, gen) for b, c, w in decode]
     rows += [bench_prefill(b, s, w, dtype, device, gen) for b, s, w in prefill]
+    extra = [bench_sinks_decode(b, c, dtype, device, gen) for b, c in sinks]
+    extra += [bench_chunked_decode(b, c, ch, dtype, device, gen) for b, c, ch in chunked]
+    extra += [bench_chunked_prefill(b, s, ch, dtype, device, gen) for b, s, ch in chunked_prefill]
     bw = copy_bandwidth(device)
     for r in rows:
         r["device"] = device_name(device)
@@ -288,11 +407,20 @@ def main():
                   title=f"decode GB/s, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)}; copy {bw:.0f} GB/s)")
     write_results(pre, args.out, "window_attention_prefill", plot=("ctx", "ours_TFLOPs", "series"),
                   title=f"prefill TFLOP/s, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)})")
+    for r in extra:
+        r["device"] = device_name(device)
+        r["dtype"] = str(dtype).replace("torch.", "")
+        if "ours_GBps" in r:
+            r["pct_copy_bw"] = 100 * r["ours_GBps"] / bw
+    write_results(extra, args.out, "window_attention_sinks_chunked", plot=("ctx", "ours_us", "kind"),
+                  title=f"sinks and chunks: time per call, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)})")
     print(f"device {device_name(device)}, dtype {dtype}, copy bandwidth {bw:.1f} GB/s")
     print_table(dec, ["batch", "ctx", "window", "rotations", "ours_us", "ours_GBps", "pct_copy_bw", "fp8_x_tokens",
                       "x_vs_sdpa_full", "x_vs_sdpa_flash", "x_vs_sdpa_math", "x_vs_sdpa_mask", "x_vs_flex"])
     print_table(pre, ["batch", "ctx", "window", "ours_us", "ours_TFLOPs", "sdpa_flash_TFLOPs", "sdpa_efficient_TFLOPs",
                       "flex_TFLOPs", "x_vs_sdpa_mask", "x_vs_sdpa_full", "x_vs_flex"])
+    print_table(extra, ["kind", "batch", "ctx", "chunk", "ours_us", "ours_GBps", "pct_copy_bw", "ours_TFLOPs",
+                        "x_vs_no_sinks", "x_vs_eager", "x_vs_sdpa_sliced", "x_vs_sdpa_mask"])
     if args.quick:
         print_traffic()
 
