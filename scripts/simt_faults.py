@@ -177,6 +177,40 @@ FAULTS += [
 ]
 
 
+# ---- memory safety (issue 27): each fault the adversarial review found surviving, with the named test that now
+# catches it. Kernel faults run the named tests on the emulator; the PTX fault runs tests/test_simt_ptx.py's nvcc
+# check on the faulted copy (no GPU: nvcc -ptx, the operand binding read back from the PTX).
+def _safety_fault(what: str, file: str, find: str, replace: str, tests: str) -> Fault:
+    return Fault(f"safety: {what}", file, find, replace, build=KERNEL_BUILD, run=_kernel_run(tests))
+
+
+_PTX_RUN = ("ARKERNELS_PTX_CSRC={src} PYTHONPATH={repo} {python} -m pytest -x -q -p no:cacheprovider "
+            "{repo}/tests/test_simt_ptx.py -k 'ptx_mma or ptx_ldmatrix'")
+_PTX_F16_B = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), '
+              '"f"(c[3]));\n}\ntemplate <>\n__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>')
+FAULTS += [
+    _safety_fault("append: slot upper bound removed", "paged_kv_kernels.cuh",
+                  "if (slot < 0 || slot >= num_slots) continue;", "if (slot < 0) continue;",
+                  "append_unchecked_never_writes_past_cache"),
+    _safety_fault("append: cache offsets truncated to 32 bits", "paged_kv_kernels.cuh",
+                  "const int64_t row = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2;",
+                  "const int64_t row = int32_t((slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + "
+                  "h * cache_s2);", "append_offsets_past_2_31"),
+    _safety_fault("gather: cache offsets truncated to 32 bits", "paged_kv_kernels.cuh",
+                  "dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u)",
+                  "dev::ld_global(k_cache + int32_t(blk * cache_s0 + off * cache_s1 + h * cache_s2 + u))",
+                  "gather_offsets_past_2_31"),
+    _safety_fault("decode: __threadfence before the split counter removed", _DECODE_FILE,
+                  "  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts "
+                  "itself done\n", "", "decode_split_combine"),
+    Fault("safety: PTX mma (f16) with its B registers swapped", "device_mma.cuh", _PTX_F16_B,
+          _PTX_F16_B.replace('"r"(b[0]), "r"(b[1])', '"r"(b[1]), "r"(b[0])'), build="true", run=_PTX_RUN),
+    Fault("safety: PTX ldmatrix_x2_trans without .trans", "device_mma.cuh",
+          'ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];',
+          'ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];', build="true", run=_PTX_RUN),
+]
+
+
 def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
     t0 = time.time()
     env = dict(os.environ, SIMT_WATCHDOG=os.environ.get("SIMT_WATCHDOG", "30"))

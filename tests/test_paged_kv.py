@@ -294,21 +294,23 @@ def test_paged_kv_append_unchecked_never_writes_past_cache(device, slot_dtype):
     guard blocks on both sides stay poisoned and the cache is untouched."""
     storage = torch.full((6, 4, 1, 8), SENTINEL, device=device)  # guard blocks before and after the 4-block cache
     k, v = storage[1:5], torch.full((4, 4, 1, 8), SENTINEL, device=device)
-    slots = torch.tensor(_HOSTILE_SLOTS[slot_dtype], dtype=slot_dtype, device=device)
-    key = torch.ones(len(slots), 1, 8, device=device)
-    paged_kv_append(key, key, k, v, slots, check=False)
-    assert torch.all(storage == SENTINEL) and torch.all(v == SENTINEL)
+    # first the slots just past the cache (they land in the guard block if the bound is missing), then the extremes
+    for values in ([16, 17, 19], _HOSTILE_SLOTS[slot_dtype]):
+        slots = torch.tensor(values, dtype=slot_dtype, device=device)
+        key = torch.ones(len(slots), 1, 8, device=device)
+        paged_kv_append(key, key, k, v, slots, check=False)
+        assert torch.all(storage == SENTINEL) and torch.all(v == SENTINEL), values
     with pytest.raises(ValueError, match=r"paged_kv_append: slot_mapping\[0\] = 16 is outside the cache"):
         paged_kv_append(key, key, k, v, slots)
 
 
-# ---- 64-bit offsets without a 4 GB allocation: cache views whose block 2 starts 2^32 + 2048 elements (8 GB of fp16)
-# into a sparse anonymous mapping (MAP_NORESERVE: only the pages the test touches exist). An offset computed in 32 bits
-# wraps to 2048 elements, a place inside the mapping but outside the view, so the write or read lands silently in the
-# wrong place and the comparison with the reference fails. Block 1 (2^31 + 1024 elements: a negative int32) is never
-# used: its wrapped address would be outside the mapping, a crash instead of a failed comparison.
+# ---- 64-bit offsets without a 64 GB allocation: cache views whose block 1 starts 2^36 + 128 bytes into a sparse
+# anonymous mapping (MAP_NORESERVE: only the pages the test touches exist). That offset is past 2^32 in every unit a
+# kernel may count in (fp16 / fp8 elements, 16-byte copy units, bytes), so an offset computed in 32 bits wraps to a
+# small positive one, inside block 0: the write or read lands silently in the wrong place (no crash) and the
+# comparison with the reference fails.
 _MAP_NORESERVE = 0x4000  # Linux (the mmap module does not export it)
-_BIG_STRIDE = 2 ** 31 + 1024  # elements between blocks
+_BIG_STRIDE_BYTES = 2 ** 36 + 128  # between block 0 and block 1
 
 
 def huge_flat(nbytes, device):
@@ -319,17 +321,17 @@ def huge_flat(nbytes, device):
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def far_apart_caches(block_size, heads, head_dim, dtype, device, v_dtype=None):
-    """(k_cache, v_cache) [3, block_size, heads, head_dim], blocks _BIG_STRIDE elements apart in one sparse storage
-    (V's rows right after K's in each block), both poisoned; use blocks 0 and 2 only."""
+def far_apart_caches(block_size, heads, head_dim, dtype, device):
+    """(k_cache, v_cache) [2, block_size, heads, head_dim], block 1 _BIG_STRIDE_BYTES after block 0 in one sparse
+    storage (V's rows right after K's in each block), both poisoned."""
     row = block_size * heads * head_dim
     es = torch.empty((), dtype=dtype).element_size()
-    flat = huge_flat((2 * _BIG_STRIDE + 2 * row) * es, device).view(dtype)
-    stride = (_BIG_STRIDE, heads * head_dim, head_dim, 1)
-    k = flat.as_strided((3, block_size, heads, head_dim), stride, 0)
-    v = flat.as_strided((3, block_size, heads, head_dim), stride, row)
+    flat = huge_flat(_BIG_STRIDE_BYTES + 2 * row * es, device).view(dtype)
+    stride = (_BIG_STRIDE_BYTES // es, heads * head_dim, head_dim, 1)
+    k = flat.as_strided((2, block_size, heads, head_dim), stride, 0)
+    v = flat.as_strided((2, block_size, heads, head_dim), stride, row)
     for c in (k, v):
-        c[0::2].view(torch.uint8).fill_(0x55)  # 0x55: 3.25 in e4m3, 0x5555 in fp16: never a value written here
+        c.view(torch.uint8).fill_(0x55)  # 0x55: 3.25 in e4m3, 0x5555 in fp16: never a value written here
     return k, v
 
 
@@ -341,18 +343,15 @@ def test_paged_kv_append_offsets_past_2_31_elements(device, dtype):
     k, v = far_apart_caches(block_size, heads, head_dim, dtype, device)
     key = torch.randn(5, heads, head_dim, generator=gen).half().to(device)
     value = torch.randn(5, heads, head_dim, generator=gen).half().to(device)
-    slots = torch.tensor([9, 2, 11, -1, 8], device=device)  # block 2 (past 2^32 elements) and block 0
+    slots = torch.tensor([5, 2, 7, -1, 4], device=device)  # block 1 (past 2^36 bytes) and block 0
     scales = {}
     if dtype == torch.float8_e4m3fn:
         scales = dict(k_scale=torch.tensor([0.5], device=device), v_scale=torch.tensor([0.25], device=device))
-    k_ref, v_ref = k[0::2].clone(), v[0::2].clone()
+    want_k, want_v = (c.cpu().clone(memory_format=torch.contiguous_format) for c in (k, v))  # dense copies
     paged_kv_append(key, value, k, v, slots, **scales)
-    want_k, want_v = torch.zeros(3, *k.shape[1:], dtype=dtype), torch.zeros(3, *k.shape[1:], dtype=dtype)
-    want_k[0::2], want_v[0::2] = k_ref.cpu(), v_ref.cpu()
-    paged_kv_append_ref(key.cpu(), value.cpu(), want_k, want_v, slots.cpu(),
-                        *(s.cpu() for s in scales.values()))
+    paged_kv_append_ref(key.cpu(), value.cpu(), want_k, want_v, slots.cpu(), *(s.cpu() for s in scales.values()))
     for got, want in ((k, want_k), (v, want_v)):
-        assert torch.equal(got[0::2].cpu().view(torch.uint8), want[0::2].view(torch.uint8))
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -361,13 +360,11 @@ def test_paged_kv_gather_offsets_past_2_31_elements(device):
     gen = torch.Generator().manual_seed(8)
     k, v = far_apart_caches(block_size, heads, head_dim, torch.float16, device)
     for c in (k, v):
-        c[0::2] = torch.randn(2, block_size, heads, head_dim, generator=gen).half().to(device)
-    table = torch.tensor([[2, 0], [0, 2]], dtype=torch.int32, device=device)
+        c.copy_(torch.randn(2, block_size, heads, head_dim, generator=gen).half())
+    table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32, device=device)
     lens = torch.tensor([6, 8], dtype=torch.int32, device=device)
     got = paged_kv_gather(k, v, table, lens)
-    dense_k, dense_v = torch.zeros(3, *k.shape[1:], dtype=k.dtype), torch.zeros(3, *k.shape[1:], dtype=k.dtype)
-    dense_k[0::2], dense_v[0::2] = k[0::2].cpu(), v[0::2].cpu()
-    want = paged_kv_gather_ref(dense_k, dense_v, table.cpu(), lens.cpu())
+    want = paged_kv_gather_ref(k.cpu(), v.cpu(), table.cpu(), lens.cpu())
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 

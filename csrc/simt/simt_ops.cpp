@@ -193,6 +193,41 @@ int64_t get_block_order() { return ::simt::g_block_order; }
 void set_visibility(bool on) { ::simt::g_visibility = on; }
 bool get_visibility() { return ::simt::g_visibility; }
 
+// ---- probes of the emulator's own model (tests/test_simt_emulator.py) ----
+// `blocks` blocks of 32 threads: each thread of block k stores k + 1 to slot[k * 32 + tid] and, when `fence`,
+// executes __threadfence; thread 0 then counts the block done; the block that counts last sums every slot into out[0]
+// (the threadFenceReduction pattern of the CUDA samples, and of decode's split-KV combine).
+__global__ void fence_probe_kernel(float* slot, int* counter, float* out, bool fence) {
+  AK_SHARED(4, int, last, [1]);
+  const int tid = threadIdx.x;
+  dev::st_global(slot + blockIdx.x * 32 + tid, float(blockIdx.x + 1));
+  if (fence) dev::threadfence();
+  __syncthreads();
+  if (tid == 0) last[0] = dev::atomic_add(counter, 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  if (!last[0] || tid != 0) return;
+  dev::threadfence();
+  float sum = 0.f;
+  for (unsigned i = 0; i < gridDim.x * 32; ++i) sum += dev::ld_global_cg(slot + i);
+  dev::st_global(out, sum);
+}
+// -> (the sum the last block saw, the slots after the launch)
+std::tuple<at::Tensor, at::Tensor> fence_probe(int64_t blocks, bool fence) {
+  TORCH_CHECK(blocks >= 1 && blocks <= 64, "blocks: 1..64");
+  return emulated("fence_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor slot = at::zeros({blocks * 32}, at::kFloat), out = at::zeros({1}, at::kFloat);
+    at::Tensor counter = at::zeros({1}, at::kInt);
+    ::simt::launch(dim3(unsigned(blocks)), dim3(32), 0, fence_probe_kernel, slot.data_ptr<float>(),
+                   counter.data_ptr<int32_t>(), out.data_ptr<float>(), fence);
+    return std::make_tuple(out, slot);
+  });
+}
+// An fp32 [n] tensor allocated inside an emulated call and never written: what an unwritten output holds.
+at::Tensor alloc_probe(int64_t n) {
+  return emulated("alloc_probe", [&] { return at::empty({n}, at::kFloat); });
+}
+
 // ---- probes of the tensor-core primitives (tests/test_simt_ptx.py checks them against the PTX ISA's tables) ----
 // One warp; lane l passes a[l] (4 registers), b[l] (2), c[l] (4) to dev::mma_m16n8k16<T> and gets d[l].
 template <typename T>
@@ -269,6 +304,8 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("get_block_order() -> int", &arkernels::get_block_order);
   m.def("set_visibility(bool on) -> ()", &arkernels::set_visibility);
   m.def("get_visibility() -> bool", &arkernels::get_visibility);
+  m.def("fence_probe(int blocks, bool fence) -> (Tensor, Tensor)", &arkernels::fence_probe);
+  m.def("alloc_probe(int n) -> Tensor", &arkernels::alloc_probe);
   m.def("mma_probe(Tensor a, Tensor b, Tensor c, bool bf16) -> Tensor", &arkernels::mma_probe);
   m.def("ldmatrix_probe(Tensor tile, int n, bool trans) -> Tensor", &arkernels::ldmatrix_probe);
 }
