@@ -25,9 +25,13 @@ TORCH_LIBRARY(arkernels, m) {
   // -> (out like query, lse fp32 [num_queries, Hq]); a query with no visible key gives zeros and lse -inf.
   // fp8 caches (float8_e4m3fn, query fp32|fp16|bf16): key = stored * k_scale, value = stored * v_scale, scales fp32 [1]
   // on the cache's device, required iff the cache is fp8.
+  // sinks fp32 [Hq]? (gpt-oss attention sinks: one logit per query head, neither scaled nor softcapped, in every
+  // query's softmax denominator, no value; lse includes it, FlashInfer's convention; a query with no visible key gets
+  // zeros and lse = sinks[h]); chunk_size 0: off, C > 0: only keys of the query's chunk of C positions, counted from
+  // max(kv_start[b], 0) (Llama 4 chunked attention, transformers' rule with left padding).
   m.def("window_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor? cu_seqlens_q, Tensor? kv_start, int max_q_len, int window, float scale, float softcap, "
-        "Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
+        "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None, int chunk_size=0) -> (Tensor, Tensor)");
 
   // ---- sampling: temperature -> top-k -> top-p -> min-p -> draw, from logits, no full sort ----
   // logits [batch, vocab] fp32|fp16|bf16 (rows may be strided); temperature fp32 [batch] (0: greedy),

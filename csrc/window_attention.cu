@@ -35,16 +35,17 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cuda(const at::Tensor& query
                                                          const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
                                                          int64_t window, double scale, double softcap,
                                                          const std::optional<at::Tensor>& k_scale,
-                                                         const std::optional<at::Tensor>& v_scale) {
+                                                         const std::optional<at::Tensor>& v_scale,
+                                                         const std::optional<at::Tensor>& sinks, int64_t chunk_size) {
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
-                         scale, softcap, k_scale, v_scale);
+                         scale, softcap, k_scale, v_scale, sinks, chunk_size);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   at::Tensor out, lse;
   C10_CUDA_CHECK(window_attention_launch(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
-                                         max_q_len, window, scale, softcap, k_scale, v_scale,
+                                         max_q_len, window, scale, softcap, k_scale, v_scale, sinks, chunk_size,
                                          cuda_device_props(query.get_device()), stream,
                                          capture != cudaStreamCaptureStatusNone, out, lse));
   return {out, lse};

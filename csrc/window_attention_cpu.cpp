@@ -4,8 +4,10 @@
 // key/value row it reads serves all `group` query heads. Scores of the visible keys go to a scratch buffer
 // [group, n_visible] (fp32), then an exact two-pass softmax (max, then sum of exp) and the weighted sum of V rows,
 // all in fp32 whatever the input dtype. fp8 (float8_e4m3fn) caches: each key/value row is dequantized once per task
-// (stored * k_scale / v_scale, fp32) before it serves the group. The CPU can afford to validate the data (block ids, cu_seqlens_q against
-// seq_lens) at no sync cost, so it raises where the CUDA kernel can only mask.
+// (stored * k_scale / v_scale, fp32) before it serves the group. Attention sinks join each head's max and sum as one
+// more logit with no value; chunked attention only moves the first visible key (window_attention_first_key). The CPU
+// can afford to validate the data (block ids, cu_seqlens_q against seq_lens) at no sync cost, so it raises where the
+// CUDA kernel can only mask.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -29,7 +31,8 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
                                  const int32_t* table, int64_t max_blocks, const int32_t* lens,
                                  const int32_t* starts,  // [batch] or nullptr
                                  const std::vector<int64_t>& row_batch, const std::vector<int64_t>& row_pos,
-                                 int64_t window, float scale, float softcap, float k_scale, float v_scale,
+                                 int64_t window, int64_t chunk_size, float scale, float softcap, float k_scale,
+                                 float v_scale, const float* sinks,  // [hq] or nullptr
                                  at::Tensor& out, at::Tensor& lse) {
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t hkv = k_cache.size(2), group = hq / hkv, block_size = k_cache.size(1);
@@ -49,17 +52,16 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / hkv, kvh = item % hkv;
       const int64_t b = row_batch[r], i = row_pos[r];
-      int64_t lo = std::max<int64_t>(starts ? starts[b] : 0, 0);
-      if (window > 0) lo = std::max(lo, i - window + 1);
+      const int64_t lo = window_attention_first_key<int64_t>(i, starts ? starts[b] : 0, window, chunk_size);
       // i < seq_len always; keys past the block table's capacity are masked (the rule of every kernel, see
       // window_attention.h), the query keeps its position
       const int64_t hi = std::min<int64_t>({i, lens[b] - 1, max_blocks * block_size - 1});
       const int64_t n = hi - lo + 1;
-      if (n <= 0) {  // no visible key: zeros and lse -inf, never NaN
+      if (n <= 0) {  // no visible key: zeros and lse -inf (or the sink: its denominator), never NaN
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kvh * group + g;
           std::fill(o_ptr + (r * hq + h) * d, o_ptr + (r * hq + h + 1) * d, scalar_t(0));
-          lse_ptr[r * hq + h] = kNegInf;
+          lse_ptr[r * hq + h] = sinks ? sinks[h] : kNegInf;
         }
         continue;
       }
@@ -84,9 +86,11 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
       std::fill(acc.begin(), acc.end(), 0.f);
       std::vector<float> inv(group), mx(group);
       for (int64_t g = 0; g < group; ++g) {
-        float m = kNegInf;
+        // The sink is one more logit in the max and the sum, with no value row.
+        const float sink = sinks ? sinks[kvh * group + g] : kNegInf;
+        float m = sink;
         for (int64_t x = 0; x < n; ++x) m = std::max(m, scores[g * n + x]);
-        float l = 0.f;
+        float l = sinks ? std::exp(sink - m) : 0.f;  // 0 for a -inf sink (m is finite: n > 0 keys)
         for (int64_t x = 0; x < n; ++x) {
           const float p = std::exp(scores[g * n + x] - m);
           scores[g * n + x] = p;
@@ -123,9 +127,10 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
                                                         const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
                                                         int64_t window, double scale, double softcap,
                                                         const std::optional<at::Tensor>& k_scale,
-                                                        const std::optional<at::Tensor>& v_scale) {
+                                                        const std::optional<at::Tensor>& v_scale,
+                                                        const std::optional<at::Tensor>& sinks, int64_t chunk_size) {
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
-                         scale, softcap, k_scale, v_scale);
+                         scale, softcap, k_scale, v_scale, sinks, chunk_size);
   const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
   const int64_t batch = seq_lens.size(0), max_blocks = block_table.size(1);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
@@ -178,17 +183,26 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
     }
   }
 
+  at::Tensor sinks_t;
+  if (sinks.has_value()) sinks_t = sinks->contiguous();
+  const float* sinks_ptr = sinks.has_value() ? sinks_t.data_ptr<float>() : nullptr;
+  for (int64_t h = 0; sinks_ptr && h < hq; ++h) {  // -inf is allowed: no sink for that head
+    AK_CHECK("window_attention", !std::isnan(sinks_ptr[h]) && sinks_ptr[h] != std::numeric_limits<float>::infinity(),
+             "sinks[", h, "] = ", sinks_ptr[h], " must be finite or -inf");
+  }
+
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   const float ks = fp8 ? k_scale->data_ptr<float>()[0] : 1.f, vs = fp8 ? v_scale->data_ptr<float>()[0] : 1.f;
   AK_DISPATCH_FLOAT(query.scalar_type(), "window_attention_cpu", [&] {
     if (fp8) {
       window_attention_cpu_kernel<scalar_t, c10::Float8_e4m3fn>(
-          query, k_cache, v_cache, table_ptr, max_blocks, lens, starts, row_batch, row_pos, window,
-          static_cast<float>(scale), static_cast<float>(softcap), ks, vs, out, lse);
+          query, k_cache, v_cache, table_ptr, max_blocks, lens, starts, row_batch, row_pos, window, chunk_size,
+          static_cast<float>(scale), static_cast<float>(softcap), ks, vs, sinks_ptr, out, lse);
     } else {
       window_attention_cpu_kernel<scalar_t, scalar_t>(query, k_cache, v_cache, table_ptr, max_blocks, lens, starts,
-                                                      row_batch, row_pos, window, static_cast<float>(scale),
-                                                      static_cast<float>(softcap), 1.f, 1.f, out, lse);
+                                                      row_batch, row_pos, window, chunk_size,
+                                                      static_cast<float>(scale), static_cast<float>(softcap), 1.f,
+                                                      1.f, sinks_ptr, out, lse);
     }
   });
   return {out, lse};

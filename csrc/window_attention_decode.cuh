@@ -5,8 +5,10 @@
 // tensor-core decode structure.
 //   Grid (num_splits, Hkv * head_chunks, batch), 128 threads = 4 warps. A CTA owns one KV head, up to 16 of its
 //   query heads (the GQA group, zero-padded to the M = 16 rows of mma.m16n8k16; groups above 16 take
-//   ceil(group / 16) CTAs) and one split of the visible range [max(kv_start, i - W + 1, 0), i], so every visible K/V
-//   byte is read from memory once per KV head (and per 16 query heads).
+//   ceil(group / 16) CTAs) and one split of the visible range [max(kv_start, i - W + 1, chunk start, 0), i], so every
+//   visible K/V byte is read from memory once per KV head (and per 16 query heads), and no key outside the window or
+//   the query's chunk is read. Attention sinks join each head's denominator once, after the merge of the 4 warps
+//   (num_splits 1) or in the split-KV combine (the partials leave them out).
 //   K/V move in 64-key tiles through a ring of `stages` shared-memory buffers (1..4, planned from the shared-memory
 //   budget) with cp.async: K and V of a tile are separate commit groups, so S = Q K^T of tile t runs while V of
 //   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
@@ -139,9 +141,23 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
   }
 }
 
+// One more softmax term with no value, the attention sink (log2 units; -inf: none), added to a state whose output was
+// normalised by its own sum: returns the new lse (log2 units) and sets w, the factor that output takes (0 when the
+// state had no key, lse2 = -inf: the output stays 0 and the lse is the sink's).
+__device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w) {
+  const float m = fmaxf(lse2, sink2);
+  if (m == neg_inf()) {  // no key and no sink
+    w = 0.f;
+    return m;
+  }
+  const float total = m + log2f(exp2f(lse2 - m) + exp2f(sink2 - m));
+  w = exp2f(lse2 - total);
+  return total;
+}
+
 // Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
-// counter after publishing their partials; the last one merges them -- lse = log2 sum_s 2^lse_s, out = sum_s
-// 2^(lse_s - lse) out_s -- and resets the counter to 0 for the next launch (no second kernel, no memset per call).
+// counter after publishing their partials; the last one merges them -- lse = log2 (sum_s 2^lse_s + 2^sink), out =
+// sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without) -- and resets the counter to 0 for the next launch (no second kernel, no memset per call).
 // Each split's weight is computed once per head (one warp per head, lanes over splits) into shared memory; the
 // partials of other CTAs are read through L2 (ld.global.cg: L1 is not coherent across SMs). smem: the CTA's dynamic
 // shared memory, free again (every warp passed the merge's reads).
@@ -173,9 +189,14 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    // The attention sink joins the head's denominator here, once (the splits' partials leave it out): one more
+    // term 2^sink2 with no value, added by lane 0 before the sum over lanes.
+    const float sink2 = p.sinks ? dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();
+    m = fmaxf(m, sink2);
     float sum = 0.f;
     if (m != neg_inf())
       for (int s = lane; s < p.num_splits; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
+    if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float lse = sum > 0.f ? m + log2f(sum) : neg_inf();
@@ -227,8 +248,8 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
-  int64_t lo = p.kv_start ? max64(dev::ld_global(p.kv_start + b), 0) : 0;
-  if (p.window > 0) lo = max64(lo, i - p.window + 1);
+  const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b) : 0,
+                                                         p.window, p.chunk);  // window, kv_start and chunk bounds
   const int64_t hi = min64(i, p.max_blocks * p.block_size - 1);  // last visible key
   const int64_t n = hi - lo + 1;                                  // visible keys (<= 0: none)
   // This split's keys: whole tiles, so splits never share a tile.
@@ -516,15 +537,20 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
         acc += mo_s[(w * kDecodeRows + r) * D + x] * f;
       }
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (big + log2f(l)) / kLog2e : neg_inf();  // natural log (partials: log2)
+    float lse2 = l > 0.f ? big + log2f(l) : neg_inf();  // log2 units
+    float w = 1.f;
+    // The attention sink joins the denominator once: here when this CTA holds the whole key range, else in the
+    // combine (a partial that added it too would count it num_splits + 1 times).
+    const bool sink_here = p.sinks != nullptr && p.num_splits == 1;
+    if (sink_here) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h0 + r) * kLog2e, w);
+    const float inv = l > 0.f ? w / l : 0.f;
     const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
     if (p.num_splits == 1) {
       dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
-      if (x == 0) dev::st_global(p.lse + oh, lse);
+      if (x == 0) dev::st_global(p.lse + oh, lse2 / kLog2e);  // natural log (partials: log2)
     } else {
       dev::st_global(p.part_out + (split * p.rows * p.hq + oh) * D + x, acc * inv * v_scale);
-      if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, l > 0.f ? big + log2f(l) : neg_inf());
+      if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse2);
     }
   }
   if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem);
@@ -564,14 +590,17 @@ struct DecodePlan {
   int64_t counters() const { return num_splits > 1 ? int64_t(grid.y) * grid.z : 0; }  // AttnParams::counters
 };
 
-// batch sequences, rows = batch query rows; max_blocks x block_size = the block table's capacity.
+// batch sequences, rows = batch query rows; max_blocks x block_size = the block table's capacity; window, chunk: a
+// query sees at most that many keys (0: no bound).
 inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t d, bool fp8,
-                              int64_t max_blocks, int64_t block_size, int64_t window, const DeviceProps& props) {
+                              int64_t max_blocks, int64_t block_size, int64_t window, int64_t chunk,
+                              const DeviceProps& props) {
   DecodePlan plan;
   const int64_t group = hq / hkv;
   plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeRows));
   const int64_t cap = max_blocks * block_size;
-  const int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
+  int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
+  if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);
   plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, props.sm_count);
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;

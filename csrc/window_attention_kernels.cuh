@@ -9,7 +9,10 @@
 // Layout: query [num_queries, Hq, D] (rows and heads strided, last dim contiguous); caches
 // [num_blocks, block_size, Hkv, D] (any 16-byte aligned strides); key j of sequence b lives in block
 // block_table[b, j / block_size] at offset j % block_size. Visibility (same rule as the CPU kernel and the
-// reference): max(kv_start[b], 0) <= j <= i and (window == 0 or j > i - window), i the query's absolute position.
+// reference): max(kv_start[b], 0) <= j <= i and (window == 0 or j > i - window), i the query's absolute position, and
+// with chunk_size C only keys of i's chunk (window_attention_mask.h: one lower bound). Attention sinks: one more
+// softmax term per query head with no value, added once per query after its keys (decode: by the single split, or in
+// the split-KV combine; prefill: when a row's output is written).
 //
 // Keys in a block whose id is out of range, and keys past the block table's capacity (a seq_len above
 // max_blocks * block_size), are masked and never read (check=False callers); queries keep the positions seq_lens gives
@@ -23,6 +26,7 @@
 
 #include "device.cuh"
 #include "device_mma.cuh"
+#include "window_attention_mask.h"
 
 #include <cuda_fp8.h>  // e4m3 -> half (cvt on sm_89+; the header's software path elsewhere and in the emulator)
 
@@ -74,6 +78,7 @@ struct AttnParams {
   const int32_t* seq_lens;     // [batch]
   const int32_t* cu_seqlens_q; // [batch + 1] or nullptr (decode)
   const int32_t* kv_start;     // [batch] or nullptr
+  const float* sinks;          // [Hq] fp32 attention-sink logits (natural log, unscaled) or nullptr
   const float* k_scale;        // fp8 caches: stored = key / k_scale (a one-element fp32 tensor); nullptr otherwise
   const float* v_scale;
   void* out;                   // [rows, Hq, D] contiguous
@@ -84,6 +89,7 @@ struct AttnParams {
   AttnStrides s;
   int64_t rows, num_blocks, block_size, max_blocks;
   int hq, hkv, group, head_chunks, num_splits, window;
+  int chunk;  // chunked attention: chunks of `chunk` positions from max(kv_start, 0); 0: off
   float scale, softcap;
   bool q_vec;  // query rows 16-byte aligned
 };
@@ -107,13 +113,14 @@ struct WindowAttentionPlan {
 // are float8_e4m3fn (both kernels read them as stored: the shared-memory layouts differ).
 inline WindowAttentionPlan plan_window_attention(bool prefill, int64_t batch, int64_t rows, int64_t hq, int64_t hkv,
                                                  int64_t d, bool fp8, int64_t max_blocks, int64_t block_size,
-                                                 int64_t window, int64_t max_q_len, const DeviceProps& props) {
+                                                 int64_t window, int64_t chunk, int64_t max_q_len,
+                                                 const DeviceProps& props) {
   WindowAttentionPlan plan;
   plan.prefill = prefill;
   if (prefill) {
     plan.pre = plan_prefill(batch, hq, d, fp8, max_q_len, props);
   } else {
-    plan.decode = plan_decode(batch, rows, hq, hkv, d, fp8, max_blocks, block_size, window, props);
+    plan.decode = plan_decode(batch, rows, hq, hkv, d, fp8, max_blocks, block_size, window, chunk, props);
   }
   return plan;
 }

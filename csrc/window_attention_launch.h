@@ -70,7 +70,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                            const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
                                            int64_t window, double scale, double softcap,
                                            const std::optional<at::Tensor>& k_scale,
-                                           const std::optional<at::Tensor>& v_scale, DeviceProps props,
+                                           const std::optional<at::Tensor>& v_scale,
+                                           const std::optional<at::Tensor>& sinks, int64_t chunk_size, DeviceProps props,
                                            cudaStream_t stream, bool capturing, at::Tensor& out, at::Tensor& lse) {
   const auto dt = query.scalar_type();
   AK_CHECK("window_attention", dt == at::kHalf || dt == at::kBFloat16,
@@ -87,14 +88,16 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   const int64_t batch = seq_lens.size(0), rows = query.size(0), hq = query.size(1), hkv = k_cache.size(2);
   AK_CHECK("window_attention", batch <= 65535, "batch must be <= 65535 on CUDA, got ", batch);
   AK_CHECK("window_attention", window <= INT32_MAX, "window must fit in int32, got ", window);
+  AK_CHECK("window_attention", chunk_size <= INT32_MAX, "chunk_size must fit in int32, got ", chunk_size);
   out = at::empty({rows, hq, d}, query.options());
   lse = at::empty({rows, hq}, query.options().dtype(at::kFloat));
   if (rows == 0 || hq == 0 || batch == 0) return cudaSuccess;
   const at::Tensor table = block_table.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
-  at::Tensor cu, starts;
+  at::Tensor cu, starts, sinks_c;
   if (cu_seqlens_q.has_value()) cu = cu_seqlens_q->contiguous();
   if (kv_start.has_value()) starts = kv_start->contiguous();
+  if (sinks.has_value()) sinks_c = sinks->contiguous();
 
   AttnParams p{};
   p.query = query.data_ptr();
@@ -106,6 +109,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   p.seq_lens = lens.data_ptr<int32_t>();
   p.cu_seqlens_q = cu.defined() ? cu.data_ptr<int32_t>() : nullptr;
   p.kv_start = starts.defined() ? starts.data_ptr<int32_t>() : nullptr;
+  p.sinks = sinks_c.defined() ? sinks_c.data_ptr<float>() : nullptr;
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.s = AttnStrides{query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -118,19 +122,25 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
   p.hkv = static_cast<int>(hkv);
   p.group = static_cast<int>(hq / hkv);
   p.window = static_cast<int>(window);
+  p.chunk = static_cast<int>(chunk_size);
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   const int64_t qes = query.element_size();
   p.q_vec = aligned16(query.data_ptr()) && (query.stride(0) * qes) % 16 == 0 && (query.stride(1) * qes) % 16 == 0;
   if (p.max_blocks == 0 || p.block_size == 0) {  // nothing addressable: every query sees no key
     out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
+    if (sinks_c.defined()) {
+      lse.copy_(sinks_c.expand({rows, hq}));  // the sink alone is the denominator
+    } else {
+      lse.fill_(-std::numeric_limits<float>::infinity());
+    }
     return cudaSuccess;
   }
 
   const bool prefill = cu_seqlens_q.has_value();
   const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, fp8, p.max_blocks,
-                                                         p.block_size, window, max_q_len, apply_smem_knob(props));
+                                                         p.block_size, window, chunk_size, max_q_len,
+                                                         apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
   p.num_splits = plan.decode.num_splits;
   at::Tensor part_out, part_lse, counters;

@@ -32,7 +32,9 @@
 //   - O += P V: P converted from the S accumulators straight into A fragments (the m16n8 accumulator layout of two
 //     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans; O in fp32 registers, rescaled there.
 //   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
-//     sees no key).
+//     sees no key); an attention sink adds its term to l and lse there (zeros / the sink for a row with no key).
+//   - Chunked attention (chunk_size) and windows only move a row's first key (window_attention_first_key): tiles
+//     before the first key of every row of the CTA are never visited, so keys of earlier chunks are never read.
 // Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2, fp8: 2 * BN * D; FLOPs = 4 * BM * BN * D):
 //   D=128, BM=128, BN=64: 32 KB staged (fp8: 16 KB), 4.2 MFLOP -> 128 FLOP per staged byte (fp8: 256; the WMMA
 //   kernel's 64-row tiles: 64).
@@ -169,10 +171,11 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     const int64_t nrows = int64_t(q_len) * group;
     const int t_first = static_cast<int>(R0 / group);
     const int t_last = static_cast<int>((min64(R0 + BM, nrows) - 1) / group);
-    // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all].
-    const int klo = max(kstart, p.window > 0 ? pos0 + t_first - p.window + 1 : 0);
+    // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all] (a row's first key never
+    // decreases with its position: window and chunk bounds alike).
+    const int klo = window_attention_first_key<int>(pos0 + t_first, kstart, p.window, p.chunk);
     const int khi = min(pos0 + t_last, cap - 1);
-    const int lo_all = max(kstart, p.window > 0 ? pos0 + t_last - p.window + 1 : 0);
+    const int lo_all = window_attention_first_key<int>(pos0 + t_last, kstart, p.window, p.chunk);
     const int hi_all = min(pos0 + t_first, cap - 1);
     const int tile_first = klo / BN * BN;
     const int ntiles = klo <= khi ? (khi - tile_first) / BN + 1 : 0;
@@ -238,7 +241,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       const int64_t R = R0 + warp * 16 + g + 8 * r;
       const int pos = pos0 + static_cast<int>(R / group);
       const bool live = R < nrows;
-      lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;
+      lo_r[r] = live ? window_attention_first_key<int>(pos, kstart, p.window, p.chunk) : 1;
       hi_r[r] = live ? min(pos, cap - 1) : 0;
     }
     float o[ND][4];
@@ -439,8 +442,12 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       lr += __shfl_xor_sync(0xffffffffu, lr, 2);
       const int64_t R = R0 + warp * 16 + g + 8 * r;
       if (R < nrows) {
-        const int64_t oh = (first + R / group) * p.hq + kvh * group + R % group;
-        const float inv = lr > 0.f ? out_scale / lr : 0.f;
+        const int h = kvh * group + static_cast<int>(R % group);
+        const int64_t oh = (first + R / group) * p.hq + h;
+        float lse = lr > 0.f ? m[r] + __logf(lr) : neg_inf();
+        float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
+        if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
+        const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
         T* const out = static_cast<T*>(p.out) + oh * D;
         if constexpr (kFp8) {  // blocks 2q (even dims) and 2q + 1 (odd dims) of fp8_o_dim: adjacent pairs
 #pragma unroll
@@ -457,7 +464,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
             dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
                            pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
         }
-        if (t4 == 0) dev::st_global(p.lse + oh, lr > 0.f ? m[r] + __logf(lr) : neg_inf());
+        if (t4 == 0) dev::st_global(p.lse + oh, lse);
       }
     }
   }

@@ -84,10 +84,14 @@ KERNEL_BUILD_TSAN = KERNEL_BUILD + " --sanitize thread"
 _TSAN = "LD_PRELOAD=$(gcc -print-file-name=libtsan.so) TSAN_OPTIONS=halt_on_error=1 "
 
 
-def _kernel_run(select: str, tsan: bool = False) -> str:
+_KERNEL_TESTS = ("test_window_attention.py", "test_paged_kv.py")
+
+
+def _kernel_run(select: str, tsan: bool = False, tests: tuple = _KERNEL_TESTS) -> str:
+    files = " ".join(f"{{repo}}/tests/{t}" for t in tests)
     return ((_TSAN if tsan else "") + "PYTHONPATH={repo} OMP_NUM_THREADS=1 TRITON_INTERPRET=1 ARKERNELS_SIMT_REQUIRED=1 "
             "ARKERNELS_SIMT_LIB={out}/arkernels_simt.so {python} -m pytest -s -x -q -p no:cacheprovider -m simt "
-            f"-k '{select}' {{repo}}/tests/test_window_attention.py {{repo}}/tests/test_paged_kv.py")
+            f"-k '{select}' {files}")
 
 
 _DECODE_FILE = "window_attention_decode.cuh"
@@ -106,6 +110,14 @@ _PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      }
             "      }\n")
 
 
+# The visibility lower bound (window, kv_start, chunk) is written once for both kernels (and the CPU kernel, which the
+# emulator build does not include).
+_MASK = "window_attention_mask.h"
+_WINDOW_LO = "if (window > 0 && i - window + 1 > lo) lo = i - window + 1;"
+_WINDOW_LO_OFF = "if (window > 0 && i - window > lo) lo = i - window;"
+_CHUNK_LO = "const I c = s + (i - s) / chunk * chunk;"
+
+
 def _decode_fault(what: str, find: str, replace: str) -> Fault:
     """A fault in the decode kernel, caught (or not) by the decode slice of the emulated tests."""
     return Fault(f"decode: {what}", _DECODE_FILE, find, replace, build=KERNEL_BUILD, run=_kernel_run(_DECODE))
@@ -116,12 +128,55 @@ def _prefill_fault(what: str, find: str, replace: str) -> Fault:
     return Fault(f"prefill: {what}", _PF, find, replace, build=KERNEL_BUILD, run=_kernel_run(_PREFILL))
 
 
+# Attention sinks and chunked attention (issue 21): caught by tests/test_window_attention_sinks.py.
+_SINKS_TESTS = ("test_window_attention_sinks.py",)
+_SINK_DECODE = "sinks_decode and 64-dtype1 or sinks_decode and 256-dtype2 or sinks_decode_splits and 1-simt"
+_SINK_PREFILL = ("sinks_prefill and 64-dtype1 or sinks_prefill and 80-dtype2 or sinks_prefill and 128-dtype1 "
+                 "or sinks_chunked_fp8 and True-128")
+_CHUNK = ("chunked_decode and 16-0 or chunked_decode and 13-5 or chunked_prefill and 0-16 or chunked_prefill and 20-37 "
+          "or chunked_decode_traffic and False-0")
+_SINK_HERE = "const bool sink_here = p.sinks != nullptr && p.num_splits == 1;"
+_COMBINE_SINK = "    if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);\n"
+_PF_SINK = "if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;"
+
+
+def _sinks_fault(what: str, file: str, find: str, replace: str, select: str) -> Fault:
+    return Fault(what, file, find, replace, build=KERNEL_BUILD, run=_kernel_run(select, tests=_SINKS_TESTS))
+
+
+_SINK_FAULTS = [
+    _sinks_fault("decode: sink dropped (one split)", _DECODE_FILE, _SINK_HERE, "const bool sink_here = false;",
+                 _SINK_DECODE),
+    _sinks_fault("decode: sink dropped in the split-KV combine", _DECODE_FILE, _COMBINE_SINK, "", _SINK_DECODE),
+    _sinks_fault("decode: sink added twice (by every split's partial and by the combine)", _DECODE_FILE, _SINK_HERE,
+                 "const bool sink_here = p.sinks != nullptr;", _SINK_DECODE),
+    _sinks_fault("decode: sink added by every lane of the combine (32 times)", _DECODE_FILE, _COMBINE_SINK,
+                 _COMBINE_SINK.replace("lane == 0 && ", ""), _SINK_DECODE),
+    _sinks_fault("decode: the combine takes the sink of head r of the chunk, not h0 + r", _DECODE_FILE,
+                 "dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();", "dev::ld_global(p.sinks + r) * kLog2e : "
+                 "neg_inf();", _SINK_DECODE),
+    _sinks_fault("prefill: sink dropped", _PF, _PF_SINK, "", _SINK_PREFILL),
+    _sinks_fault("prefill: sink added twice", _PF, _PF_SINK, _PF_SINK + "\n        " + _PF_SINK, _SINK_PREFILL),
+    _sinks_fault("prefill: sink multiplied by the score scale", _PF, "dev::ld_global(p.sinks + h) * kLog2e",
+                 "dev::ld_global(p.sinks + h) * p.scale * kLog2e", _SINK_PREFILL),
+    _sinks_fault("prefill: a packed row takes its KV head's first sink", _PF, "dev::ld_global(p.sinks + h)",
+                 "dev::ld_global(p.sinks + kvh * group)", _SINK_PREFILL),
+    _sinks_fault("chunk boundary off by one (a chunk's last query starts the next chunk)", _MASK, _CHUNK_LO,
+                 "const I c = s + (i - s + 1) / chunk * chunk;", _CHUNK),
+    _sinks_fault("chunk boundary off by one (a chunk's first query sees the previous chunk)", _MASK, _CHUNK_LO,
+                 "const I c = s + (i - s - 1) / chunk * chunk;", _CHUNK),
+    _sinks_fault("chunks counted from position 0, not from kv_start (left padding)", _MASK, _CHUNK_LO,
+                 "const I c = i / chunk * chunk;", _CHUNK),
+    _sinks_fault("decode: split planning ignores the chunk (as many splits as the whole context)", _DECODE_FILE,
+                 "  if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);\n", "", _CHUNK),
+]
+
 FAULTS += [
     _decode_fault("cp.async wait for the K tile removed", _K_WAIT, ""),
     Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, _K_SYNC, "",
           build=KERNEL_BUILD_TSAN, run=_kernel_run(_DECODE, tsan=True)),
-    _decode_fault("window off by one (W + 1 keys)", "lo = max64(lo, i - p.window + 1)",
-                  "lo = max64(lo, i - p.window)"),
+    Fault("decode: window off by one (W + 1 keys)", _MASK, _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
+          run=_kernel_run(_DECODE)),
     _decode_fault("ldmatrix .trans dropped for V", "dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16",
                   "dev::ldmatrix_x4(vf, v_s + v_row * SLD + dp * 16"),
     _decode_fault("wrong quad shuffle in the row max",
@@ -148,9 +203,8 @@ FAULTS += [
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
                   "const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;",
                   "const bool last = (dev::atomic_add(counter, 1), int(blockIdx.x) == p.num_splits - 1);"),
-    _prefill_fault("window off by one (W + 1 keys)",
-                   "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window + 1 : 0) : 1;",
-                   "lo_r[r] = live ? max(kstart, p.window > 0 ? pos - p.window : 0) : 1;"),
+    Fault("prefill: window off by one (W + 1 keys)", _MASK, _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
+          run=_kernel_run(_PREFILL)),
     _prefill_fault("ldmatrix .trans dropped (V)", "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +"),
     _prefill_fault("ldmatrix .trans added (K)", "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +"),
     _prefill_fault("cp.async wait before the tile removed", _PF_WAIT, ""),
@@ -172,6 +226,7 @@ FAULTS += [
     _prefill_fault("fp8 O columns written in place of the 16-bit layout",
                    "T* const w = out + fp8_o_dim(2 * q, 0) + 4 * t4;", "T* const w = out + 8 * q + 2 * t4;"),
     _prefill_fault("fp8 valid flags ignored", "flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];", "flag[0] = 1;"),
+    *_SINK_FAULTS,
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
 ]

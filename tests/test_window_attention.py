@@ -49,8 +49,10 @@ def _paged(lens, block_size, hkv, d, dtype, device, gen, extra_blocks=2):
     return k.to(dtype).to(device), v.to(dtype).to(device), table.to(device)
 
 
-def _torch_lowp(query, k_cache, v_cache, table, lens, cu, window, scale, softcap, kv_start=None):
-    """PyTorch's own attention in the inputs' dtype with the same mask (the error yardstick)."""
+def _torch_lowp(query, k_cache, v_cache, table, lens, cu, window, scale, softcap, kv_start=None, sinks=None,
+                chunk_size=0):
+    """PyTorch's own attention in the inputs' dtype with the same mask (the error yardstick); sinks as transformers'
+    gpt_oss eager attention adds them (a column of the softmax, dropped after it)."""
     dtype, hq = query.dtype, query.shape[1]
     q_all, k_cache, v_cache = query.cpu(), k_cache.cpu(), v_cache.cpu()
     group, bs = hq // k_cache.shape[2], k_cache.shape[1]
@@ -69,9 +71,13 @@ def _torch_lowp(query, k_cache, v_cache, table, lens, cu, window, scale, softcap
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         start = 0 if kv_start is None else int(kv_start[b])
-        mask = window_mask_ref(torch.arange(n - q_len, n), n, window, start) & (torch.arange(n) < cap)
+        mask = window_mask_ref(torch.arange(n - q_len, n), n, window, start, chunk_size) & (torch.arange(n) < cap)
         s = s.masked_fill(~mask[None], -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks.cpu().to(dtype).reshape(-1, 1, 1).expand(hq, q_len, 1)], dim=-1)
         p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        if sinks is not None:
+            p = p[..., :-1]
         out[cu[b]:cu[b + 1]] = (p @ v).transpose(0, 1)
     return out
 
@@ -83,11 +89,14 @@ def _poison_allocator(*shapes_dtypes, device):
         torch.full(shape, NAN, dtype=dtype, device=device)
 
 
-def _check(out, lse, query, k, v, table, lens, cu, window, scale, softcap, kv_start=None):
+def _check(out, lse, query, k, v, table, lens, cu, window, scale, softcap, kv_start=None, sinks=None,
+           chunk_size=0):
+    """out/lse against the fp64 reference. Queries with no visible key: exact zeros and lse -inf (with sinks: the
+    sink, the whole denominator)."""
     ref, ref_lse = window_attention_ref(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
                                        scale=scale, softcap=softcap,
                                        cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32),
-                                       kv_start=kv_start)
+                                       kv_start=kv_start, sinks=sinks, chunk_size=chunk_size)
     assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()
     assert lse.shape == query.shape[:2] and lse.dtype == torch.float32
     out, lse = out.cpu(), lse.cpu()
@@ -97,13 +106,20 @@ def _check(out, lse, query, k, v, table, lens, cu, window, scale, softcap, kv_st
         tol = FP32_TOL
     else:
         cu_list = list(range(len(lens) + 1)) if cu is None else cu
-        lowp = _torch_lowp(query, k, v, table, lens, cu_list, window, scale, softcap, kv_start)
+        lowp = _torch_lowp(query, k, v, table, lens, cu_list, window, scale, softcap, kv_start, sinks, chunk_size)
         tol = 2 * (lowp.double() - ref).abs().max().item() + 1e-5
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
-    empty = torch.isinf(ref_lse)  # queries with no visible key: exact zeros and lse -inf
-    assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all())
+    if sinks is None:
+        empty = torch.isinf(ref_lse)  # queries with no visible key: exact zeros and lse -inf
+        assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all())
+    else:  # the sink alone: lse == sink exactly in fp64 (any visible key adds a positive term)
+        sink_lse = sinks.cpu().double()[None, :].expand_as(ref_lse)
+        empty = ref_lse == sink_lse
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        assert torch.allclose(lse.double()[empty], sink_lse[empty], atol=1e-5, rtol=1e-6)
     assert bool((out[empty] == 0).all())
     assert torch.allclose(lse.double()[~empty], ref_lse[~empty], atol=1e-4, rtol=1e-5)
+    return empty
 
 
 def _skip_unsupported(device, dtype):

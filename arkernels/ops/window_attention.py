@@ -1,9 +1,17 @@
-"""Causal (sliding-window) attention over the paged KV cache, with GQA/MQA, softcap and left padding.
+"""Causal (sliding-window, chunked) attention over the paged KV cache, with GQA/MQA, softcap, left padding and
+attention sinks.
 
-Visibility of key ``j`` to the query at absolute position ``i`` of sequence ``b``:
-``max(kv_start[b], 0) <= j <= i`` and (``window == 0`` or ``i - window < j``): W keys including the current one,
-the convention of transformers, vLLM and FlashAttention. Sequence ``b``'s queries are its last ``q_len_b``
-positions (bottom-right aligned), so chunked prefill on top of an existing cache works.
+Visibility of key ``j`` to the query at absolute position ``i`` of sequence ``b``, with ``s = max(kv_start[b], 0)``:
+``s <= j <= i`` and (``window == 0`` or ``i - window < j``): W keys including the current one, the convention of
+transformers, vLLM and FlashAttention; and (``chunk_size == 0`` or ``(j - s) // C == (i - s) // C``): Llama 4's
+chunked attention, chunks of C positions counted from the first real token (transformers' chunked mask with left
+padding). Sequence ``b``'s queries are its last ``q_len_b`` positions (bottom-right aligned), so chunked prefill on top
+of an existing cache works.
+
+Attention sinks (gpt-oss ``s_aux``): one logit ``sinks[h]`` per query head joins the softmax denominator of every
+query of head h and carries no value; it is neither scaled by ``scale`` nor softcapped (transformers' gpt_oss eager
+attention appends it to the scaled, masked scores):
+``out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h]))``.
 """
 from __future__ import annotations
 
@@ -54,6 +62,23 @@ def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len) 
                    f"max_q_len = {max_q_len} is smaller than the largest query count {int(q_lens.max())}")
 
 
+def _sinks_arg(sinks: torch.Tensor | None, op: str, check: bool) -> torch.Tensor | None:
+    """``sinks`` as the op takes it: fp32 (fp16/bf16 upcast), detached (the op has no backward). With ``check``
+    (eager), NaN and +inf are refused (one host sync): they would make every output of that head NaN."""
+    if sinks is None:
+        return None
+    if sinks.dtype in (torch.float16, torch.bfloat16):
+        sinks = sinks.float()
+    sinks = sinks.detach()
+    if eager_checks(check) and sinks.dtype == torch.float32 and sinks.numel() > 0:
+        bad = (torch.isnan(sinks) | torch.isposinf(sinks)).nonzero()
+        if bad.numel() > 0:
+            h = int(bad.flatten()[0])
+            raise ValueError(f"{op}: sinks[{h}] = {float(sinks.flatten()[h])} must be finite or -inf "
+                             f"(-inf: no sink for that head)")
+    return sinks
+
+
 def window_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -69,10 +94,13 @@ def window_attention(
     kv_start: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
     return_lse: bool = False,
     check: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of new queries over a paged KV cache, optionally within a sliding window.
+    """Causal attention of new queries over a paged KV cache, optionally within a sliding window or a chunk, with
+    optional attention sinks.
 
     Args:
         query: decode: ``[batch, num_q_heads, head_dim]``, one query per sequence at position ``seq_lens[b] - 1``;
@@ -83,8 +111,8 @@ def window_attention(
             contiguous), same dtype as ``query``: fp16/bf16 on CUDA (head_dim 64, 80, 96, 128, 256), also fp32
             on the CPU (any head_dim up to 512). ``num_q_heads % num_kv_heads == 0`` (GQA/MQA). Or
             ``float8_e4m3fn`` with ``k_scale``/``v_scale`` (vLLM's convention: key = stored * k_scale), any query
-            dtype above (fp16/bf16 on CUDA: decode reads the fp8 tiles and converts them in shared memory; prefill
-            dequantizes the cache first).
+            dtype above (fp16/bf16 on CUDA: both kernels stage the fp8 tiles as stored and convert them in the MMA
+            operand registers, no 16-bit copy of the cache).
         block_table: int32 ``[batch, max_blocks]``: entry ``[b, i]`` holds positions ``i*block_size ...``.
         seq_lens: int32 ``[batch]``: keys ``0 .. seq_lens[b]-1`` exist, the new tokens included.
         window: 0 for full causal attention; ``W > 0``: key j is visible to query i iff ``i - W < j <= i``.
@@ -97,7 +125,17 @@ def window_attention(
         kv_start: int32 ``[batch]``: keys ``j < kv_start[b]`` are masked (left padding); None: 0.
         k_scale, v_scale: fp32 ``[1]`` on the cache's device; required iff the caches are ``float8_e4m3fn``,
             an error otherwise.
-        return_lse: also return the fp32 natural-log sum-exp of the scaled (capped) scores.
+        sinks: ``[num_q_heads]`` on the query's device, fp32 (fp16/bf16 are upcast; not differentiated): attention
+            sink logits in natural-log units, used as given (not multiplied by ``scale``, not softcapped), one more
+            term ``exp(sinks[h])`` in the softmax denominator of every query of head h. ``-inf``: no sink for that
+            head; NaN and +inf are refused (``check``). None: no sinks.
+        chunk_size: 0 for no chunks; ``C > 0``: key j is visible to query i only if both lie in the same chunk of C
+            positions counted from ``max(kv_start[b], 0)`` (Llama 4 ``attention_chunk_size``). Combines with
+            ``window`` (both bounds hold).
+        return_lse: also return the fp32 natural-log sum-exp of the scaled (capped) scores; with ``sinks`` the sink
+            term is included, ``lse = log(sum_j exp(s_j) + exp(sinks[h]))`` (FlashInfer's convention: ``out`` is the
+            sink-normalised output, so a state merged from two calls would count the sink twice; merge lse from
+            calls without sinks and add the sink once).
         check: validate the index tensors' values first (one host sync) and raise ``ValueError`` on a block id
             out of range, a length past the block table, or ``cu_seqlens_q`` inconsistent with ``seq_lens``.
             ``False`` for hot paths and CUDA graphs; every kernel then masks such keys, never reading outside
@@ -107,7 +145,8 @@ def window_attention(
 
     Returns:
         ``out`` shaped like ``query`` (contiguous) in its dtype; with ``return_lse``, ``(out, lse)`` where
-        ``lse`` is fp32 ``[num_queries, num_q_heads]``. A query with no visible key gets zeros and lse -inf.
+        ``lse`` is fp32 ``[num_queries, num_q_heads]``. A query with no visible key gets zeros and lse -inf, or
+        lse ``sinks[h]`` with sinks (the sink alone is the denominator; the output is still zeros).
     """
     if eager_checks(check):  # no host sync while torch.compile traces
         _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len)
@@ -119,14 +158,15 @@ def window_attention(
         else:
             max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    sinks = _sinks_arg(sinks, _OP, check)
     out, lse = _ops.window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,
-                                     max_q_len, window, scale, float(softcap), k_scale, v_scale)
+                                     max_q_len, window, scale, float(softcap), k_scale, v_scale, sinks, chunk_size)
     return (out, lse) if return_lse else out
 
 
 @torch.library.register_fake("arkernels::window_attention")
 def _(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window, scale, softcap,
-      k_scale=None, v_scale=None):
+      k_scale=None, v_scale=None, sinks=None, chunk_size=0):
     return query.new_empty(query.shape), query.new_empty((query.shape[0], query.shape[1]), dtype=torch.float32)
 
 
@@ -140,7 +180,10 @@ def window_attention_dense(
     window: int = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
     return_lse: bool = False,
+    check: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``window_attention`` over contiguous K/V (transformers' DynamicCache layout), without copying K/V.
 
@@ -153,8 +196,10 @@ def window_attention_dense(
         key, value: ``[B, Hkv, S, D]``, any strides with a contiguous last dim.
         seq_lens: int32 ``[B]``, keys ``0 .. seq_lens[b]-1`` exist (``Tq <= seq_lens[b] <= S``); default S.
         kv_start: int32 ``[B]``: keys ``j < kv_start[b]`` are masked (transformers' left padding).
-        window, scale, softcap: as in ``window_attention``.
-        return_lse: also return fp32 lse ``[B, Tq, Hq]``.
+        window, scale, softcap, chunk_size: as in ``window_attention`` (chunks count from ``kv_start[b]``).
+        sinks: ``[Hq]`` attention-sink logits, as in ``window_attention`` (fp32; fp16/bf16 upcast).
+        return_lse: also return fp32 lse ``[B, Tq, Hq]`` (with sinks, the sink term included).
+        check: refuse NaN / +inf sinks (one host sync); False skips it.
 
     Returns:
         ``out`` ``[B, Tq, Hq, D]`` in ``query``'s dtype (what a transformers attention function returns);
@@ -184,7 +229,8 @@ def window_attention_dense(
         cu = torch.arange(0, (bsz + 1) * tq, tq, dtype=torch.int32, device=dev)
         max_q_len = tq
     scale = d ** -0.5 if scale is None else float(scale)
+    sinks = _sinks_arg(sinks, "window_attention_dense", check)
     out, lse = _ops.window_attention(q, k_cache, v_cache, block_table, seq_lens, cu, kv_start, max_q_len, window,
-                                     scale, float(softcap))
+                                     scale, float(softcap), None, None, sinks, chunk_size)
     out = out.view(bsz, tq, hq, d)
     return (out, lse.view(bsz, tq, hq)) if return_lse else out

@@ -7,23 +7,42 @@ import math
 import torch
 
 
-def window_mask_ref(q_pos: torch.Tensor, seq_len: int, window: int, kv_start: int = 0) -> torch.Tensor:
+def window_mask_ref(q_pos: torch.Tensor, seq_len: int, window: int, kv_start: int = 0,
+                    chunk_size: int = 0) -> torch.Tensor:
     """bool ``[len(q_pos), seq_len]``: key j visible to the query at position i iff
-    ``kv_start <= j <= i`` and (``window == 0`` or ``j > i - window``)."""
+    ``kv_start <= j <= i`` and (``window == 0`` or ``j > i - window``) and (``chunk_size == 0`` or
+    ``(j - pad) // chunk_size == (i - pad) // chunk_size``, ``pad = max(kv_start, 0)``: transformers'
+    ``chunked_overlay`` with its left-padding count)."""
     j = torch.arange(seq_len)[None, :]
     i = q_pos[:, None]
     mask = (j <= i) & (j >= kv_start)
     if window > 0:
         mask &= j > i - window
+    if chunk_size > 0:
+        pad = max(kv_start, 0)
+        mask &= torch.div(j - pad, chunk_size, rounding_mode="floor") == torch.div(i - pad, chunk_size,
+                                                                                   rounding_mode="floor")
     return mask
 
 
+def _softmax_with_sinks(s: torch.Tensor, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 scores ``[H, Q, K]`` (-inf where masked) -> (probabilities over the keys, lse ``[H, Q]``). With ``sinks``
+    (``[H]``) a sink column joins the softmax and is dropped from the probabilities, as transformers' gpt_oss eager
+    attention does (``torch.cat([scores, sinks])``, softmax, ``[..., :-1]``)."""
+    if sinks is not None:
+        col = torch.as_tensor(sinks).detach().cpu().double().reshape(-1, 1, 1).expand(s.shape[0], s.shape[1], 1)
+        s = torch.cat([s, col], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible (and no sink)
+    p = torch.nan_to_num(torch.exp(s - lse[..., None]), nan=0.0)  # rows with nothing: exp(-inf - -inf)
+    return (p[..., :-1] if sinks is not None else p), lse
+
+
 def window_attention_ref(query, k_cache, v_cache, block_table, seq_lens, *, window=0, scale=None, softcap=0.0,
-                         cu_seqlens_q=None, kv_start=None, k_scale=None, v_scale=None):
+                         cu_seqlens_q=None, kv_start=None, k_scale=None, v_scale=None, sinks=None, chunk_size=0):
     """Same contract as ``arkernels.window_attention``; returns ``(out fp64 like query, lse fp64 [rows, Hq])``.
 
-    A query with no visible key gets out 0 and lse -inf. fp8 caches are dequantized first (``stored * k_scale``, in
-    fp64: exact).
+    A query with no visible key gets out 0 and lse -inf (``sinks[h]`` with sinks). fp8 caches are dequantized first
+    (``stored * k_scale``, in fp64: exact). The lse includes the sink term.
     """
     query = query.detach().cpu().double()
     if k_cache.dtype == torch.float8_e4m3fn:
@@ -58,21 +77,19 @@ def window_attention_ref(query, k_cache, v_cache, block_table, seq_lens, *, wind
         val = val.repeat_interleave(group, dim=1)
         q = query[cu[b]:cu[b + 1]]  # [q_len, hq, d]
         q_pos = torch.arange(n - q_len, n)
-        mask = window_mask_ref(q_pos, n, window, starts[b]) & (torch.arange(n) < cap)  # [q_len, n]
+        mask = window_mask_ref(q_pos, n, window, starts[b], chunk_size) & (torch.arange(n) < cap)  # [q_len, n]
         s = torch.einsum("qhd,khd->hqk", q, key) * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~mask[None], -math.inf)
-        row_lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible
-        p = torch.exp(s - row_lse[..., None])
-        p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key: exp(-inf - -inf)
+        p, row_lse = _softmax_with_sinks(s, sinks)
         out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", p, val)
         lse[cu[b]:cu[b + 1]] = row_lse.transpose(0, 1)
     return out, lse
 
 
 def window_attention_dense_ref(query, key, value, *, seq_lens=None, kv_start=None, window=0, scale=None,
-                               softcap=0.0):
+                               softcap=0.0, sinks=None, chunk_size=0):
     """Same contract as ``arkernels.window_attention_dense``: query ``[B, Tq, Hq, D]``, key/value
     ``[B, Hkv, S, D]``; returns ``(out fp64 [B, Tq, Hq, D], lse fp64 [B, Tq, Hq])``."""
     bsz, tq, hq, d = query.shape
@@ -87,13 +104,12 @@ def window_attention_dense_ref(query, key, value, *, seq_lens=None, kv_start=Non
     lse = torch.full((bsz, tq, hq), -math.inf, dtype=torch.float64)
     for b in range(bsz):
         n = lens[b]
-        mask = window_mask_ref(torch.arange(n - tq, n), n, window, starts[b])
+        mask = window_mask_ref(torch.arange(n - tq, n), n, window, starts[b], chunk_size)
         sc = torch.einsum("qhd,hkd->hqk", q[b], k[b, :, :n]) * scale
         if softcap > 0:
             sc = softcap * torch.tanh(sc / softcap)
         sc = sc.masked_fill(~mask[None], -math.inf)
-        row_lse = torch.logsumexp(sc, dim=-1)
-        p = torch.nan_to_num(torch.exp(sc - row_lse[..., None]), nan=0.0)
+        p, row_lse = _softmax_with_sinks(sc, sinks)
         out[b] = torch.einsum("hqk,hkd->qhd", p, v[b, :, :n])
         lse[b] = row_lse.transpose(0, 1)
     return out, lse

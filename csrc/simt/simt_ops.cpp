@@ -124,9 +124,10 @@ std::tuple<at::Tensor, at::Tensor> window_attention_simt(const at::Tensor& query
                                                          const std::optional<at::Tensor>& kv_start, int64_t max_q_len,
                                                          int64_t window, double scale, double softcap,
                                                          const std::optional<at::Tensor>& k_scale,
-                                                         const std::optional<at::Tensor>& v_scale) {
+                                                         const std::optional<at::Tensor>& v_scale,
+                                                         const std::optional<at::Tensor>& sinks, int64_t chunk_size) {
   check_window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start, max_q_len, window,
-                         scale, softcap, k_scale, v_scale);
+                         scale, softcap, k_scale, v_scale, sinks, chunk_size);
   return emulated("window_attention", [&] {
     ::simt::reset_traffic();
     track("query", query);
@@ -138,10 +139,11 @@ std::tuple<at::Tensor, at::Tensor> window_attention_simt(const at::Tensor& query
     if (kv_start) track("kv_start", *kv_start);
     if (k_scale) track("k_scale", *k_scale);
     if (v_scale) track("v_scale", *v_scale);
+    if (sinks) track("sinks", *sinks);
     at::Tensor out, lse;
     const cudaError_t err = window_attention_launch(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                     kv_start, max_q_len, window, scale, softcap, k_scale, v_scale,
-                                                    emulated_device_props(), nullptr, /*capturing=*/false, out,
+                                                    sinks, chunk_size, emulated_device_props(), nullptr, /*capturing=*/false, out,
                                                     lse);
     TORCH_CHECK(err == cudaSuccess, "window_attention (SIMT emulator): launch failed");
     return std::make_tuple(out, lse);
