@@ -236,7 +236,8 @@ FAULTS += [
 # catches it. Kernel faults run the named tests on the emulator; the PTX fault runs tests/test_simt_ptx.py's nvcc
 # check on the faulted copy (no GPU: nvcc -ptx, the operand binding read back from the PTX).
 def _safety_fault(what: str, file: str, find: str, replace: str, tests: str) -> Fault:
-    return Fault(f"safety: {what}", file, find, replace, build=KERNEL_BUILD, run=_kernel_run(tests))
+    files = _KERNEL_TESTS + ("test_window_attention_safety.py",)
+    return Fault(f"safety: {what}", file, find, replace, build=KERNEL_BUILD, run=_kernel_run(tests, tests=files))
 
 
 _PTX_RUN = ("ARKERNELS_PTX_CSRC={src} PYTHONPATH={repo} {python} -m pytest -x -q -p no:cacheprovider "
@@ -258,6 +259,24 @@ FAULTS += [
     _safety_fault("decode: __threadfence before the split counter removed", _DECODE_FILE,
                   "  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts "
                   "itself done\n", "", "decode_split_combine"),
+    _safety_fault("decode: V offsets computed from K's strides", _DECODE_FILE,
+                  "vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;", "vo = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;",
+                  "k_and_v_of_different_layouts and False"),
+    _safety_fault("decode: negative kv_start not clamped", _DECODE_FILE,
+                  "const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b)"
+                  " : 0,", "const int64_t lo = (p.kv_start && dev::ld_global(p.kv_start + b) < 0) ? "
+                  "int64_t(dev::ld_global(p.kv_start + b)) : window_attention_first_key<int64_t>(i, p.kv_start ? "
+                  "dev::ld_global(p.kv_start + b) : 0,", "kv_start_negative_or_past_the_sequence and False"),
+    _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
+                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
+                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n          vo = int32_t(blk * "
+                  "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "safety and offsets_past_2_31 and False"),
+    _safety_fault("prefill: query positions back in 32 bits (seq_len INT32_MIN wraps)", _PF,
+                  "const int64_t pos0 = len - q_len;", "const int64_t pos0 = int32_t(len - q_len);",
+                  "hostile_input and seq_len_int32_min"),
+    _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
+                  "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n", "",
+                  "hostile_input and cu_seqlens_q"),
     Fault("safety: PTX mma (f16) with its B registers swapped", "device_mma.cuh", _PTX_F16_B,
           _PTX_F16_B.replace('"r"(b[0]), "r"(b[1])', '"r"(b[1]), "r"(b[0])'), build="true", run=_PTX_RUN),
     Fault("safety: PTX ldmatrix_x2_trans without .trans", "device_mma.cuh",
