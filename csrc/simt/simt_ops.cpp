@@ -244,19 +244,20 @@ __global__ void mma_probe_kernel(const uint32_t* a, const uint32_t* b, const flo
 }
 // a int32 [32, 4], b int32 [32, 2], c fp32 [32, 4] (per-lane registers) -> d fp32 [32, 4].
 at::Tensor mma_probe(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool bf16) {
-  TORCH_CHECK(a.sizes() == at::IntArrayRef({32, 4}) && a.scalar_type() == at::kInt && a.is_contiguous(), "a: int32 [32, 4]");
-  TORCH_CHECK(b.sizes() == at::IntArrayRef({32, 2}) && b.scalar_type() == at::kInt && b.is_contiguous(), "b: int32 [32, 2]");
-  TORCH_CHECK(c.sizes() == at::IntArrayRef({32, 4}) && c.scalar_type() == at::kFloat && c.is_contiguous(), "c: fp32 [32, 4]");
+  auto lanes = [](const at::Tensor& t, int64_t n, at::ScalarType dt) {
+    return t.sizes() == at::IntArrayRef({32, n}) && t.scalar_type() == dt && t.is_contiguous();
+  };
+  TORCH_CHECK(lanes(a, 4, at::kInt) && lanes(b, 2, at::kInt) && lanes(c, 4, at::kFloat),
+              "mma_probe: a int32 [32, 4], b int32 [32, 2], c fp32 [32, 4], contiguous");
   return emulated("mma_probe", [&] {
     ::simt::reset_traffic();
     at::Tensor d = at::empty({32, 4}, c.options());
     auto* pa = reinterpret_cast<const uint32_t*>(a.data_ptr<int32_t>());
     auto* pb = reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>());
-    if (bf16) {
-      ::simt::launch(dim3(1), dim3(32), 0, mma_probe_kernel<__nv_bfloat16>, pa, pb, c.data_ptr<float>(), d.data_ptr<float>());
-    } else {
-      ::simt::launch(dim3(1), dim3(32), 0, mma_probe_kernel<__half>, pa, pb, c.data_ptr<float>(), d.data_ptr<float>());
-    }
+    auto run = [&](auto kernel) {
+      ::simt::launch(dim3(1), dim3(32), 0, kernel, pa, pb, c.data_ptr<float>(), d.data_ptr<float>());
+    };
+    bf16 ? run(mma_probe_kernel<__nv_bfloat16>) : run(mma_probe_kernel<__half>);
     return d;
   });
 }
