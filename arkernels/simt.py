@@ -147,26 +147,46 @@ class _Emulate(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def emulate(device: str | None = None, block_order: int | None = None):
+def emulate(device: str | None = None, block_order: int | None = None, visibility: bool | None = None):
     """Within the block, arkernels' CUDA ops called on CPU tensors run their CUDA source in the emulator.
 
     ``device``: "sm_80", "sm_89" or "sm_90" (default: the current one, initially sm_90): the SM count and shared
     memory limit launch planning sees. ``block_order``: 0 runs each grid's blocks in linear order, any other value
-    in a permutation drawn from that seed (default: the current setting, initially 0).
+    in a permutation drawn from that seed (default: the current setting, initially 0). ``visibility``: True (the
+    initial setting) makes a block's global stores visible to the blocks after it only once the storing thread
+    executed ``__threadfence`` (unfenced stores land when the launch ends); False: every store at once.
+    Every tensor an emulated op allocates (outputs, scratch) starts out poisoned (0xFF bytes: NaN).
     """
     load()
     ns = getattr(torch.ops, NAMESPACE)
-    previous, previous_order = ns.get_device(), ns.get_block_order()
+    previous, previous_order, previous_vis = ns.get_device(), ns.get_block_order(), ns.get_visibility()
     if device is not None:
         ns.set_device(device)
     if block_order is not None:
         ns.set_block_order(block_order)
+    if visibility is not None:
+        ns.set_visibility(visibility)
     try:
         with _Emulate():
             yield
     finally:
         ns.set_device(previous)
         ns.set_block_order(previous_order)
+        ns.set_visibility(previous_vis)
+
+
+def mma_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """One emulated ``mma.sync.m16n8k16`` (csrc/device_mma.cuh under the emulator): per-lane registers ``a`` int32
+    ``[32, 4]``, ``b`` int32 ``[32, 2]`` (16-bit pairs, low half first), ``c`` fp32 ``[32, 4]`` -> ``d`` fp32 ``[32, 4]``."""
+    load()
+    return getattr(torch.ops, NAMESPACE).mma_probe(a, b, c, bf16)
+
+
+def ldmatrix_probe(tile: torch.Tensor, n: int, trans: bool) -> torch.Tensor:
+    """One emulated ``ldmatrix.x{n}[.trans]``: lane l gives row l of ``tile`` (int16 ``[32, 8]``: row r of matrix m is
+    row 8m + r) and receives int32 ``[32, n]``."""
+    load()
+    return getattr(torch.ops, NAMESPACE).ldmatrix_probe(tile, n, trans)
 
 
 def traffic() -> dict[str, tuple[int, int]]:

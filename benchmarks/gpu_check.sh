@@ -34,6 +34,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$SUMMARY"
 $PY -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tee -a "$SUMMARY"
 
+# First, in seconds: csrc/device_mma.cuh's inline PTX (mma.sync m16n8k16 f16/bf16, ldmatrix x1/x2/x4 [.trans],
+# cp.async groups, a tiled GEMM) built by nvcc from the emulator's own driver (csrc/simt/tests/primitives.cpp) and
+# checked on this GPU against plain host matmuls and copies. CI runs the same cases on the emulator's model of these
+# instructions (csrc/simt/simt_mma.h), so a failure here says the PTX path and the emulated one disagree, and every
+# emulated kernel result is then suspect.
+mkdir -p build
+step ptx_primitives 90 bash -c "nvcc -x cu -std=c++20 -O2 -arch=native -Icsrc csrc/simt/tests/primitives.cpp \
+  -o build/primitives_gpu && build/primitives_gpu"
+
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-16}
 export ARKERNELS_CUDA=1

@@ -67,8 +67,7 @@ __device__ __forceinline__ T ld_global_cg(const T* p) {
 template <typename T>
 __device__ __forceinline__ T atomic_add(T* p, T v) {
 #if defined(ARKERNELS_SIMT)
-  ::simt::on_global_read(p, sizeof(T));
-  ::simt::on_global_write(p, sizeof(T));
+  ::simt::on_global_atomic(p, sizeof(T));
 #endif
   return atomicAdd(p, v);
 }

@@ -73,6 +73,10 @@ inline void check_window_attention(const at::Tensor& query, const at::Tensor& k_
     AK_CHECK_SAME_DEVICE("window_attention", ks, "kv_start", query, "query");
   }
   AK_CHECK("window_attention", max_q_len >= 0, "max_q_len must be >= 0, got ", max_q_len);
+  // No sequence has more queries than query has rows: the bound that keeps the prefill grid's planning
+  // (max_q_len * group query rows) from overflowing, whatever the caller passes.
+  AK_CHECK("window_attention", !cu_seqlens_q.has_value() || max_q_len <= query.size(0),
+           "max_q_len must be <= num_queries = ", query.size(0), ", got ", max_q_len);
   AK_CHECK("window_attention", window >= 0, "window must be >= 0 (0: no window), got ", window);
   AK_CHECK("window_attention", chunk_size >= 0, "chunk_size must be >= 0 (0: no chunks), got ", chunk_size);
   if (sinks.has_value()) {

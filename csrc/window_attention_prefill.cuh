@@ -115,10 +115,38 @@ inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, bool fp8, 
   return plan;
 }
 
-// Sequence b's query count from cu_seqlens_q, clamped to the rows of query (check=False callers); int32 by source.
+// Sequence b's query rows [first, first + q_len): cu_seqlens_q[b] .. cu_seqlens_q[b + 1] clamped to [0, rows]
+// (check=False callers); int32 by source.
+__device__ __forceinline__ int64_t prefill_first_row(const AttnParams& p, int64_t b) {
+  return min64(max64(dev::ld_global(p.cu_seqlens_q + b), 0), p.rows);
+}
 __device__ __forceinline__ int prefill_q_len(const AttnParams& p, int64_t b) {
-  const int64_t first = dev::ld_global(p.cu_seqlens_q + b);
-  return static_cast<int>(max64(min64(dev::ld_global(p.cu_seqlens_q + b + 1), p.rows) - first, 0));
+  return static_cast<int>(max64(min64(dev::ld_global(p.cu_seqlens_q + b + 1), p.rows) - prefill_first_row(p, b), 0));
+}
+
+// Query rows no sequence owns -- [0, cu[0]) and [cu[batch], rows), cu clamped to [0, rows]; whatever cu holds, a row
+// between those two is some sequence's, as the clamped walk cu[0] .. cu[batch] crosses it upward -- are written too
+// (zeros, lse -inf), never left as allocated (check=False callers): by sequence 0's CTAs and by the last sequence's,
+// each for its KV head's query heads.
+template <typename T, int D>
+__device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, int64_t b, int kvh) {
+  int64_t ranges[2][2] = {{0, 0}, {0, 0}};
+  if (b == 0) ranges[0][1] = prefill_first_row(p, 0);
+  if (b == int64_t(gridDim.z) - 1) {
+    ranges[1][0] = min64(max64(dev::ld_global(p.cu_seqlens_q + gridDim.z), 0), p.rows);
+    ranges[1][1] = p.rows;
+  }
+  const int64_t per_row = int64_t(p.group) * (D / 2);  // 2-element words of this KV head's query heads in a row
+  for (const auto& range : ranges) {
+    const int64_t n = (range[1] - range[0]) * per_row;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+      const int64_t row = range[0] + i / per_row;
+      const int h = kvh * p.group + static_cast<int>(i % per_row / (D / 2));
+      const int x = static_cast<int>(i % (D / 2));
+      dev::st_global(reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + (row * p.hq + h) * D) + x, 0u);
+      if (x == 0) dev::st_global(p.lse + row * p.hq + h, neg_inf());
+    }
+  }
 }
 
 // KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted in the MMA
@@ -146,7 +174,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
-  if (dev::ld_global(p.cu_seqlens_q + b) < 0) return;
+  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);
   const int group = p.group;
   const int bs = static_cast<int>(p.block_size);
   // Keys at or past the table's capacity are masked (check=False); positions are int32 (seq_lens is).
@@ -162,21 +190,28 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   // start first and the short ones fill in behind them (FlashAttention-2's causal load balancing).
   for (int64_t R0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM; R0 < int64_t(prefill_q_len(p, b)) * group;
        R0 += int64_t(gridDim.x) * BM) {
-    const int first = dev::ld_global(p.cu_seqlens_q + b);
+    const int64_t first = prefill_first_row(p, b);
     const int q_len = prefill_q_len(p, b);
-    const int len = dev::ld_global(p.seq_lens + b);
-    const int kstart = p.kv_start ? max(dev::ld_global(p.kv_start + b), 0) : 0;
-    const int cap = static_cast<int>(min64(cap64, int64_t(len)));  // keys >= cap: masked
-    const int pos0 = len - q_len;                                   // position of query token 0
+    // Positions in 64 bits: with check=False seq_len and kv_start are any int32 (seq_len INT32_MIN: len - q_len and
+    // cap - 1 would wrap in int). Key bounds come out in [-1, 2^31 - 1 - BN]: keys are >= 0, and keys at or past
+    // 2^31 - BN are masked so that every key index of a tile (j0 + BN - 1) fits int32.
+    const int64_t len = dev::ld_global(p.seq_lens + b);
+    const int64_t kstart = p.kv_start ? max64(dev::ld_global(p.kv_start + b), 0) : 0;
+    const int64_t cap = min64(min64(cap64, len), int64_t(0x7fffffff) - BN + 1);  // keys >= cap: masked
+    const int64_t pos0 = len - q_len;                                              // position of query token 0
     const int64_t nrows = int64_t(q_len) * group;
     const int t_first = static_cast<int>(R0 / group);
     const int t_last = static_cast<int>((min64(R0 + BM, nrows) - 1) / group);
+    auto first_key = [&](int64_t pos) {  // in [0, 2^31): at most max(kstart, pos)
+      return static_cast<int>(window_attention_first_key<int64_t>(pos, kstart, p.window, p.chunk));
+    };
+    auto last_key = [&](int64_t pos) { return static_cast<int>(max64(min64(pos, cap - 1), -1)); };
     // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all] (a row's first key never
     // decreases with its position: window and chunk bounds alike).
-    const int klo = window_attention_first_key<int>(pos0 + t_first, kstart, p.window, p.chunk);
-    const int khi = min(pos0 + t_last, cap - 1);
-    const int lo_all = window_attention_first_key<int>(pos0 + t_last, kstart, p.window, p.chunk);
-    const int hi_all = min(pos0 + t_first, cap - 1);
+    const int klo = first_key(pos0 + t_first);
+    const int khi = last_key(pos0 + t_last);
+    const int lo_all = first_key(pos0 + t_last);
+    const int hi_all = last_key(pos0 + t_first);
     const int tile_first = klo / BN * BN;
     const int ntiles = klo <= khi ? (khi - tile_first) / BN + 1 : 0;
 
@@ -239,10 +274,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t R = R0 + warp * 16 + g + 8 * r;
-      const int pos = pos0 + static_cast<int>(R / group);
+      const int64_t pos = pos0 + R / group;
       const bool live = R < nrows;
-      lo_r[r] = live ? window_attention_first_key<int>(pos, kstart, p.window, p.chunk) : 1;
-      hi_r[r] = live ? min(pos, cap - 1) : 0;
+      lo_r[r] = live ? first_key(pos) : 1;
+      hi_r[r] = live ? last_key(pos) : 0;
     }
     float o[ND][4];
 #pragma unroll

@@ -3,7 +3,7 @@
 # and runs every emulated test case): the tensor-core / async-copy primitives driver (plain, ThreadSanitizer,
 # AddressSanitizer + UBSan) and a slice of the emulated kernel tests under each sanitizer, with the emulator library
 # rebuilt with -fsanitize and the sanitizer runtime preloaded into Python. Any sanitizer report fails the run.
-# Usage: bash scripts/simt_check.sh        (CI: .ci/run; about 6-8 minutes on 2 cores)
+# Usage: bash scripts/simt_check.sh        (CI: .ci/run; about 9-11 minutes on 2 cores, 2.5 of them fuzzing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -34,7 +34,7 @@ done
 # 2. Emulated kernel tests under each sanitizer: a slice that covers every kernel (append, gather, decode with
 #    split-KV and combine, prefill with 64- and 32-key tiles, head dims 64/128/256, fp16 and bf16, GQA, windows,
 #    the traffic meter). halt_on_error: the first report fails the run.
-SLICE="simt and (append_grid and 13-64 or gather_grid and 13-128 or traffic or length_past or decode_long_context or decode_grid and 13-16 or prefill_grid and gqa1-128 or prefill_grid and gqa2-256 or 99kb or strided_inputs_and_kv_start)"
+SLICE="simt and (append_grid and 13-64 or gather_grid and 13-128 or traffic or length_past or decode_long_context or decode_grid and 13-16 or prefill_grid and gqa1-128 or prefill_grid and gqa2-256 or 99kb or strided_inputs_and_kv_start or unchecked or offsets_past or lengths_vs or fenced or poisoned)"
 for variant in thread address; do
   t0=$(tick)
   lib=$("$PY" -m arkernels.simt build --sanitize "$variant" | tail -1)
@@ -50,9 +50,19 @@ for variant in thread address; do
       TSAN_OPTIONS="halt_on_error=1 report_signal_unsafe=0" \
       ASAN_OPTIONS="detect_leaks=0 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
       TRITON_INTERPRET=1 "$PY" -m pytest -s -q -p no:cacheprovider -m simt -k "$SLICE" tests/test_paged_kv.py \
-      tests/test_window_attention.py > "$log" 2>&1; then
+      tests/test_window_attention.py tests/test_simt_emulator.py > "$log" 2>&1; then
     tail -60 "$log"; say "emulated tests under the $variant sanitizer: FAILED"; exit 1
   fi
   say "emulated tests ($variant sanitizer): $(tail -1 "$log"); build $(( t1 - t0 )) s, run $(( $(tick) - t1 )) s"
 done
+# 3. Fuzz the ops' integer arguments (block tables, lengths, kv_start, cu_seqlens_q, slots, max_q_len, window), all
+#    with check=False, on the ASan + UBSan build for a bounded time (issue 27): any sanitizer or emulator report, NaN
+#    output (an unwritten row) or write beside a cache fails the run. Longer by hand: scripts/simt_fuzz.py --minutes 60.
+t0=$(tick)
+fuzz_log=build/simt_fuzz.log
+if ! ARKERNELS_SIMT_LIB="$(pwd)/build/simt-address/arkernels_simt.so" "$PY" scripts/simt_fuzz.py \
+    --minutes "${SIMT_FUZZ_MINUTES:-2.5}" --seed "${SIMT_FUZZ_SEED:-0}" > "$fuzz_log" 2>&1; then
+  tail -40 "$fuzz_log"; say "fuzz: FAILED"; exit 1
+fi
+say "fuzz: $(tail -1 "$fuzz_log") ($(( $(tick) - t0 )) s)"
 say "done"

@@ -232,6 +232,67 @@ FAULTS += [
 ]
 
 
+# ---- memory safety (issue 27): each fault the adversarial review found surviving, with the named test that now
+# catches it. Kernel faults run the named tests on the emulator; the PTX fault runs tests/test_simt_ptx.py's nvcc
+# check on the faulted copy (no GPU: nvcc -ptx, the operand binding read back from the PTX).
+# One selection for all of them (one baseline build instead of one per fault): the union of the catching tests, each
+# fault's own named in its entry; -x stops a faulted run at the first failure, which the output tail names.
+_SAFETY_TESTS = ("append_unchecked_never_writes_past_cache or offsets_past_2_31 or decode_split_combine or "
+                 "k_and_v_of_different_layouts or kv_start_negative_or_past_the_sequence or hostile_input")
+_SAFETY_RUN = _kernel_run(_SAFETY_TESTS, tests=_KERNEL_TESTS + ("test_window_attention_safety.py",))
+
+
+def _safety_fault(what: str, file: str, find: str, replace: str, caught_by_test: str) -> Fault:
+    """caught_by_test: the test (and parameters) that catches it."""
+    return Fault(f"safety: {what} [{caught_by_test}]", file, find, replace, build=KERNEL_BUILD, run=_SAFETY_RUN,
+                 timeout=2400)  # a build is a few minutes on a busy 2-core machine: a timeout must not read as caught
+
+
+_PTX_RUN = ("ARKERNELS_PTX_CSRC={src} PYTHONPATH={repo} {python} -m pytest -x -q -p no:cacheprovider "
+            "{repo}/tests/test_simt_ptx.py -k 'ptx_mma or ptx_ldmatrix'")
+_PTX_F16_B = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), '
+              '"f"(c[3]));\n}\ntemplate <>\n__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>')
+FAULTS += [
+    _safety_fault("append: slot upper bound removed", "paged_kv_kernels.cuh",
+                  "if (slot < 0 || slot >= num_slots) continue;", "if (slot < 0) continue;",
+                  "test_paged_kv_append_unchecked_never_writes_past_cache[simt]"),
+    _safety_fault("append: cache offsets truncated to 32 bits", "paged_kv_kernels.cuh",
+                  "const int64_t row = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2;",
+                  "const int64_t row = int32_t((slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + "
+                  "h * cache_s2);", "test_paged_kv_append_offsets_past_2_31_elements[simt]"),
+    _safety_fault("gather: cache offsets truncated to 32 bits", "paged_kv_kernels.cuh",
+                  "dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u)",
+                  "dev::ld_global(k_cache + int32_t(blk * cache_s0 + off * cache_s1 + h * cache_s2 + u))",
+                  "test_paged_kv_gather_offsets_past_2_31_elements[simt]"),
+    _safety_fault("decode: __threadfence before the split counter removed", _DECODE_FILE,
+                  "  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts "
+                  "itself done\n", "", "test_window_attention_decode_split_combine[simt]"),
+    _safety_fault("decode: V offsets computed from K's strides", _DECODE_FILE,
+                  "vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;", "vo = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;",
+                  "test_window_attention_k_and_v_of_different_layouts[decode, simt]"),
+    _safety_fault("decode: negative kv_start not clamped", _DECODE_FILE,
+                  "const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b)"
+                  " : 0,", "const int64_t lo = (p.kv_start && dev::ld_global(p.kv_start + b) < 0) ? "
+                  "int64_t(dev::ld_global(p.kv_start + b)) : window_attention_first_key<int64_t>(i, p.kv_start ? "
+                  "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
+    _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
+                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
+                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n          vo = int32_t(blk * "
+                  "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
+    _safety_fault("prefill: query positions back in 32 bits (seq_len INT32_MIN wraps)", _PF,
+                  "const int64_t pos0 = len - q_len;", "const int64_t pos0 = int32_t(len - q_len);",
+                  "test_window_attention_hostile_input[seq_len_int32_min, simt]"),
+    _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
+                  "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n", "",
+                  "test_window_attention_hostile_input[cu_seqlens_q_*, simt]"),
+    Fault("safety: PTX mma (f16) with its B registers swapped", "device_mma.cuh", _PTX_F16_B,
+          _PTX_F16_B.replace('"r"(b[0]), "r"(b[1])', '"r"(b[1]), "r"(b[0])'), build="true", run=_PTX_RUN),
+    Fault("safety: PTX ldmatrix_x2_trans without .trans", "device_mma.cuh",
+          'ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];',
+          'ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];', build="true", run=_PTX_RUN),
+]
+
+
 def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
     t0 = time.time()
     env = dict(os.environ, SIMT_WATCHDOG=os.environ.get("SIMT_WATCHDOG", "30"))

@@ -1,4 +1,6 @@
 """paged_kv_append / paged_kv_gather against the naive reference: exact (pure data movement)."""
+import mmap
+
 import pytest
 import torch
 
@@ -279,13 +281,91 @@ def test_paged_kv_append_bad_inputs(case):
     assert torch.equal(args["k_cache"], snapshot[0]) and torch.equal(args["v_cache"], snapshot[1])
 
 
-def test_paged_kv_append_unchecked_never_writes_past_cache():
-    """check=False skips validation, but the kernel still never writes outside the cache."""
-    storage = torch.full((5, 4, 1, 8), SENTINEL)  # one guard block after the 4-block cache
-    k, v = storage[:4], torch.zeros(4, 4, 1, 8)
-    key = torch.ones(2, 1, 8)
-    paged_kv_append(key, key, k, v, torch.tensor([16, 1000]), check=False)
-    assert torch.all(storage == SENTINEL)
+# Slots past the cache: just past, far past, the int32 / int64 extremes, and values whose low 32 bits are a valid
+# slot (2^32 + 1 -> 1, -2^32 + 3 -> 3: a kernel that truncates slots to 32 bits writes those).
+_HOSTILE_SLOTS = {torch.int32: [16, 1000, 2 ** 31 - 1, -2 ** 31, -1],
+                  torch.int64: [16, 2 ** 32 + 1, -2 ** 32 + 3, 2 ** 63 - 1, -2 ** 63, 2 ** 31]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_paged_kv_append_unchecked_never_writes_past_cache(device, slot_dtype):
+    """check=False skips validation, but no kernel (CPU, CUDA, the CUDA source emulated) writes outside the cache:
+    guard blocks on both sides stay poisoned and the cache is untouched."""
+    storage = torch.full((6, 4, 1, 8), SENTINEL, device=device)  # guard blocks before and after the 4-block cache
+    k, v = storage[1:5], torch.full((4, 4, 1, 8), SENTINEL, device=device)
+    # first the slots just past the cache (they land in the guard block if the bound is missing), then the extremes
+    for values in ([16, 17, 19], _HOSTILE_SLOTS[slot_dtype]):
+        slots = torch.tensor(values, dtype=slot_dtype, device=device)
+        key = torch.ones(len(slots), 1, 8, device=device)
+        paged_kv_append(key, key, k, v, slots, check=False)
+        assert torch.all(storage == SENTINEL) and torch.all(v == SENTINEL), values
+    with pytest.raises(ValueError, match=r"paged_kv_append: slot_mapping\[0\] = 16 is outside the cache"):
+        paged_kv_append(key, key, k, v, slots)
+
+
+# ---- 64-bit offsets without a 64 GB allocation: cache views whose block 1 starts 2^36 + 128 bytes into a sparse
+# anonymous mapping (MAP_NORESERVE: only the pages the test touches exist). That offset is past 2^32 in every unit a
+# kernel may count in (fp16 / fp8 elements, 16-byte copy units, bytes), so an offset computed in 32 bits wraps to a
+# small positive one, inside block 0: the write or read lands silently in the wrong place (no crash) and the
+# comparison with the reference fails.
+_MAP_NORESERVE = 0x4000  # Linux (the mmap module does not export it)
+_BIG_STRIDE_BYTES = 2 ** 36 + 128  # between block 0 and block 1
+
+
+def huge_flat(nbytes, device):
+    """A flat uint8 tensor of nbytes: sparse virtual memory on the CPU (torch keeps the mapping alive), real on CUDA."""
+    if device == "cuda":
+        return torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def far_apart_caches(block_size, heads, head_dim, dtype, device):
+    """(k_cache, v_cache) [2, block_size, heads, head_dim], block 1 _BIG_STRIDE_BYTES after block 0 in one sparse
+    storage (V's rows right after K's in each block), both poisoned."""
+    row = block_size * heads * head_dim
+    es = torch.empty((), dtype=dtype).element_size()
+    flat = huge_flat(_BIG_STRIDE_BYTES + 2 * row * es, device).view(dtype)
+    stride = (_BIG_STRIDE_BYTES // es, heads * head_dim, head_dim, 1)
+    k = flat.as_strided((2, block_size, heads, head_dim), stride, 0)
+    v = flat.as_strided((2, block_size, heads, head_dim), stride, row)
+    for c in (k, v):
+        c.view(torch.uint8).fill_(0x55)  # 0x55: 3.25 in e4m3, 0x5555 in fp16: never a value written here
+    return k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_paged_kv_append_offsets_past_2_31_elements(device, dtype):
+    block_size, heads, head_dim = 4, 2, 64
+    gen = torch.Generator().manual_seed(7)
+    k, v = far_apart_caches(block_size, heads, head_dim, dtype, device)
+    key = torch.randn(5, heads, head_dim, generator=gen).half().to(device)
+    value = torch.randn(5, heads, head_dim, generator=gen).half().to(device)
+    slots = torch.tensor([5, 2, 7, -1, 4], device=device)  # block 1 (past 2^36 bytes) and block 0
+    scales = {}
+    if dtype == torch.float8_e4m3fn:
+        scales = dict(k_scale=torch.tensor([0.5], device=device), v_scale=torch.tensor([0.25], device=device))
+    want_k, want_v = (c.cpu().clone(memory_format=torch.contiguous_format) for c in (k, v))  # dense copies
+    paged_kv_append(key, value, k, v, slots, **scales)
+    paged_kv_append_ref(key.cpu(), value.cpu(), want_k, want_v, slots.cpu(), *(s.cpu() for s in scales.values()))
+    for got, want in ((k, want_k), (v, want_v)):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_kv_gather_offsets_past_2_31_elements(device):
+    block_size, heads, head_dim = 4, 2, 64
+    gen = torch.Generator().manual_seed(8)
+    k, v = far_apart_caches(block_size, heads, head_dim, torch.float16, device)
+    for c in (k, v):
+        c.copy_(torch.randn(2, block_size, heads, head_dim, generator=gen).half())
+    table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32, device=device)
+    lens = torch.tensor([6, 8], dtype=torch.int32, device=device)
+    got = paged_kv_gather(k, v, table, lens)
+    want = paged_kv_gather_ref(k.cpu(), v.cpu(), table.cpu(), lens.cpu())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 def test_paged_kv_gather_bad_inputs():
@@ -302,6 +382,50 @@ def test_paged_kv_gather_bad_inputs():
         paged_kv_gather(k, k, table, torch.tensor([4, 4], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="paged_kv_gather: k_cache and v_cache must have one shape"):
         paged_kv_gather(k, k[:2], table, torch.tensor([4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_kv_gather_lengths_vs_max_seq_len(device):
+    """A sequence longer than max_seq_len is refused with check=True (never truncated silently), and with check=False
+    gathers its first max_seq_len positions, as documented; a default max_seq_len beyond the table's reach is refused
+    naming seq_lens (the argument the caller gave), a negative length is refused with check=True and gathers zeros
+    with check=False."""
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(4, 4, 2, 64, generator=gen).to(device)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    lens = torch.tensor([7, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"paged_kv_gather: seq_lens\[0\] = 7 exceeds max_seq_len = 5"):
+        paged_kv_gather(k, k, table, lens, 5)
+    got, _ = paged_kv_gather(k, k, table, lens, 5, check=False)
+    want, _ = paged_kv_gather_ref(k.cpu(), k.cpu(), table.cpu(), lens.cpu())
+    assert torch.equal(got.cpu(), want[:, :, :5])
+    with pytest.raises(ValueError, match=r"paged_kv_gather: seq_lens\[1\] = 9 exceeds what block_table can address"):
+        paged_kv_gather(k, k, table, torch.tensor([7, 9], dtype=torch.int32, device=device), check=False)
+    neg = torch.tensor([-3, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"paged_kv_gather: seq_lens\[0\] = -3 is negative"):
+        paged_kv_gather(k, k, table, neg)
+    got, _ = paged_kv_gather(k, k, table, neg, check=False)
+    assert got.shape[2] == 3 and torch.all(got[0] == 0) and torch.equal(got[1].cpu(), want[1, :, :3])
+    want8, _ = paged_kv_gather_ref(k.cpu(), k.cpu(), table.cpu(), torch.tensor([0, 3], dtype=torch.int32), 8)
+    for extreme in (-2 ** 31, 2 ** 31 - 1):  # unchecked, on device: no read outside the table or the cache
+        got, _ = paged_kv_gather(k, k, table, torch.tensor([extreme, 3], dtype=torch.int32, device=device), 8,
+                                 check=False)
+        assert torch.equal(got[1].cpu(), want8[1]) and not torch.isnan(got).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_kv_fp8_scales_positive_and_finite(device):
+    k = torch.zeros(2, 4, 1, 16, dtype=torch.float8_e4m3fn, device=device)
+    key = torch.ones(2, 1, 16, device=device)
+    one = torch.tensor([1.0], device=device)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        scale = torch.tensor([bad], device=device)
+        with pytest.raises(ValueError, match=f"paged_kv_append: v_scale must be positive and finite, got {bad}"):
+            paged_kv_append(key, key, k, k.clone(), torch.tensor([0, 1], device=device), k_scale=one, v_scale=scale)
+        table = torch.tensor([[0]], dtype=torch.int32, device=device)
+        with pytest.raises(ValueError, match=f"paged_kv_gather: k_scale must be positive and finite, got {bad}"):
+            paged_kv_gather(k, k, table, torch.tensor([2], dtype=torch.int32, device=device), k_scale=scale,
+                            v_scale=one)
 
 
 def test_paged_kv_opcheck():

@@ -204,9 +204,10 @@ def test_window_attention_strided_inputs_and_kv_start(device, dtype):
     query = qkv[:, :hq]
     assert not query.is_contiguous()
     kv_start = torch.tensor([3, 15, 5, -2], dtype=torch.int32)  # 5 == seq_len: every key masked; -2: none
+    # check=False: check=True refuses the negative kv_start (unchecked it counts as 0)
     out, lse = window_attention(query, k_view, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
                                 window=7, scale=0.3, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-                                kv_start=kv_start.to(device), return_lse=True)
+                                kv_start=kv_start.to(device), return_lse=True, check=False)
     _check(out, lse, query, k, v, table, lens, cu, 7, 0.3, 0.0, kv_start=kv_start)
     assert bool((out[7:10].cpu() == 0).all())  # sequence 2: everything left-padded
 

@@ -1,6 +1,8 @@
 """Argument checks shared by every Python wrapper: one helper, so every op words its errors alike."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -27,3 +29,13 @@ def per_row(op: str, name: str, value, batch: int, dtype: torch.dtype, device: t
                f"{name} must be a number or a [batch={batch}] tensor, got shape {tuple(value.shape)}")
         return value.to(device=device, dtype=dtype).contiguous()
     return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def check_scales(op: str, **scales: torch.Tensor | None) -> None:
+    """fp8 cache scales (one-element float tensors; their shape and dtype are the op's own check) must be positive
+    and finite: 0 stores NaN or +-448 for every element, a negative one flips signs. One host sync per scale."""
+    for name, s in scales.items():
+        if s is None or s.numel() != 1 or not s.is_floating_point():
+            continue
+        v = float(s.reshape(()))
+        expect(math.isfinite(v) and v > 0, op, f"{name} must be positive and finite, got {v}")

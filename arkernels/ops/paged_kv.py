@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library)
-from arkernels.ops._checks import eager_checks, expect
+from arkernels.ops._checks import check_scales, eager_checks, expect
 
 _ops = torch.ops.arkernels
 
@@ -41,8 +41,9 @@ def paged_kv_append(
             padding and is skipped. A slot at or past ``num_blocks * block_size`` is never written.
         k_scale, v_scale: fp32 ``[1]`` on the cache's device (read there: no host sync); required iff the caches
             are ``float8_e4m3fn``, an error otherwise.
-        check: validate the slots first (one host sync) and raise ``ValueError`` naming the first slot past
-            the cache. ``False`` skips that for hot paths whose slots come from our own allocator. Skipped while
+        check: validate the slots (and fp8 scales: positive, finite) first (a host sync) and raise ``ValueError``
+            naming the first slot past the cache. ``False`` skips that for hot paths whose slots come from our own
+            allocator; the kernels then still write nothing outside the cache, whatever the slots. Skipped while
             ``torch.compile`` traces (``_checks.eager_checks``): compiled code never syncs.
     """
     if eager_checks(check) and slot_mapping.numel() > 0 and slot_mapping.dtype in (torch.int32, torch.int64):
@@ -54,6 +55,8 @@ def paged_kv_append(
                 f"paged_kv_append: slot_mapping[{i}] = {int(slot_mapping[i])} is outside the cache "
                 f"({num_slots} slots = num_blocks * block_size)"
             )
+    if eager_checks(check):
+        check_scales("paged_kv_append", k_scale=k_scale, v_scale=v_scale)
     _ops.paged_kv_append(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -77,14 +80,17 @@ def paged_kv_gather(
             positions ``i * block_size ...`` of sequence ``b``. Entries past a sequence's length are ignored
             (they may be -1); an entry within it that is out of range is an error (``check=True``) and is
             never read.
-        seq_lens: int32 ``[batch]``.
+        seq_lens: int32 ``[batch]``; negative lengths gather nothing (zeros).
         max_seq_len: the output length; default ``max(seq_lens)`` (one host sync). Give it to stay sync-free.
+            A sequence longer than ``max_seq_len`` is refused with ``check=True``; with ``check=False`` only its
+            first ``max_seq_len`` positions are gathered (the output has no room for more).
         k_scale, v_scale: fp8 caches: fp32 ``[1]``; given, the gathered rows are dequantized
             (``stored.float() * k_scale``, then cast to ``out_dtype``). None: the op moves the fp8 bytes as they are.
             Refused for caches of another dtype.
         out_dtype: the dequantized output's dtype (default float32); only with ``k_scale``/``v_scale``.
-        check: validate the block-table entries within each length (one host sync); skipped while
-            ``torch.compile`` traces (``_checks.eager_checks``).
+        check: validate the lengths (``0 <= seq_lens[b] <= max_seq_len``) and the block-table entries within each
+            length (one host sync); skipped while ``torch.compile`` traces (``_checks.eager_checks``). Whatever the
+            lengths and entries, the kernels read only inside the caches and the table.
 
     Returns:
         ``(key, value)``, each ``[batch, num_kv_heads, max_seq_len, head_dim]`` (transformers' layout),
@@ -96,10 +102,23 @@ def paged_kv_gather(
            f"k_scale is only taken with float8_e4m3fn caches, but k_cache is {k_cache.dtype}")
     expect(out_dtype is None or k_scale is not None, "paged_kv_gather",
            "out_dtype is only taken with k_scale/v_scale (fp8 caches dequantized)")
+    shapes_ok = block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4
     if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if seq_lens.numel() > 0 else 0
-    if (eager_checks(check) and block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4
-            and block_table.numel() > 0):
+        max_seq_len = max(int(seq_lens.max()), 0) if seq_lens.numel() > 0 else 0
+        if shapes_ok and max_seq_len > block_table.shape[1] * k_cache.shape[1]:
+            # the op would refuse the length it was given as "max_seq_len", which this caller never passed
+            b = int(seq_lens.argmax())
+            raise ValueError(f"paged_kv_gather: seq_lens[{b}] = {max_seq_len} exceeds what block_table can address "
+                             f"({block_table.shape[1]} blocks of {k_cache.shape[1]})")
+    if eager_checks(check) and seq_lens.dim() == 1 and seq_lens.numel() > 0:
+        bad = ((seq_lens < 0) | (seq_lens > max_seq_len)).nonzero()
+        if bad.numel() > 0:
+            b = int(bad[0, 0])
+            n = int(seq_lens[b])
+            raise ValueError(f"paged_kv_gather: seq_lens[{b}] = {n} is negative" if n < 0 else
+                             f"paged_kv_gather: seq_lens[{b}] = {n} exceeds max_seq_len = {max_seq_len} (the output "
+                             f"would hold only its first {max_seq_len} positions)")
+    if eager_checks(check) and shapes_ok and block_table.numel() > 0:
         bs = k_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=block_table.device) * bs < seq_lens.to(
             block_table.device)[:, None].long()
@@ -110,6 +129,8 @@ def paged_kv_gather(
                 f"paged_kv_gather: block_table[{b}, {i}] = {int(block_table[b, i])} is out of range "
                 f"[0, {k_cache.shape[0]}) within sequence {b}'s length {int(seq_lens[b])}"
             )
+    if eager_checks(check):
+        check_scales("paged_kv_gather", k_scale=k_scale, v_scale=v_scale)
     k, v = _ops.paged_kv_gather(k_cache, v_cache, block_table, seq_lens, max_seq_len)
     if k_scale is None:
         return k, v

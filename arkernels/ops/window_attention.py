@@ -18,14 +18,15 @@ from __future__ import annotations
 import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library)
-from arkernels.ops._checks import eager_checks, expect
+from arkernels.ops._checks import check_scales, eager_checks, expect
 
 _ops = torch.ops.arkernels
 _OP = "window_attention"
 
 
-def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len) -> None:
+def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len, kv_start, k_scale, v_scale) -> None:
     """Validate the index tensors' values (one host sync): what the CUDA kernel can only mask, never report."""
+    check_scales(_OP, k_scale=k_scale, v_scale=v_scale)
     if (block_table.dim() != 2 or seq_lens.dim() != 1 or k_cache.dim() != 4 or seq_lens.dtype != torch.int32
             or block_table.shape[0] != seq_lens.shape[0]):
         return  # the op's own shape/dtype checks word these
@@ -60,6 +61,13 @@ def _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len) 
         if max_q_len is not None and q_lens.numel() > 0:
             expect(int(q_lens.max()) <= max_q_len, _OP,
                    f"max_q_len = {max_q_len} is smaller than the largest query count {int(q_lens.max())}")
+    if kv_start is not None and kv_start.dim() == 1 and kv_start.shape[0] == lens.shape[0]:
+        starts = kv_start.long().to(lens.device)
+        bad = ((starts < 0) | (starts > lens)).nonzero()
+        if bad.numel() > 0:
+            b = int(bad[0, 0])
+            raise ValueError(f"{_OP}: kv_start[{b}] = {int(starts[b])} is outside [0, seq_lens[{b}] = {int(lens[b])}] "
+                             f"(the number of left-padding positions of sequence {b})")
 
 
 def _sinks_arg(sinks: torch.Tensor | None, op: str, check: bool) -> torch.Tensor | None:
@@ -122,9 +130,12 @@ def window_attention(
         max_q_len: at least the largest ``q_len_b`` (sizes the CUDA prefill grid without a host sync); default
             computed from ``cu_seqlens_q`` (one sync); ignored for decode. Too small: ``check`` and the CPU kernel
             raise; with ``check=False`` the CUDA kernel still computes every row (extra passes over the grid).
+            At most ``num_queries`` (refused above: no sequence has more queries than there are rows).
         kv_start: int32 ``[batch]``: keys ``j < kv_start[b]`` are masked (left padding); None: 0.
+            ``0 <= kv_start[b] <= seq_lens[b]`` (``check`` refuses others; unchecked, a negative one counts as 0
+            and a larger one masks every key).
         k_scale, v_scale: fp32 ``[1]`` on the cache's device; required iff the caches are ``float8_e4m3fn``,
-            an error otherwise.
+            an error otherwise; positive and finite (``check``).
         sinks: ``[num_q_heads]`` on the query's device, fp32 (fp16/bf16 are upcast; not differentiated): attention
             sink logits in natural-log units, used as given (not multiplied by ``scale``, not softcapped), one more
             term ``exp(sinks[h])`` in the softmax denominator of every query of head h. ``-inf``: no sink for that
@@ -142,6 +153,7 @@ def window_attention(
             the cache: keys under an out-of-range block id (CUDA; the CPU kernel raises), and keys at positions
             ``>= max_blocks * block_size`` when ``seq_lens[b]`` exceeds what the table addresses (all kernels).
             Queries keep the positions ``seq_lens`` gives them, so such a query may see no key (zeros, lse -inf).
+            Query rows outside every sequence's ``cu_seqlens_q`` range (CUDA) get zeros and lse -inf.
 
     Returns:
         ``out`` shaped like ``query`` (contiguous) in its dtype; with ``return_lse``, ``(out, lse)`` where
@@ -149,14 +161,16 @@ def window_attention(
         lse ``sinks[h]`` with sinks (the sink alone is the denominator; the output is still zeros).
     """
     if eager_checks(check):  # no host sync while torch.compile traces
-        _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len)
+        _check_data(query, k_cache, block_table, seq_lens, cu_seqlens_q, max_q_len, kv_start, k_scale, v_scale)
     if max_q_len is None:
         if cu_seqlens_q is None:
             max_q_len = 1
         elif torch.compiler.is_compiling():  # no sync while tracing: every query row is a safe upper bound
             max_q_len = query.shape[0]
-        else:
-            max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+        else:  # clamped to [0, rows] (the kernels clamp each sequence's rows so): an unchecked cu_seqlens_q may be
+            # anything, and an error about max_q_len would name an argument this caller never passed
+            q_lens = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
+            max_q_len = min(max(int(q_lens.max()), 0), query.shape[0]) if cu_seqlens_q.numel() > 1 else 0
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     sinks = _sinks_arg(sinks, _OP, check)
     out, lse = _ops.window_attention(query, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, kv_start,

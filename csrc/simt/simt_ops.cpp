@@ -3,10 +3,14 @@
 // own schemas (arkernels/simt.py copies them, so they are written once, in csrc/torch_bindings.cpp).
 // Built by `python -m arkernels.simt build` (plain, or with -fsanitize=thread / address,undefined); used by the tests
 // through `with arkernels.simt.emulate(): ...`, which routes arkernels::<op> on CPU tensors here.
-// Per op call: the traffic meter is reset, the op's tensors are registered by argument name, and emulator reports
-// (divergent barriers aside, which abort) become an error.
+// Per op call: the traffic meter is reset, the op's tensors are registered by argument name, every tensor the launch
+// code allocates (outputs, split partials) is poisoned, and emulator reports (divergent barriers aside, which abort)
+// become an error.
 #include <ATen/core/Tensor.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
+
+#include <atomic>
 
 #include "../paged_kv_launch.h"
 #include "../window_attention_launch.h"
@@ -21,14 +25,50 @@ void track(const char* name, const at::Tensor& t) {
   ::simt::track_buffer(name, st.data(), st.nbytes());
 }
 
-// Runs f under the emulator: one op at a time, a fresh traffic window and error log; reports become an exception.
+// The CPU allocator, wrapped: while an emulated op runs, every allocation is filled with the poison byte (0xFF: NaN in
+// fp32/fp16/bf16), so an output row or partial the kernel never writes reads as NaN instead of whatever the allocator
+// recycled (often the right answer of the previous, identical call).
+struct PoisonAllocator final : c10::Allocator {
+  c10::Allocator* inner = nullptr;
+  std::atomic<bool> on{false};
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr p = inner->allocate(n);
+    if (on.load() && n > 0 && p.get() != nullptr) std::memset(p.get(), ::simt::g_poison, n);
+    return p;
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner->copy_data(dest, src, count);
+  }
+  bool is_simple_data_ptr(const c10::DataPtr& p) const override { return inner->is_simple_data_ptr(p); }
+};
+PoisonAllocator& poison_allocator() {
+  static PoisonAllocator* const a = [] {
+    auto* x = new PoisonAllocator;  // never destroyed: tensors it handed out may outlive any static
+    x->inner = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(x, /*priority=*/0);
+    return x;
+  }();
+  TORCH_CHECK(c10::GetCPUAllocator() == a, "arkernels.simt: another CPU allocator replaced the poisoning one");
+  return *a;
+}
+struct PoisonScope {
+  PoisonScope() { poison_allocator().on = true; }
+  ~PoisonScope() { poison_allocator().on = false; }
+};
+
+// Runs f under the emulator: one op at a time, a fresh traffic window and error log, allocations poisoned; reports
+// become an exception.
 template <typename F>
 auto emulated(const char* op, F&& f) {
   static std::mutex mu;
   std::lock_guard<std::mutex> g(mu);
   ::simt::clear_errors();
   ::simt::g_max_dynamic_smem.clear();
-  auto result = f();
+  auto result = [&] {
+    const PoisonScope poison;
+    return f();
+  }();
   TORCH_CHECK(::simt::g_errors == 0, op, " (SIMT emulator): ", long(::simt::g_errors), " report(s):\n",
               ::simt::g_error_text);
   return result;
@@ -151,6 +191,108 @@ std::string get_device() { return ::simt::device().name; }
 // 0: blocks in linear order; otherwise a permutation drawn from this seed (see simt.h, g_block_order).
 void set_block_order(int64_t seed) { ::simt::g_block_order = static_cast<unsigned>(seed); }
 int64_t get_block_order() { return ::simt::g_block_order; }
+// True (default): a block's global stores reach later blocks only through __threadfence (see simt.h, g_visibility).
+void set_visibility(bool on) { ::simt::g_visibility = on; }
+bool get_visibility() { return ::simt::g_visibility; }
+
+// ---- probes of the emulator's own model (tests/test_simt_emulator.py) ----
+// `blocks` blocks of 32 threads: each thread of block k stores k + 1 to slot[k * 32 + tid] and, when `fence`,
+// executes __threadfence; thread 0 then counts the block done; the block that counts last sums every slot into out[0]
+// (the threadFenceReduction pattern of the CUDA samples, and of decode's split-KV combine).
+__global__ void fence_probe_kernel(float* slot, int* counter, float* out, bool fence) {
+  AK_SHARED(4, int, last, [1]);
+  const int tid = threadIdx.x;
+  dev::st_global(slot + blockIdx.x * 32 + tid, float(blockIdx.x + 1));
+  if (fence) dev::threadfence();
+  __syncthreads();
+  if (tid == 0) last[0] = dev::atomic_add(counter, 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  if (!last[0] || tid != 0) return;
+  dev::threadfence();
+  float sum = 0.f;
+  for (unsigned i = 0; i < gridDim.x * 32; ++i) sum += dev::ld_global_cg(slot + i);
+  dev::st_global(out, sum);
+}
+// -> (the sum the last block saw, the slots after the launch)
+std::tuple<at::Tensor, at::Tensor> fence_probe(int64_t blocks, bool fence) {
+  TORCH_CHECK(blocks >= 1 && blocks <= 64, "blocks: 1..64");
+  return emulated("fence_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor slot = at::zeros({blocks * 32}, at::kFloat), out = at::zeros({1}, at::kFloat);
+    at::Tensor counter = at::zeros({1}, at::kInt);
+    ::simt::launch(dim3(unsigned(blocks)), dim3(32), 0, fence_probe_kernel, slot.data_ptr<float>(),
+                   counter.data_ptr<int32_t>(), out.data_ptr<float>(), fence);
+    return std::make_tuple(out, slot);
+  });
+}
+// An fp32 [n] tensor allocated inside an emulated call and never written: what an unwritten output holds.
+at::Tensor alloc_probe(int64_t n) {
+  return emulated("alloc_probe", [&] { return at::empty({n}, at::kFloat); });
+}
+
+// ---- probes of the tensor-core primitives (tests/test_simt_ptx.py checks them against the PTX ISA's tables) ----
+// One warp; lane l passes a[l] (4 registers), b[l] (2), c[l] (4) to dev::mma_m16n8k16<T> and gets d[l].
+template <typename T>
+__global__ void mma_probe_kernel(const uint32_t* a, const uint32_t* b, const float* c, float* d) {
+  const int l = threadIdx.x;
+  uint32_t ra[4], rb[2];
+  float rc[4], rd[4];
+  for (int i = 0; i < 4; ++i) ra[i] = a[l * 4 + i], rc[i] = c[l * 4 + i];
+  for (int i = 0; i < 2; ++i) rb[i] = b[l * 2 + i];
+  dev::mma_m16n8k16<T>(rd, ra, rb, rc);
+  for (int i = 0; i < 4; ++i) d[l * 4 + i] = rd[i];
+}
+// a int32 [32, 4], b int32 [32, 2], c fp32 [32, 4] (per-lane registers) -> d fp32 [32, 4].
+at::Tensor mma_probe(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool bf16) {
+  auto lanes = [](const at::Tensor& t, int64_t n, at::ScalarType dt) {
+    return t.sizes() == at::IntArrayRef({32, n}) && t.scalar_type() == dt && t.is_contiguous();
+  };
+  TORCH_CHECK(lanes(a, 4, at::kInt) && lanes(b, 2, at::kInt) && lanes(c, 4, at::kFloat),
+              "mma_probe: a int32 [32, 4], b int32 [32, 2], c fp32 [32, 4], contiguous");
+  return emulated("mma_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor d = at::empty({32, 4}, c.options());
+    auto* pa = reinterpret_cast<const uint32_t*>(a.data_ptr<int32_t>());
+    auto* pb = reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>());
+    auto run = [&](auto kernel) {
+      ::simt::launch(dim3(1), dim3(32), 0, kernel, pa, pb, c.data_ptr<float>(), d.data_ptr<float>());
+    };
+    bf16 ? run(mma_probe_kernel<__nv_bfloat16>) : run(mma_probe_kernel<__half>);
+    return d;
+  });
+}
+// One warp; lane l gives the address of row l of a [32][8] 16-bit tile in shared memory (row stride 24 elements: 16-byte
+// aligned rows that are not adjacent) to dev::ldmatrix_x{n}[_trans] and gets its n registers.
+template <int N, bool Trans>
+__global__ void ldmatrix_probe_kernel(const uint16_t* tile, uint32_t* out) {
+  AK_SHARED(16, uint16_t, s, [32 * 24]);
+  const int l = threadIdx.x;
+  for (int c = 0; c < 8; ++c) s[l * 24 + c] = tile[l * 8 + c];
+  __syncwarp();
+  uint32_t r[N];
+  const uint16_t* row = &s[l * 24];
+  if constexpr (N == 1) Trans ? dev::ldmatrix_x1_trans(r, row) : dev::ldmatrix_x1(r, row);
+  if constexpr (N == 2) Trans ? dev::ldmatrix_x2_trans(r, row) : dev::ldmatrix_x2(r, row);
+  if constexpr (N == 4) Trans ? dev::ldmatrix_x4_trans(r, row) : dev::ldmatrix_x4(r, row);
+  for (int m = 0; m < N; ++m) out[l * N + m] = r[m];
+}
+// tile int16 [32, 8] (row 8m + r = row r of matrix m) -> int32 [32, n]: lane l's registers.
+at::Tensor ldmatrix_probe(const at::Tensor& tile, int64_t n, bool trans) {
+  TORCH_CHECK(tile.sizes() == at::IntArrayRef({32, 8}) && tile.scalar_type() == at::kShort && tile.is_contiguous(),
+              "tile: int16 [32, 8]");
+  TORCH_CHECK(n == 1 || n == 2 || n == 4, "n: 1, 2 or 4");
+  return emulated("ldmatrix_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor out = at::empty({32, n}, tile.options().dtype(at::kInt));
+    auto* src = reinterpret_cast<const uint16_t*>(tile.data_ptr<int16_t>());
+    auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+    auto run = [&](auto kernel) { ::simt::launch(dim3(1), dim3(32), 0, kernel, src, dst); };
+    if (n == 1) trans ? run(ldmatrix_probe_kernel<1, true>) : run(ldmatrix_probe_kernel<1, false>);
+    if (n == 2) trans ? run(ldmatrix_probe_kernel<2, true>) : run(ldmatrix_probe_kernel<2, false>);
+    if (n == 4) trans ? run(ldmatrix_probe_kernel<4, true>) : run(ldmatrix_probe_kernel<4, false>);
+    return out;
+  });
+}
 
 }  // namespace
 }  // namespace arkernels
@@ -163,6 +305,12 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("get_device() -> str", &arkernels::get_device);
   m.def("set_block_order(int seed) -> ()", &arkernels::set_block_order);
   m.def("get_block_order() -> int", &arkernels::get_block_order);
+  m.def("set_visibility(bool on) -> ()", &arkernels::set_visibility);
+  m.def("get_visibility() -> bool", &arkernels::get_visibility);
+  m.def("fence_probe(int blocks, bool fence) -> (Tensor, Tensor)", &arkernels::fence_probe);
+  m.def("alloc_probe(int n) -> Tensor", &arkernels::alloc_probe);
+  m.def("mma_probe(Tensor a, Tensor b, Tensor c, bool bf16) -> Tensor", &arkernels::mma_probe);
+  m.def("ldmatrix_probe(Tensor tile, int n, bool trans) -> Tensor", &arkernels::ldmatrix_probe);
 }
 
 TORCH_LIBRARY_IMPL(arkernels_simt, CPU, m) {

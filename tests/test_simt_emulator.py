@@ -1,0 +1,58 @@
+"""The emulator's own model: what it must see that a sequential CPU run would hide.
+
+- Memory visibility between blocks: a block's global stores reach the blocks that run after it only through
+  __threadfence (csrc/simt/simt.h, g_visibility), so the publish / fence / count / last-block-reads protocol of
+  decode's split-KV combine is wrong without the fence.
+- Poisoned allocations: what an op allocates (outputs, scratch) is NaN until written.
+"""
+import pytest
+import torch
+
+from conftest import SIMT_DEVICES
+
+
+def _fence_probe(blocks, fence):
+    import arkernels.simt
+
+    arkernels.simt.load()
+    return torch.ops.arkernels_simt.fence_probe(blocks, fence)
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("block_order", [0, 5])
+def test_fenced_stores_reach_the_last_block(device, block_order):
+    import arkernels.simt
+
+    blocks = 6
+    want = 32.0 * sum(range(1, blocks + 1))
+    with arkernels.simt.emulate(block_order=block_order):
+        total, slots = _fence_probe(blocks, True)
+    assert float(total) == want
+    assert torch.equal(slots, torch.arange(1, blocks + 1).float().repeat_interleave(32))
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("block_order", [0, 5])
+def test_unfenced_stores_are_invisible_to_other_blocks_until_the_launch_ends(device, block_order):
+    import arkernels.simt
+
+    blocks = 6
+    with arkernels.simt.emulate(block_order=block_order):
+        total, slots = _fence_probe(blocks, False)
+        # the last block sees only its own stores: the others were taken back when their blocks ended ...
+        assert float(total) in {32.0 * k for k in range(1, blocks + 1)}
+        assert float(total) != 32.0 * sum(range(1, blocks + 1))
+        # ... and landed when the launch ended
+        assert torch.equal(slots, torch.arange(1, blocks + 1).float().repeat_interleave(32))
+        with arkernels.simt.emulate(visibility=False):  # the old model: every store at once, the bug hidden
+            total, _ = _fence_probe(blocks, False)
+        assert float(total) == 32.0 * sum(range(1, blocks + 1))
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+def test_op_allocations_are_poisoned(device):
+    import arkernels.simt
+
+    arkernels.simt.load()
+    for n in (1, 7, 4096):
+        assert bool(torch.isnan(torch.ops.arkernels_simt.alloc_probe(n)).all())
