@@ -39,35 +39,41 @@ def _say(msg: str) -> None:
 
 
 class _Progress:
-    """Elapsed-time display on stderr while something slow (model loading) runs: a spinner on a terminal, one line
-    at the start and one at the end in a log."""
+    """Says on stderr that something slow is still running: a spinner with the elapsed time on a terminal; in a log,
+    a line every ``every`` seconds (so the demo is never silent for long). ``announce``: also a line at the start and
+    one with the time taken at the end."""
 
-    def __init__(self, what: str):
-        self.what, self._stop = what, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def __init__(self, what: str, say=None, announce: bool = True, every: float = 20.0):
+        self.what, self.say, self.announce, self.every = what, say or _say, announce, every
+        self._stop = threading.Event()
+        self._tty = sys.stderr.isatty()
+        self._thread = threading.Thread(target=self._spin if self._tty else self._tick, daemon=True)
 
-    def _run(self):
-        t0, frames, i = time.perf_counter(), "|/-\\", 0
+    def _spin(self):
+        frames, i = "|/-\\", 0
         while not self._stop.wait(0.2):
-            sys.stderr.write(f"\r{frames[i % 4]} {self.what} ... {time.perf_counter() - t0:4.1f} s")
+            sys.stderr.write(f"\r{frames[i % 4]} {self.what} ... {time.perf_counter() - self.t0:4.1f} s")
             sys.stderr.flush()
             i += 1
 
+    def _tick(self):
+        while not self._stop.wait(self.every):
+            self.say(f"{self.what}: still running ({time.perf_counter() - self.t0:.0f} s)")
+
     def __enter__(self):
         self.t0 = time.perf_counter()
-        if sys.stderr.isatty():
-            self._thread.start()
-        else:
-            _say(f"{self.what} ...")
+        if self.announce and not self._tty:
+            self.say(f"{self.what} ...")
+        self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-            sys.stderr.write("\r")
-        if exc[0] is None:
-            _say(f"{self.what}: done in {time.perf_counter() - self.t0:.1f} s")
+        self._thread.join()
+        if self._tty:
+            sys.stderr.write("\r\033[K")  # clear the spinner's line
+        if self.announce and exc[0] is None:
+            self.say(f"{self.what}: done in {time.perf_counter() - self.t0:.1f} s")
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -227,8 +233,9 @@ def _interleaved(fns: dict, repeats: int, say=_say) -> tuple[dict, dict]:
             say(f"{_bar(done, total)} {phase}: {k} ({time.perf_counter() - t_start:.1f} s)")
             _sync()
             t0 = time.perf_counter()
-            outs[k] = fn()
-            _sync()
+            with _Progress(f"{phase}: {k}", say=say, announce=False):
+                outs[k] = fn()
+                _sync()
             if rnd > 0:
                 times[k].append(time.perf_counter() - t0)
             done += 1

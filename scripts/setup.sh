@@ -63,6 +63,27 @@ if [ -n "$so" ] && [ "$built" = "$src_stamp-$mode" ]; then
 elif [ -n "$so" ] && [ "$demo_cpu" = 1 ] && [ "${built%-*}" = "$src_stamp" ]; then
   need_build=0  # an up-to-date build of any mode serves the demo (CUDA kernels included do no harm)
 fi
+# the build log as progress: setup.py's "[arkernels setup]" lines (once: pip runs setup.py for several build hooks)
+# and ninja's "[i/n] <command>" line of each finished compile step, shortened to its source file. A read loop, not
+# awk/sed: those buffer their input, and the lines would come minutes late.
+show_build() {
+  local line src seen=$'\n'
+  while IFS= read -r line; do
+    case $line in
+      *"[arkernels setup]"*)
+        line="[arkernels setup]${line#*\[arkernels setup\]}"
+        case $seen in *$'\n'"$line"$'\n'*) continue ;; esac
+        seen+="$line"$'\n'
+        echo "$line" ;;
+      *)
+        if [[ $line =~ ^[[:space:]]*\[([0-9]+/[0-9]+)\]\  ]]; then
+          src=${line##* -c }
+          src=${src%% *}
+          echo "[setup]   [${BASH_REMATCH[1]}] compiled csrc/${src##*/csrc/}"
+        fi ;;
+    esac
+  done
+}
 if [ "$need_build" = 1 ]; then
   if [ "$demo_cpu" = 1 ]; then
     mode=0
@@ -72,15 +93,10 @@ if [ "$need_build" = 1 ]; then
   fi
   log="$VENV/arkernels-build.log"
   t0=$(now)
-  # pip -v streams setup.py's output; the filter shows setup.py's lines (once: pip runs setup.py for several build
-  # hooks) and one line per compile step (ninja's "[i/n] <command>" lines, shortened to the source file); the
-  # whole log goes to $log
+  # pip -v streams setup.py's output; show_build keeps setup.py's lines and ninja's; the whole log goes to $log
   set +e
   ARKERNELS_CUDA=$mode MAX_JOBS=${MAX_JOBS:-2} with_heartbeat "building" "$PY" -m pip install -v \
-    --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 | tee "$log" | awk '
-    /\[arkernels setup\]/ { line = substr($0, index($0, "[arkernels setup]")); if (!seen[line]++) print line; fflush() }
-    /^\[[0-9]+\/[0-9]+\] / { src = "?"; for (i = 2; i < NF; i++) if ($i == "-c") src = $(i + 1)
-                             sub(/.*\/csrc\//, "csrc/", src); print "[setup]   " $1 " compiling " src; fflush() }'
+    --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 | tee "$log" | show_build
   rc=${PIPESTATUS[0]}
   set -e
   if [ "$rc" != 0 ]; then

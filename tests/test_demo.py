@@ -3,6 +3,7 @@ continuations of patched model.generate and arkernels.generate against stock tra
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -38,12 +39,13 @@ def test_demo_falls_back_to_tiny_llama(monkeypatch, capsys):
 
 def test_demo_progress_lines_over_the_demo_functions():
     """``_ways`` + ``_interleaved`` on a tiny model: one line before every run (a bar, the phase, the way, the time
-    so far), so the demo is never silent for longer than one generate call."""
+    so far), and a "still running" line every 20 s of a run."""
     lines = []
     model = models.tiny_llama(0)
     ways = demo_mod._ways(model, [[1, 5, 6, 7], [1, 9]], 3, 0)
     outs, med = demo_mod._interleaved(ways, 1, say=lines.append)
-    assert [re.sub(r"\(\d+\.\d s\)", "(T)", l) for l in lines] == [
+    lines = [line for line in lines if "still running" not in line]  # a run past 20 s on a loaded machine adds one
+    assert [re.sub(r"\(\d+\.\d s\)", "(T)", line) for line in lines] == [
         "[--------------------] 0/6 warm-up: stock (T)",
         "[###-----------------] 1/6 warm-up: patched (T)",
         "[######--------------] 2/6 warm-up: ours (T)",
@@ -53,6 +55,14 @@ def test_demo_progress_lines_over_the_demo_functions():
         "[####################] 6/6 done (T)"]
     assert outs["stock"] == outs["patched"] == outs["ours"] and all(len(t) == 3 for t in outs["ours"])
     assert set(med) == {"stock", "patched", "ours"} and all(v > 0 for v in med.values())
+
+
+def test_progress_says_still_running_in_a_log():
+    lines = []
+    with demo_mod._Progress("round 1/3: stock", say=lines.append, every=0.05):
+        time.sleep(0.3)
+    assert lines[0] == "round 1/3: stock ..." and lines[-1].startswith("round 1/3: stock: done in ")
+    assert any(re.fullmatch(r"round 1/3: stock: still running \(\d+ s\)", line) for line in lines[1:-1])
 
 
 def test_generate_cli_tiny(monkeypatch, capsys):
