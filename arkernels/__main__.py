@@ -82,15 +82,15 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 
 
 # ---- checks before any model work ----------------------------------------------------------------------------------
-def _check_folder(path: str, need_tokenizer: bool, what: str):
-    """The config of the checkpoint folder ``path``, after checking it is one arkernels supports (and that it has a
-    tokenizer when ``need_tokenizer``); UserError otherwise. Reads only config files: no weights are loaded."""
+def _check_folder(path: str, what: str):
+    """The config of the checkpoint folder ``path``, after checking it has a tokenizer (both commands take text
+    prompts) and is a model arkernels supports; UserError otherwise. Reads only config files: no weights."""
     if not os.path.isdir(path):
         raise UserError(f"--model {path}: no such folder (pass a local Hugging Face checkpoint folder: config.json "
                         "+ weights)")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"--model {path}: no config.json in that folder (not a Hugging Face checkpoint folder)")
-    if need_tokenizer and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         raise UserError(f"--model {path}: the folder has no tokenizer ({', '.join(_TOKENIZER_FILES)}); {what} needs "
                         "one to encode the prompts (save it there with tokenizer.save_pretrained)")
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -328,21 +328,29 @@ def generate_cmd(args) -> int:
     ids = _encode(tok, args.prompt)
     stream = None
     if len(ids) == 1 and tok is not None and not quiet:  # one prompt: print as it comes
-        print(args.prompt[0], end="", flush=True)
         done: list[int] = []
 
         def stream(row, token):
+            if not done:  # the prompt once the first token exists (after generate's argument checks)
+                print(args.prompt[0], end="", flush=True)
             before = tok.decode(done, skip_special_tokens=True)
             done.append(token)
             print(tok.decode(done, skip_special_tokens=True)[len(before):], end="", flush=True)
 
-    res = arkernels.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, tokenizer=tok,
-                             stream=stream)
+    try:
+        res = arkernels.generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, tokenizer=tok,
+                                 stream=stream)
+    except ValueError as e:
+        # generate checks its arguments before the prefill and words those errors "generate: ..." (e.g. a tokenizer
+        # whose ids fall outside this model's vocabulary); any other ValueError is ours to fix: a traceback
+        if not str(e).startswith("generate: "):
+            raise
+        raise UserError(str(e).removeprefix("generate: ")) from e
     if quiet:
         return 0
     if stream is not None:
-        print()
+        print("" if done else args.prompt[0])  # (no token: --max-new-tokens 0)
     else:
         for p, toks in zip(args.prompt, res.tokens):
             print(f"{p}{_decode(tok, toks)}")
@@ -427,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_values(args)
         if args.model is not None:
-            _check_folder(args.model, need_tokenizer=True, what=args.cmd)  # both commands take text prompts
+            _check_folder(args.model, what=args.cmd)
         return demo(args) if args.cmd == "demo" else generate_cmd(args)
     except UserError as e:
         if args.debug:

@@ -7,4 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ARKERNELS_SETUP_FOR=demo
 source scripts/setup.sh
+echo "[demo] starting: python -m arkernels demo $* (importing torch and transformers first)" >&2
 exec "$PY" -m arkernels demo "$@"

@@ -113,6 +113,18 @@ def test_cli_user_error_subprocess(i, folders):
     assert proc.stdout == ""
 
 
+def test_cli_tokenizer_outside_the_model_vocabulary_is_a_user_error(capsys, monkeypatch):
+    """A tokenizer that does not belong to the model (ids past its vocabulary): generate's own check, one line."""
+    import arkernels.__main__ as cli
+    from arkernels.models import tiny_llama
+
+    monkeypatch.setattr(cli, "_load", lambda *a: (tiny_llama(0, vocab_size=64), tiny_tokenizer(), "tiny"))
+    assert cli.main(["generate", "--prompt", "t100 t5", "--max-new-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    _one_error_line(err, "generate", "prompt 0 holds token id 100, outside the model's vocabulary [0, 64)")
+    assert out == ""  # the prompt is printed with the first token, which never came
+
+
 def test_cli_debug_shows_the_traceback():
     proc = run_cli("generate", "--debug", "--prompt", "hi", "--top-p", "0")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UserError: --top-p must be" in proc.stderr
@@ -277,6 +289,15 @@ def test_generate_warns_past_max_position_embeddings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         arkernels.generate(model, [[5, 6, 7, 8]], max_new_tokens=4, eos_token_id=[])  # exactly at the limit: silent
+
+
+def test_patched_generate_past_max_position_embeddings_equals_stock():
+    """Stock warns (its MaxLengthCriteria) and goes on; patched must too, with the same tokens."""
+    model = tiny_model("llama", max_position_embeddings=8)
+    kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    stock = model.generate(torch.tensor([[1, 5, 6, 7, 8]]), **kw)
+    with arkernels.patch(model):
+        assert model.generate(torch.tensor([[1, 5, 6, 7, 8]]), **kw).tolist() == stock.tolist()
 
 
 # ---- patch checks what it can at patch time --------------------------------------------------------------------------

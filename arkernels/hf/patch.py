@@ -10,10 +10,13 @@ Three independent pieces, each undone by the handle:
   that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once.
 - sampler: an instance attribute wrapping ``_get_logits_processor``: for plain sampling (``do_sample=True``, one beam,
   no assistant, no ``output_scores``) whose warpers are exactly a trailing run of temperature / top-k / top-p / min-p
-  (transformers' order, ``min_tokens_to_keep`` 1), those warpers are replaced by one processor that draws with
+  (transformers' order, ``min_tokens_to_keep`` 1) with values the fused sampler reproduces exactly (``_fusable``:
+  not ``top_p=0``, not a temperature below 2**-100), those warpers are replaced by one processor that draws with
   ``arkernels.sample`` and hands generate a one-hot distribution (so its own multinomial returns exactly our draw).
-  Anything else (other warpers, a processor after them, beams, assisted decoding, ``output_scores``) keeps the stock
-  warpers for that call. Greedy decoding is left untouched.
+  Anything else (other warpers, a processor after them, beams, assisted decoding, ``output_scores``, those values)
+  keeps the stock warpers for that call. Greedy decoding is left untouched.
+
+``patch`` checks what it can before changing anything: the family, ``block_size``, the model's dtype and device.
 """
 from __future__ import annotations
 
@@ -108,8 +111,8 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     Args:
         model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
         attention: select arkernels' attention + mask functions on this model's config.
-        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache, for the
-            modes it serves (greedy, sampling, beam search / sampling, assisted and prompt-lookup decoding); any
+        cache: give ``generate`` a ``PagedCache`` (``block_size`` tokens per block, an int >= 1) instead of a
+            DynamicCache, for the modes it serves (greedy, sampling, beam search / sampling, assisted and prompt-lookup decoding); any
             other request keeps transformers' cache for that call (a warning, once per kind). With attention too,
             the attention kernel reads the paged cache in place; alone, the cache hands dense K/V to whatever
             attention the model uses.

@@ -83,8 +83,8 @@ def window_attention(
             contiguous), same dtype as ``query``: fp16/bf16 on CUDA (head_dim 64, 80, 96, 128, 256), also fp32
             on the CPU (any head_dim up to 512). ``num_q_heads % num_kv_heads == 0`` (GQA/MQA). Or
             ``float8_e4m3fn`` with ``k_scale``/``v_scale`` (vLLM's convention: key = stored * k_scale), any query
-            dtype above (fp16/bf16 on CUDA: decode reads the fp8 tiles and converts them in shared memory; prefill
-            dequantizes the cache first).
+            dtype above (fp16/bf16 on CUDA: decode and prefill stream the fp8 tiles and convert them in the MMA
+            operand registers; no 16-bit copy of the cache is made).
         block_table: int32 ``[batch, max_blocks]``: entry ``[b, i]`` holds positions ``i*block_size ...``.
         seq_lens: int32 ``[batch]``: keys ``0 .. seq_lens[b]-1`` exist, the new tokens included.
         window: 0 for full causal attention; ``W > 0``: key j is visible to query i iff ``i - W < j <= i``.
