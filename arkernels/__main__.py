@@ -410,13 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--repeats", type=int, default=3, metavar="N",
                         help="timed runs of each way, interleaved (A B C A B C ...); medians reported")
     demo_p.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0: torch's default)")
-    gen_p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    gen_p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0: greedy")
     gen_p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0: off")
     gen_p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                        help="keep the smallest set of tokens whose mass reaches P, in (0, 1]; 1: off")
     gen_p.add_argument("--min-p", type=float, default=0.0, metavar="P",
                        help="keep tokens at least P x the top token's probability, in [0, 1]; 0: off")
-    gen_p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    gen_p.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="sampling seed (the same seed gives the same text)")
     gen_p.add_argument("--tp", action="store_true",
                        help="tensor parallelism over the torchrun ranks (torchrun --nproc-per-node N -m arkernels "
                             "generate --tp ...); --device is then each rank's own")

@@ -344,6 +344,17 @@ def test_patched_generate_greedy_like_edges_equal_stock(edge, llama):
     assert stock.tolist() == greedy.tolist() and patched.tolist() == stock.tolist()
 
 
+def test_patched_generate_overflowing_temperature_fails_as_stock(llama):
+    """A temperature so small that stock's ``scores / T`` overflows: stock's multinomial refuses the NaN row; patched
+    hands the call to stock's warpers, so it fails the same way instead of drawing the argmax."""
+    kw = _sample_kw(dict(temperature=1e-40))
+    with pytest.raises(RuntimeError, match="probability tensor contains") as stock:
+        llama.generate(SAMPLE_PROMPT, **kw)
+    with arkernels.patch(llama), pytest.raises(RuntimeError, match="probability tensor contains") as patched:
+        llama.generate(SAMPLE_PROMPT, **kw)
+    assert str(patched.value) == str(stock.value)
+
+
 def _processors(model, edge):
     """The processors ``model.generate`` builds for ``edge`` (patched or not): recorded from a real 1-token call."""
     seen = []

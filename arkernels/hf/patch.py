@@ -112,8 +112,9 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
         attention: select arkernels' attention + mask functions on this model's config.
         cache: give ``generate`` a ``PagedCache`` (``block_size`` tokens per block, an int >= 1) instead of a
-            DynamicCache, for the modes it serves (greedy, sampling, beam search / sampling, assisted and prompt-lookup decoding); any
-            other request keeps transformers' cache for that call (a warning, once per kind). With attention too,
+            DynamicCache, for the modes it serves (greedy, sampling, beam search / sampling, assisted and
+            prompt-lookup decoding); any other request keeps transformers' cache for that call (a warning, once per
+            kind). With attention too,
             the attention kernel reads the paged cache in place; alone, the cache hands dense K/V to whatever
             attention the model uses.
         sampler: draw plain ``do_sample=True`` tokens with ``arkernels.sample`` when the requested warpers are
@@ -286,10 +287,10 @@ def _fusable(temperature: float, top_k: int, top_p: float, min_p: float) -> bool
     accept; anything they refuse has raised already, before this hook sees it).
 
     - ``top_p`` 0 (``TopPLogitsWarper`` takes [0, 1]): stock keeps exactly one token (the last of its ascending sort);
-      ``arkernels.sample`` takes ``(0, 1]``. NaN passes stock's range check and removes nothing there.
+      ``arkernels.sample`` takes ``(0, 1]``. (A NaN ``top_p`` gets no warper from transformers: ``nan < 1`` is False.)
     - ``temperature`` below ``_MIN_FUSED_TEMPERATURE`` or infinite: stock's division overflows or turns ``-inf``
       scores into NaN; its own behaviour (an error from multinomial) is the contract.
-    - ``min_p`` outside [0, 1] or NaN cannot reach here (stock refuses it), checked anyway."""
+    - ``top_k`` < 0 or ``min_p`` outside [0, 1] cannot reach here (stock refuses them), checked anyway."""
     return (math.isfinite(temperature) and temperature >= _MIN_FUSED_TEMPERATURE and top_k >= 0
             and 0.0 < top_p <= 1.0 and 0.0 <= min_p <= 1.0)
 
