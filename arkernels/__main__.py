@@ -266,8 +266,8 @@ def _explain(device: torch.device) -> str:
     import arkernels
 
     if device.type == "cuda" and arkernels.cuda_kernels_built():
-        here = ("On this GPU the ratios are the end-to-end decode speed of arkernels' CUDA/Triton kernels against "
-                "stock transformers, at this small model and batch (launch overheads dominate at 135M parameters).")
+        here = ("On this GPU the ratios are the end-to-end speed of arkernels' CUDA/Triton kernels against stock "
+                "transformers for this model, batch and length only.")
     elif device.type == "cuda":
         here = ("This build has no CUDA kernels (built CPU-only), so the GPU runs fall back to torch: rebuild with "
                 "ARKERNELS_CUDA=1 for a meaningful ratio.")
