@@ -21,6 +21,7 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 import threading
 import time
 
@@ -272,12 +273,12 @@ def _explain(device: torch.device) -> str:
         here = ("This build has no CUDA kernels (built CPU-only), so the GPU runs fall back to torch: rebuild with "
                 "ARKERNELS_CUDA=1 for a meaningful ratio.")
     else:
-        here = ("On the CPU arkernels runs its CPU kernels: they exist so that everything installs, runs and is tested "
-                "without a GPU, and are not tuned for speed, so ratios near or below 1x here say nothing about GPU "
-                "speed.")
-    return (here + " Greedy tokens must match stock on every device. GPU figures come from "
-            "benchmarks/gpu_check.sh (kernels against torch baselines and end-to-end decode, on a CUDA machine); "
-            "see the README's \"Benchmarks and the GPU check\".")
+        here = ("On the CPU arkernels runs its CPU kernels, which exist so that everything installs, runs and is "
+                "tested without a GPU: the ratios here, above or below 1x, say nothing about GPU speed.")
+    return textwrap.fill(here + " Greedy tokens must match stock on every device. GPU figures come from "
+                         "benchmarks/gpu_check.sh (kernels against torch baselines and end-to-end decode, on a CUDA "
+                         "machine); see the README's \"Benchmarks and the GPU check\".", width=100,
+                         break_on_hyphens=False)
 
 
 def demo(args) -> int:
@@ -292,7 +293,7 @@ def demo(args) -> int:
     n = args.max_new_tokens
     total = n * len(ids)
     print(f"model: {name} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {args.dtype}, "
-          f"{args.device}); {len(ids)} prompts, {n} new tokens each, greedy", flush=True)
+          f"{args.device}); {len(ids)} prompt{'s' * (len(ids) != 1)}, {n} new tokens each, greedy", flush=True)
     _say(f"running 3 ways x (1 warm-up + {args.repeats} timed rounds); each way generates {total} tokens per run")
     outs, t = _interleaved(_ways(model, ids, n, pad_id), args.repeats)
     stock, patched, ours = outs["stock"], outs["patched"], outs["ours"]
