@@ -82,7 +82,26 @@ if build_cuda:
 else:
     ext = CppExtension("arkernels._C", sources=cpu_sources, extra_compile_args={"cxx": cxx_flags})
 
+_sources = cpu_sources + (cuda_sources if build_cuda else [])
+_say(f"sources: {len(cpu_sources)} C++ (CPU kernels + op schemas)" + (
+    f", {len(cuda_sources)} CUDA x {len(os.environ['TORCH_CUDA_ARCH_LIST'].split(';'))} archs "
+    "(each CUDA file takes minutes on 2 cores)" if build_cuda else "; no CUDA files"))
+
+
+class _TimedBuild(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension (ninja: one "[i/n]" line per compile step in the verbose log), saying when the
+    compile starts and how long it took."""
+
+    def build_extensions(self):
+        import time
+
+        t0 = time.perf_counter()
+        _say(f"compiling {len(_sources)} files with ninja (MAX_JOBS={os.environ.get('MAX_JOBS', 'torch default')})")
+        super().build_extensions()
+        _say(f"compiled and linked arkernels._C in {time.perf_counter() - t0:.0f} s")
+
+
 setup(
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _TimedBuild},
 )

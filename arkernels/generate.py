@@ -14,10 +14,12 @@ filled by one copy before the step; on a GPU the step is captured in a CUDA grap
 from __future__ import annotations
 
 import inspect
+import numbers
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -43,28 +45,205 @@ class GenerateResult:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-def _as_prompts(prompts_or_input_ids, tokenizer) -> list[list[int]]:
-    x = prompts_or_input_ids
+def _is_int(v) -> bool:
+    """A Python or numpy integer, not a bool (``True`` is an int to Python, never a token id or seed here)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _pad_id(model, tokenizer) -> int | None:
+    """The pad id a padded batch would hold: the tokenizer's, else the model's generation config, else its config."""
+    for src in (tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None)):
+        pad = getattr(src, "pad_token_id", None)
+        if _is_int(pad):
+            return int(pad)
+    return None
+
+
+def _as_prompts(x, tokenizer, *, input_ids=None, attention_mask=None, token_type_ids=None, pad_id: int | None = None,
+                bos_id: int | None = None, vocab_size: int | None = None) -> list[list[int]]:
+    """Every input form ``generate`` takes -> one list of token ids per prompt, validated.
+
+    ``x`` (the positional argument) or ``input_ids=``: a str or list of str (encoded with ``tokenizer``), a list of
+    token-id lists or 1-D tensors (ragged), an integer tensor ``[batch, len]`` / ``[len]``, or a mapping with
+    ``input_ids`` (and ``attention_mask``), e.g. a tokenizer's ``BatchEncoding``. With ``attention_mask`` (same shape
+    as the ids, 0/1) each row keeps the tokens its mask marks: left or right padding is stripped per row, which gives
+    the same attention and positions as stock ``model.generate`` with that mask (it numbers positions by the mask's
+    cumulative sum). Without a mask, a tensor whose rows visibly start with ``pad_id`` is refused: those pads would
+    be generated from as prompt tokens. Every id must lie in ``[0, vocab_size)``.
+    """
+    if isinstance(x, Mapping):
+        unknown = sorted(set(x) - {"input_ids", "attention_mask", "token_type_ids"})
+        if unknown:
+            raise ValueError(f"generate: the inputs mapping has keys arkernels.generate does not take: {unknown} "
+                             "(it takes input_ids, attention_mask, token_type_ids)")
+        if "input_ids" not in x:
+            raise ValueError("generate: the inputs mapping has no 'input_ids'")
+        if input_ids is not None or attention_mask is not None:
+            raise ValueError("generate: pass the inputs either as a mapping or as input_ids= / attention_mask=, "
+                             "not both")
+        x, attention_mask, token_type_ids = x["input_ids"], x.get("attention_mask"), x.get("token_type_ids")
+    elif input_ids is not None:
+        if x is not None:
+            raise ValueError("generate: pass the prompts positionally or as input_ids=, not both")
+        x = input_ids
+    if x is None:
+        raise ValueError("generate: no prompts: pass a str, a list of str (with tokenizer=), token-id lists, an "
+                         "input_ids tensor, or a tokenizer's output")
+    if token_type_ids is not None and bool(torch.as_tensor(token_type_ids).ne(0).any()):
+        raise ValueError("generate: token_type_ids other than all zeros are not supported (a decoder-only model "
+                         "takes one segment)")
     if isinstance(x, str):
         x = [x]
-    if isinstance(x, torch.Tensor):
-        if x.dim() == 1:
-            x = x[None]
-        if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"generate: input_ids must be an integer [batch, len] or [len] tensor, got "
-                             f"{tuple(x.shape)} {x.dtype}")
-        return [row.tolist() for row in x]
-    if not isinstance(x, Sequence) or len(x) == 0:
-        raise ValueError("generate: pass a non-empty list of prompts (str, needs tokenizer) or of token-id lists")
-    if all(isinstance(p, str) for p in x):
+    if isinstance(x, Sequence) and len(x) > 0 and all(isinstance(p, str) for p in x):
         if tokenizer is None:
             raise ValueError("generate: text prompts need tokenizer=")
-        return [tokenizer(p)["input_ids"] for p in x]
-    prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in x]
+        if attention_mask is not None:
+            raise ValueError("generate: attention_mask goes with token ids, not with text prompts")
+        prompts = [tokenizer(p)["input_ids"] for p in x]
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} ({x[i]!r}) encodes to no tokens")
+    elif attention_mask is not None:
+        prompts = _strip_by_mask(x, attention_mask)
+    elif isinstance(x, torch.Tensor):
+        ids = _ids_tensor(x)
+        _refuse_unmasked_padding(ids, pad_id, bos_id)
+        prompts = ids.tolist()
+    else:
+        if not isinstance(x, Sequence) or len(x) == 0:
+            what = "an empty list" if isinstance(x, Sequence) else type(x).__name__
+            raise ValueError("generate: pass a non-empty list of prompts (str, needs tokenizer) or of token-id lists, "
+                             f"got {what}")
+        prompts = []
+        for i, p in enumerate(x):
+            if isinstance(p, torch.Tensor):
+                if p.dim() != 1 or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+                    raise ValueError(f"generate: prompt {i} must be a 1-D integer tensor, got "
+                                     f"{tuple(p.shape)} {p.dtype}")
+                p = p.tolist()
+            if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not all(_is_int(t) for t in p):
+                raise ValueError(f"generate: prompt {i} must be a list of int token ids (or every prompt a str), "
+                                 f"got {type(p).__name__}")
+            prompts.append([int(t) for t in p])
     for i, p in enumerate(prompts):
-        if len(p) == 0 or not all(isinstance(t, int) for t in p):
-            raise ValueError(f"generate: prompt {i} must be a non-empty list of token ids")
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty: every prompt needs at least one token")
+        if vocab_size is not None:
+            bad = next((t for t in p if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"generate: prompt {i} holds token id {bad}, outside the model's vocabulary "
+                                 f"[0, {vocab_size})")
     return prompts
+
+
+def _ids_tensor(x) -> torch.Tensor:
+    """``input_ids`` as an integer ``[batch, len]`` tensor with at least one row and one column."""
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x)
+        except (ValueError, TypeError, RuntimeError) as e:  # ragged lists: no tensor, so no mask can go with them
+            raise ValueError(f"generate: input_ids with an attention_mask must be rectangular ({e})") from None
+    if x.dim() == 1:
+        x = x[None]
+    if x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ValueError(f"generate: input_ids must be an integer [batch, len] or [len] tensor, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"generate: input_ids is empty (shape {tuple(x.shape)}): every prompt needs at least one "
+                         "token")
+    return x
+
+
+def _strip_by_mask(x, attention_mask) -> list[list[int]]:
+    ids = _ids_tensor(x)
+    mask = torch.as_tensor(attention_mask)
+    if mask.dim() == 1:
+        mask = mask[None]
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"generate: attention_mask must have input_ids' shape {tuple(ids.shape)}, got "
+                         f"{tuple(mask.shape)}")
+    mask = mask.cpu()
+    if mask.dtype.is_floating_point or mask.dtype.is_complex or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("generate: attention_mask must hold only 0 (padding) and 1 (token)")
+    mask = mask.bool()
+    empty = (~mask.any(dim=1)).nonzero()
+    if empty.numel():
+        raise ValueError(f"generate: attention_mask row {int(empty[0, 0])} is all zeros: every prompt needs at "
+                         "least one token")
+    ids = ids.cpu()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+def _refuse_unmasked_padding(ids: torch.Tensor, pad_id: int | None, bos_id: int | None) -> None:
+    """Refuse a tensor that visibly starts with padding: some row's first token is the pad id (and, where the pad id
+    is also the BOS id, its second one too: one BOS is a normal start)."""
+    if pad_id is None or ids.shape[1] == 0:
+        return
+    ids = ids.cpu()
+    padded = ids[:, 0] == pad_id
+    if pad_id == bos_id:
+        padded &= (ids[:, 1] == pad_id) if ids.shape[1] > 1 else torch.zeros_like(padded)
+    rows = padded.nonzero()
+    if rows.numel():
+        raise ValueError(f"generate: input_ids row {int(rows[0, 0])} starts with the pad token id {pad_id}: a left-"
+                         "padded batch needs its attention_mask (pass attention_mask=, or the tokenizer's whole "
+                         "output: generate(model, **tokenizer(prompts, return_tensors='pt', padding=True)))")
+
+
+def _check_args(*, max_new_tokens, num_return_sequences, block_size, temperature, top_k, top_p, min_p, stream):
+    """Every scalar argument of ``generate`` checked before any model work (one ValueError naming the argument)."""
+    from arkernels.ops.sampling import _params
+
+    for name, v, lo in (("max_new_tokens", max_new_tokens, 0), ("num_return_sequences", num_return_sequences, 1),
+                        ("block_size", block_size, 1)):
+        if not _is_int(v) or v < lo:
+            raise ValueError(f"generate: {name} must be an int >= {lo}, got {v!r}")
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise ValueError(f"generate: {name} must be a number, got {v!r}")
+    if not _is_int(top_k):
+        raise ValueError(f"generate: top_k must be an int (0: off), got {top_k!r}")
+    # the sampler's own range rules, on a one-row stand-in (so its words and generate's agree)
+    _params("generate", torch.zeros(1, 1), float(temperature), int(top_k), float(top_p), float(min_p))
+    if stream is not None and not callable(stream):
+        raise ValueError(f"generate: stream must be a callable stream(row, token_id) or None, got {stream!r}")
+
+
+def _seeds(seed, n: int) -> torch.Tensor:
+    """``seed`` (an int, one int per prompt, or an integer tensor) as int64 ``[n]``; floats and bools are refused
+    (``torch.as_tensor(1.5, dtype=torch.int64)`` would silently truncate to 1)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype.is_floating_point or seed.dtype.is_complex or seed.dtype == torch.bool:
+            raise ValueError(f"generate: seed must be an int, a list of ints or an integer tensor, got a {seed.dtype} "
+                             "tensor")
+        seeds = seed.to(torch.int64).reshape(-1).cpu()
+    else:
+        values = list(seed) if isinstance(seed, Sequence) and not isinstance(seed, str) else [seed]
+        bad = next((v for v in values if not _is_int(v) or not -2**63 <= v < 2**63), None)
+        if bad is not None or not values:
+            raise ValueError(f"generate: seed must be an int64 or a list of them, got {seed!r}")
+        seeds = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    if seeds.numel() == 1:
+        seeds = seeds.expand(n)
+    if seeds.numel() != n:
+        raise ValueError(f"generate: seed must be an int or one per prompt ({n}), got {seeds.numel()}")
+    return seeds
+
+
+def _vocab_size(model) -> int | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    n = getattr(emb, "num_embeddings", None)
+    return n if n is not None else getattr(model.config.get_text_config(), "vocab_size", None)
+
+
+def _warn_past_max_positions(model, length: int) -> None:
+    """Stock generate's reminder (``MaxLengthCriteria``) when a row would run past ``max_position_embeddings``; said
+    once up front, since the lengths are known before the prefill."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        warnings.warn(f"generate: prompt + max_new_tokens reaches {length} tokens, past the model's predefined maximum "
+                      f"length (max_position_embeddings={limit}); depending on the model you may observe "
+                      "exceptions, performance degradation, or nothing at all", stacklevel=3)
 
 
 def _cache_kwarg(model) -> str:
@@ -72,7 +251,8 @@ def _cache_kwarg(model) -> str:
 
 
 @torch.inference_mode()
-def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask=None, token_type_ids=None,
+             max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | Sequence[int] | torch.Tensor = 0,
              eos_token_id: int | Sequence[int] | None = None, tokenizer=None,
              stream: Callable[[int, int], None] | None = None, cuda_graphs: bool = False,
@@ -84,11 +264,18 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     Args:
         model: a transformers ``*ForCausalLM`` of a family ``arkernels.patch`` supports (its attention is switched
             to arkernels' for the call and restored afterwards).
-        prompts_or_input_ids: a str or list of str (needs ``tokenizer``), a list of token-id lists (ragged), or an
-            integer tensor ``[batch, len]`` / ``[len]`` without padding.
+        prompts_or_input_ids: a str or list of str (needs ``tokenizer``), a list of token-id lists or 1-D tensors
+            (ragged), an integer tensor ``[batch, len]`` / ``[len]``, or a tokenizer's output (``BatchEncoding`` or
+            dict with ``input_ids`` and ``attention_mask``). A tensor whose rows start with the pad id is refused
+            without a mask (the pads would be prompt tokens).
+        input_ids, attention_mask: the transformers way, e.g. ``generate(model, **tokenizer(prompts,
+            return_tensors="pt", padding=True))``: each row keeps the tokens its mask marks (left or right padding
+            stripped per row; the same tokens as stock ``model.generate`` with that mask). ``token_type_ids`` (what
+            some tokenizers add) must be all zeros.
         max_new_tokens: new tokens per row at most.
         temperature, top_k, top_p, min_p: sampling (``arkernels.sample``); temperature 0 (default) is greedy.
-        seed: one int for every row or one per row (list / int64 ``[batch]``).
+        seed: one int for every prompt or one per prompt (list of ints / integer tensor ``[batch]``); floats are
+            refused, not truncated.
         eos_token_id: an id or ids that end a row (default: the model's generation config, then the tokenizer's).
         tokenizer: decodes ``texts`` and encodes text prompts.
         stream: called as ``stream(row, token_id)`` for every new token, in order.
@@ -110,31 +297,34 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
         k_scale, v_scale: fp8 only: a float, one per layer, or None: calibrated per layer on the prefill
             (K: ``max(absmax / 200, 1e-6)``, V: ``/ 100``, vLLM's defaults; see ``arkernels.hf.cache.PagedCache``).
 
+    Every argument is checked before the prefill runs (a ValueError naming it; TypeError for a model dtype the
+    kernels do not take). A prompt + ``max_new_tokens`` past ``max_position_embeddings`` warns, as stock does.
+
     Returns:
         ``GenerateResult`` (``tokens``, ``texts``, timings), one row per returned sequence.
     """
     from arkernels.hf.attention import NAME, register
     from arkernels.hf.cache import PagedCache
     from arkernels.hf.patch import _check_supported
+    from arkernels.hf.patch import _check_model_tensors
     from arkernels.ops.sampling import sample
 
     _check_supported(model)
-    if max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-    if num_return_sequences < 1:
-        raise ValueError(f"generate: num_return_sequences must be >= 1, got {num_return_sequences}")
-    prompts = _as_prompts(prompts_or_input_ids, tokenizer)
+    _check_model_tensors(model, "generate")
+    _check_args(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, block_size=block_size,
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)
+    pad_id = _pad_id(model, tokenizer)
+    bos_id = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else model.config.bos_token_id
+    prompts = _as_prompts(prompts_or_input_ids, tokenizer, input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids, pad_id=pad_id, bos_id=bos_id, vocab_size=_vocab_size(model))
     cuda_graphs = cuda_graphs or compile
     n_seq = num_return_sequences
     P = len(prompts)
     B = P * n_seq
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer, eos_token_id)
-    seeds = torch.as_tensor(seed, dtype=torch.int64).reshape(-1)
-    if seeds.numel() == 1:
-        seeds = seeds.expand(P)
-    if seeds.numel() != P:
-        raise ValueError(f"generate: seed must be an int or one per prompt ({P}), got {seeds.numel()}")
+    seeds = _seeds(seed, P)
+    _warn_past_max_positions(model, max(len(p) for p in prompts) + max_new_tokens)
     if n_seq > 1:  # sample j of prompt b: its own stream (a golden-ratio stride; sample 0 keeps the prompt's seed)
         stride = torch.tensor([_wrap64(j * _SEED_STRIDE) for j in range(n_seq)], dtype=torch.int64)
         seeds = seeds.repeat_interleave(n_seq) + stride.repeat(P)  # int64 addition wraps: seeds stay any int64

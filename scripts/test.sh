@@ -20,6 +20,7 @@ fi
 hf_tests=$(ls tests/test_hf_*.py tests/test_generate.py tests/test_fuse.py 2>/dev/null || true)
 if [ -n "$hf_tests" ] && [ $# -eq 0 ]; then
   if [ ! -d .tf517/transformers ]; then
+    echo "[test] installing transformers 5.17.0 into .tf517 (once; the second pass of the transformers-facing tests)"
     # 5.17 needs huggingface-hub 1.x (and its httpx), where 5.24 has 2.x: they go into the side folder too
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --target .tf517 transformers==5.17.0 \
       "huggingface-hub>=1.5,<2"

@@ -2,7 +2,7 @@
 
 transformers selects attention per model config (``model.set_attn_implementation(NAME)``), and builds the mask
 through ``AttentionMaskInterface[NAME]``: both must be registered under the same name, or transformers passes
-``attention_mask=None`` and padding and windows are lost (KNOWLEDGE.md).
+``attention_mask=None`` and padding and windows are lost.
 
 What flows between them:
 - the mask function never builds a ``[B, 1, Tq, Tk]`` mask for the common case. Causal order and the sliding window

@@ -304,7 +304,7 @@ class _Group:
 class PagedLayer(CacheLayerMixin):
     """One layer of ``PagedCache``: K/V pools ``[num_blocks, block_size, Hkv, D]`` addressed by its group's table."""
 
-    is_compileable = False  # generate() would auto-compile the forward otherwise (KNOWLEDGE.md)
+    is_compileable = False  # generate() would auto-compile the forward otherwise (a non-DynamicCache that says True)
     is_croppable = True  # crop releases whole blocks; sliding layers follow DynamicSlidingWindowLayer's rules
 
     def __init__(self, group: _Group, cache: "PagedCache"):

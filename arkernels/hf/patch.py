@@ -10,14 +10,18 @@ Three independent pieces, each undone by the handle:
   that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once.
 - sampler: an instance attribute wrapping ``_get_logits_processor``: for plain sampling (``do_sample=True``, one beam,
   no assistant, no ``output_scores``) whose warpers are exactly a trailing run of temperature / top-k / top-p / min-p
-  (transformers' order, ``min_tokens_to_keep`` 1), those warpers are replaced by one processor that draws with
+  (transformers' order, ``min_tokens_to_keep`` 1) with values the fused sampler reproduces exactly (``_fusable``:
+  not ``top_p=0``, not a temperature below 2**-100), those warpers are replaced by one processor that draws with
   ``arkernels.sample`` and hands generate a one-hot distribution (so its own multinomial returns exactly our draw).
-  Anything else (other warpers, a processor after them, beams, assisted decoding, ``output_scores``) keeps the stock
-  warpers for that call. Greedy decoding is left untouched.
+  Anything else (other warpers, a processor after them, beams, assisted decoding, ``output_scores``, those values)
+  keeps the stock warpers for that call. Greedy decoding is left untouched.
+
+``patch`` checks what it can before changing anything: the family, ``block_size``, the model's dtype and device.
 """
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
 import torch
@@ -71,6 +75,38 @@ def _check_supported(model) -> None:
         raise TypeError(f"arkernels.patch: {type(model).__name__} has no generate(); pass a *ForCausalLM model")
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the attention kernels and the paged cache hold
+
+
+def _check_model_tensors(model, op: str, attention: bool = True) -> None:
+    """The model's floating dtype and device are ones arkernels' kernels serve, checked up front: otherwise a float64
+    model fails inside the first attention call, mid-generate. ``attention``: arkernels' attention will run (its
+    CUDA kernels take float16 / bfloat16 only; float32 attention runs on the CPU)."""
+    dtype, device = getattr(model, "dtype", None), getattr(model, "device", None)
+    if dtype not in _DTYPES:
+        raise TypeError(f"{op}: the model's dtype is {dtype}; arkernels' kernels take float32, float16 or bfloat16 "
+                        "(convert it first, e.g. model.to(torch.float32))")
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: the model is on {device}; arkernels runs on cpu or cuda")
+    if kind == "cuda":
+        from arkernels import cuda_kernels_built
+
+        if not cuda_kernels_built():
+            raise RuntimeError(f"{op}: the model is on {device} but this arkernels build has no CUDA kernels (built "
+                               "CPU-only); rebuild with ARKERNELS_CUDA=1")
+        if attention and dtype == torch.float32:
+            raise TypeError(f"{op}: the CUDA attention kernels take float16 or bfloat16, the model is float32 on "
+                            f"{device} (model.to(torch.bfloat16), or patch(attention=False))")
+
+
+def _check_patch_args(model, block_size, attention: bool) -> None:
+    _check_model_tensors(model, "arkernels.patch", attention)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"arkernels.patch: block_size must be an int >= 1 (tokens per cache block), got "
+                         f"{block_size!r}")
+
+
 def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16,
           fuse: bool = False, kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | list[float] | None = None,
           v_scale: float | list[float] | None = None):
@@ -79,9 +115,10 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     Args:
         model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
         attention: select arkernels' attention + mask functions on this model's config.
-        cache: give ``generate`` a ``PagedCache`` (block_size tokens per block) instead of a DynamicCache, for the
-            modes it serves (greedy, sampling, beam search / sampling, assisted and prompt-lookup decoding); any
-            other request keeps transformers' cache for that call (a warning, once per kind). With attention too,
+        cache: give ``generate`` a ``PagedCache`` (``block_size`` tokens per block, an int >= 1) instead of a
+            DynamicCache, for the modes it serves (greedy, sampling, beam search / sampling, assisted and
+            prompt-lookup decoding); any other request keeps transformers' cache for that call (a warning, once per
+            kind). With attention too,
             the attention kernel reads the paged cache in place; alone, the cache hands dense K/V to whatever
             attention the model uses.
         sampler: draw plain ``do_sample=True`` tokens with ``arkernels.sample`` when the requested warpers are
@@ -97,6 +134,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
     """
     _check_supported(model)
+    _check_patch_args(model, block_size, attention)
     from arkernels.kv_cache import kv_cache_dtype_of, per_layer_scales
 
     kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)  # refuse bad values before changing anything
@@ -212,10 +250,18 @@ class ArkernelsSampler:
         return out
 
 
+# Below this temperature stock's ``scores / T`` can overflow fp32 (|logit| > T * 3.4e38 ~ 2.7e8 at T = 2**-100) and
+# stock then fails in its multinomial; above it both give the same kept sets (only the argmax survives long before).
+_MIN_FUSED_TEMPERATURE = 2.0**-100
+_INT32_MAX = 2**31 - 1
+
+
 def _fused_params(processors) -> tuple[int, dict] | None:
     """``(first, params)`` when the processors end with a run of temperature / top-k / top-p / min-p warpers in
     transformers' order, each at most once and keeping at least one token (what ``arkernels.sample`` implements);
-    ``first`` is where that run starts. None when anything else would run among or after them."""
+    ``first`` is where that run starts. None when anything else would run among or after them, or when a value is
+    one transformers accepts but the fused sampler does not reproduce exactly (``_fusable``): stock's warpers then
+    serve the call."""
     from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
@@ -240,7 +286,23 @@ def _fused_params(processors) -> tuple[int, dict] | None:
         first, rank = i, r
     if any(isinstance(p, order) for p in processors[:first]):
         return None  # one of ours runs before another processor: the fused sampler cannot move it
+    if not _fusable(**params):
+        return None
+    params["top_k"] = min(params["top_k"], _INT32_MAX)  # stock clamps top_k to the vocab: past it, both are "off"
     return first, params
+
+
+def _fusable(temperature: float, top_k: int, top_p: float, min_p: float) -> bool:
+    """Whether the fused sampler gives stock's kept set for these warper values (the ones transformers' warpers
+    accept; anything they refuse has raised already, before this hook sees it).
+
+    - ``top_p`` 0 (``TopPLogitsWarper`` takes [0, 1]): stock keeps exactly one token (the last of its ascending sort);
+      ``arkernels.sample`` takes ``(0, 1]``. (A NaN ``top_p`` gets no warper from transformers: ``nan < 1`` is False.)
+    - ``temperature`` below ``_MIN_FUSED_TEMPERATURE`` or infinite: stock's division overflows or turns ``-inf``
+      scores into NaN; its own behaviour (an error from multinomial) is the contract.
+    - ``top_k`` < 0 or ``min_p`` outside [0, 1] cannot reach here (stock refuses them), checked anyway."""
+    return (math.isfinite(temperature) and temperature >= _MIN_FUSED_TEMPERATURE and top_k >= 0
+            and 0.0 < top_p <= 1.0 and 0.0 <= min_p <= 1.0)
 
 
 def _wrap_logits_processor(original, state: dict):
