@@ -58,6 +58,9 @@ def _cache_of(out):
     return getattr(out, "cache", None) or out.past_key_values
 
 
+_ASSISTANT_TOKENS = 20  # transformers' default draft length for assisted decoding
+
+
 def _run(model, mode, seed=0):
     """One generate call of ``mode``; returns what must match stock (a dict of tensors)."""
     kw = dict(max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
@@ -83,8 +86,13 @@ def _run(model, mode, seed=0):
         out = model.generate(inputs_embeds=model.get_input_embeddings()(IDS), attention_mask=MASK, num_beams=2,
                              do_sample=False, **kw, **dict_out)
     elif mode in ("assisted", "assisted_sample"):
-        out = model.generate(input_ids=IDS[1:], assistant_model=_model(model.config.model_type, seed=1),
-                             do_sample=mode == "assisted_sample", **kw, **dict_out)
+        assistant = _model(model.config.model_type, seed=1)
+        # transformers' "heuristic" schedule writes the adapted draft length back into the assistant's generation
+        # config after every call: start each call from the same length, or the second run of a pair drafts a
+        # different number of tokens and (when sampling) consumes the random stream differently from the first
+        assistant.generation_config.num_assistant_tokens = _ASSISTANT_TOKENS
+        out = model.generate(input_ids=IDS[1:], assistant_model=assistant, do_sample=mode == "assisted_sample", **kw,
+                             **dict_out)
     elif mode == "prompt_lookup":
         out = model.generate(input_ids=REPEATING, prompt_lookup_num_tokens=3, do_sample=False, **kw, **dict_out)
     elif mode == "continue_from_cache":
