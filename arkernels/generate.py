@@ -82,8 +82,8 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
-        model: a transformers ``*ForCausalLM`` of a family ``arkernels.patch`` supports (its attention is switched
-            to arkernels' for the call and restored afterwards).
+        model: a transformers decoder ``arkernels.patch`` accepts (``arkernels.hf.capability.check_model``; its
+            attention is switched to arkernels' for the call and restored afterwards).
         prompts_or_input_ids: a str or list of str (needs ``tokenizer``), a list of token-id lists (ragged), or an
             integer tensor ``[batch, len]`` / ``[len]`` without padding.
         max_new_tokens: new tokens per row at most.
@@ -115,10 +115,10 @@ def generate(model, prompts_or_input_ids, *, max_new_tokens: int = 32, temperatu
     """
     from arkernels.hf.attention import NAME, register
     from arkernels.hf.cache import PagedCache
-    from arkernels.hf.patch import _check_supported
+    from arkernels.hf.capability import check_model
     from arkernels.ops.sampling import sample
 
-    _check_supported(model)
+    check_model(model, "arkernels.generate")
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
     if num_return_sequences < 1:
