@@ -47,7 +47,8 @@ REFUSED = {
     **{t: _SPARSE for t in ("axk2", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "hy_v4")},
     "minimax_m3_vl_text": r"passes block_indices \(selected key blocks",
     # multi-head latent attention: K and V head dims differ
-    **{t: _MLA for t in ("deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "minicpm3", "longcat_flash")},
+    **{t: _MLA for t in ("axk1", "deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "minicpm3",
+                        "longcat_flash")},
     # attention code of their own: arkernels attention would never run
     **{t: _REGISTRY for t in ("big_bird", "bloom", "cpmant", "falcon", "gpt_neox_japanese", "megatron-bert",
                               "modernbert-decoder", "mvp", "openai-gpt", "rembert", "roformer", "rwkv", "trocr",
