@@ -3,9 +3,10 @@ random model (``arkernels.hf.tiny``), through ``arkernels.hf.capability.check_mo
 each accepted family also runs a left-padded greedy ``model.generate`` past its window stock vs patched, and
 ``arkernels.generate`` vs stock, and is listed as "works" only when both give stock's tokens.
 
-    PYTHONPATH=$PWD python scripts/families_table.py [--no-verify] [--out families.md] [TYPE ...]
+    PYTHONPATH=$PWD python scripts/families_table.py [--no-verify] [--readme README.md] [TYPE ...]
 
-Prints the Markdown table (or writes it to ``--out``); one row per type: works / refused (the refusal's reason) /
+Prints the Markdown table, or with ``--readme`` replaces the block between the README's ``families-table`` markers;
+one row per type: works / refused (the refusal's reason) /
 not built (transformers' own error building a tiny model). The full conformance test is tests/test_hf_families.py.
 """
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 import warnings
 
 import torch
+
+
+START, END = "<!-- families-table:start -->", "<!-- families-table:end -->"
 
 
 def _reason(e: Exception) -> str:
@@ -89,14 +93,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     p.add_argument("--no-verify", action="store_true", help="detection only, no generate")
-    p.add_argument("--out", help="write the table here instead of printing it")
+    p.add_argument("--readme", help="replace the table between this file's families-table markers")
     args = p.parse_args(argv)
     transformers.logging.set_verbosity_error()
     rows = survey(args.types or causal_lm_types(), verify=not args.no_verify)
     text = table(rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    if args.readme:
+        with open(args.readme) as f:
+            readme = f.read()
+        start, end = readme.index(START) + len(START), readme.index(END)
+        with open(args.readme, "w") as f:
+            f.write(readme[:start] + "\n" + text + readme[end:])
     else:
         sys.stdout.write(text)
     return 1 if any(r[1] == "differs" for r in rows) else 0

@@ -12,6 +12,7 @@ Beam search and seeded sampling on a slice (``SLICE``). fp32 throughout: stock i
 another order; token identity on random tiny models is the bar (logit gaps of random weights are far above fp32
 noise), as in tests/test_hf_conformance.py.
 """
+import collections
 import warnings
 
 import pytest
@@ -48,7 +49,11 @@ REFUSED = {
     "minimax_m3_vl_text": r"passes block_indices \(selected key blocks",
     # multi-head latent attention: K and V head dims differ
     **{t: _MLA for t in ("axk1", "deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "minicpm3",
-                        "longcat_flash")},
+                        "longcat_flash", "youtu")},
+    # a sliding cache layer whose attention is told no window (stock attends over whatever keys are left)
+    **{t: r"is a sliding_attention layer \(its cache keeps a window of keys\) but its attention passes no "
+          r"sliding_window" for t in ("doge", "moshi", "phimoe")},
+    "got_ocr2": r"does not let transformers switch its attention implementation",
     # attention code of their own: arkernels attention would never run
     **{t: _REGISTRY for t in ("big_bird", "bloom", "cpmant", "falcon", "gpt_neox_japanese", "megatron-bert",
                               "modernbert-decoder", "mvp", "openai-gpt", "rembert", "roformer", "rwkv", "trocr",
@@ -115,8 +120,12 @@ def _greedy(model, ids, mask=None):
 def _assert_ran_everywhere(counter, n_layers, forwards, what):
     layers, fallbacks = counter.take()
     assert fallbacks == 0, f"{what}: {fallbacks} attention calls took the 4D-mask fallback"
-    # every layer, once per forward (generate runs NEW forwards: the prefill and NEW - 1 decode steps)
-    assert sorted(layers) == sorted(list(range(n_layers)) * forwards), f"{what}: layers that ran: {layers}"
+    # every layer on every forward (generate runs NEW forwards: the prefill and NEW - 1 decode steps), the same
+    # number of times each (differential attention, DiffLlama, calls it twice per layer)
+    calls = collections.Counter(layers)
+    assert set(calls) == set(range(n_layers)), f"{what}: layers that ran: {sorted(calls)}"
+    per_layer = calls[0]
+    assert per_layer % forwards == 0 and all(c == per_layer for c in calls.values()), f"{what}: calls {calls}"
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -132,8 +141,11 @@ def test_family(model_type, monkeypatch):
         return
     check_model(model)  # accepted: a refusal here is a new one to review (add it to REFUSED)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    stock = {"short": _greedy(model, torch.tensor([SHORT])), "long": _greedy(model, torch.tensor([LONG])),
-             "padded": _greedy(model, PADDED, PADDED_MASK)}
+    try:
+        stock = {"short": _greedy(model, torch.tensor([SHORT])), "long": _greedy(model, torch.tensor([LONG])),
+                 "padded": _greedy(model, PADDED, PADDED_MASK)}
+    except Exception as e:  # noqa: BLE001  (transformers' own model fails: nothing to compare against)
+        pytest.skip(f"transformers' own generate fails on a tiny {model_type}: {type(e).__name__}: {e}")
     counter = _Counter(monkeypatch)
     with arkernels.patch(model, block_size=BLOCK):
         assert model.config._attn_implementation == NAME

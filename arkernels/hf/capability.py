@@ -217,6 +217,10 @@ def check_model(model, who: str = "arkernels.patch") -> list[torch.nn.Module]:
             _refuse(who, f"{name}: layer {i} is a {t!r} layer: {reason}; arkernels runs {', '.join(LAYER_TYPES)}")
     if "chunked_attention" in types and not _ops_support("chunk_size"):
         _refuse(who, f"{name} has chunked_attention layers and this build's window_attention has no chunk_size")
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        _refuse(who, f"{name} does not let transformers switch its attention implementation (its modeling file has "
+                     "attention modules that bypass the AttentionInterface), so arkernels attention would never run")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     per_layer: dict[int, list[torch.nn.Module]] = {}
     for path, module in decoder.named_modules():
@@ -257,6 +261,11 @@ def _check_module(who: str, name: str, module, keywords: tuple[str, ...], layer_
     if qk is not None and v is not None and qk != v:
         _refuse(who, f"{where} has K head dim {qk} and V head dim {v} (multi-head latent attention, MLA); "
                      "arkernels' kernels need one head dim for K and V")
+    if layer_type == "sliding_attention" and "sliding_window" not in keywords:
+        # the cache keeps this layer's last W keys (transformers' DynamicSlidingWindowLayer), but the attention is told
+        # no window: what stock computes then depends on which keys happen to be left (all of a prompt, W in decode)
+        _refuse(who, f"{where} is a sliding_attention layer (its cache keeps a window of keys) but its attention "
+                     "passes no sliding_window, so the window it attends over is not defined by the layer")
     for kw in keywords:
         if kw == "s_aux":
             if not _ops_support("sinks"):
