@@ -17,6 +17,8 @@ import warnings
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import arkernels
 from arkernels.hf import attention as attention_module
@@ -46,31 +48,36 @@ REFUSED = {
                             "qwen3_5_text", "qwen3_next", "recurrent_gemma")},
     # sparse / compressed attention
     **{t: _SPARSE for t in ("axk2", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "hy_v4")},
-    "minimax_m3_vl_text": r"passes block_indices \(selected key blocks",
+    "minimax_m3_vl_text": r"reworks the key / value returned by the cache update .*self.indexer",  # block-sparse
     # multi-head latent attention: K and V head dims differ
     **{t: _MLA for t in ("axk1", "deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "minicpm3",
-                        "longcat_flash", "youtu")},
+                        "longcat_flash", "youtu", "mimo_v2_flash")},
     # a sliding cache layer whose attention is told no window (stock attends over whatever keys are left)
     **{t: r"is a sliding_attention layer \(its cache keeps a window of keys\) but its attention passes no "
           r"sliding_window" for t in ("doge", "moshi", "phimoe")},
-    "got_ocr2": r"does not let transformers switch its attention implementation",
+    # the cached key / value reworked before attending: the paged pools are only readable by our attention
+    **{t: r"reworks the key / value returned by the cache update" for t in ("diffllama", "jetmoe")},
     # attention code of their own: arkernels attention would never run
     **{t: _REGISTRY for t in ("big_bird", "bloom", "cpmant", "falcon", "gpt_neox_japanese", "megatron-bert",
                               "modernbert-decoder", "mvp", "openai-gpt", "rembert", "roformer", "rwkv", "trocr",
-                              "xglm")},
+                              "xglm", "xlm", "xlnet", "xlstm")},
+    **{t: r"does not let transformers switch its attention implementation" for t in ("got_ocr2",)},
     # decoders of encoder-decoder models: cross-attention layers
     **{t: _CROSS for t in ("bart", "blenderbot", "blenderbot-small", "marian", "mbart", "mllama", "pegasus", "plbart",
                            "whisper")},
     "prophetnet": r"cross-attention layers \(add_cross_attention=True\)",
     # encoders used as LM heads, without is_decoder: bidirectional
     **{t: _BIDIR for t in ("bert", "bert-generation", "bigbird_pegasus", "camembert", "data2vec-text", "electra",
-                           "ernie", "roberta", "roberta-prelayernorm", "roc_bert")},
+                           "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl",
+                           "xmod")},
     **{t: r"configured for bidirectional attention" for t in ("gemma4_unified", "gemma4_unified_assistant",
                                                               "gemma4_unified_text")},
     "mpt": r"uses ALiBi position biases",
     "hrm_text": r"layer 0 has 2 attention modules",
     **{t: r"has no layer_idx, so it cannot address the paged cache" for t in ("git", "phi4_multimodal")},
 }
+if Version(transformers.__version__) < Version("5.18"):  # 5.17: these two still ran their own attention code
+    REFUSED.update({t: r"does not let transformers switch its attention implementation" for t in ("codegen", "gptj")})
 SLICE = ("llama4_text", "gpt_oss", "gemma2", "phi3", "gpt2", "qwen3_moe", "gemma3")
 TYPES = causal_lm_types()
 

@@ -152,20 +152,18 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 def _check_kwargs(module, **kwargs) -> None:
     """Refuse, naming the layer and the keyword, any keyword whose value arkernels does not implement."""
-    from arkernels.hf.capability import attention_kwarg_problem
+    from arkernels.hf.capability import _who, attention_kwarg_problem
 
+    if getattr(module, "is_causal", True) is False:
+        kwargs["is_causal"] = False  # the module's own flag: sdpa would honour it, so it refuses the same way
     for name, value in kwargs.items():
         problem = attention_kwarg_problem(name, value)
         if problem is not None:
+            hint = (" (a vision or audio tower under the patch: run such inputs on the unpatched model)"
+                    if name == "is_causal" else "")
             raise NotImplementedError(
-                f"arkernels attention: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) passes "
-                f"{problem}, which arkernels attention does not implement; keep this model on transformers' "
-                "attention (undo the patch)")
-    if getattr(module, "is_causal", True) is False:
-        raise NotImplementedError(
-            f"arkernels attention: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) is "
-            "bidirectional (is_causal=False); arkernels' kernels are causal (a vision or audio tower under the "
-            "patch: keep such inputs on transformers' attention)")
+                f"arkernels attention: {_who(module)} passes {problem}, which arkernels attention does not "
+                f"implement{hint}; keep this model on transformers' attention (undo the patch)")
 
 
 def _chunk_size(module) -> int:

@@ -103,30 +103,70 @@ def _who(module) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _dispatch_keywords(cls) -> tuple[str, ...] | None:
-    """The keywords ``cls.forward`` passes to the function it takes from ``ALL_ATTENTION_FUNCTIONS``, or None when
-    its forward never consults the registry."""
+def _forward_tree(cls):
+    """``cls.forward`` parsed, or None when its source is unavailable or it never consults the attention registry."""
     try:
         source = textwrap.dedent(inspect.getsource(cls.forward))
     except (OSError, TypeError):
         return None
     if "ALL_ATTENTION_FUNCTIONS" not in source:
         return None
-    tree = ast.parse(source)
+    return ast.parse(source)
+
+
+def _interface_calls(tree) -> list[ast.Call]:
+    """The calls of the function taken from ``ALL_ATTENTION_FUNCTIONS`` (``attention_interface(...)``)."""
     bound = set()  # names assigned from an expression that reads the registry (attention_interface = ...)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             if "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 bound |= {t.id for t in targets if isinstance(t, ast.Name)}
-    keywords = []
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id in bound) or "ALL_ATTENTION_FUNCTIONS" in ast.unparse(
+            node.func))]
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatch_keywords(cls) -> tuple[str, ...] | None:
+    """The keywords ``cls.forward`` passes to the function it takes from ``ALL_ATTENTION_FUNCTIONS``, or None when
+    its forward never consults the registry."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return None
+    return tuple(dict.fromkeys(k.arg for call in _interface_calls(tree) for k in call.keywords if k.arg is not None))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_kv_rework(cls) -> str | None:
+    """The first expression of ``cls.forward`` that reworks the key / value the cache update returned before they
+    reach the attention function (DiffLlama splits V, JetMoe repeats K/V per expert), or None. The paged cache
+    returns its pools ``[num_blocks, block_size, Hkv, D]`` there, which only the attention function can read."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return None
+    names, after = set(), 0
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "update"
+                and isinstance(node.targets[0], ast.Tuple)):
+            names |= {t.id for t in node.targets[0].elts if isinstance(t, ast.Name)}
+            after = max(after, node.end_lineno)
+    if not names:
+        return None
+    calls = _interface_calls(tree)
+    fed = {n.id for call in calls for a in call.args for n in ast.walk(a) if isinstance(n, ast.Name)}
+    for node in ast.walk(tree):  # an assignment after the update, from the cached K/V, into what is attended over
+        if not isinstance(node, ast.Assign) or node.lineno <= after:
             continue
-        func = node.func
-        if (isinstance(func, ast.Name) and func.id in bound) or "ALL_ATTENTION_FUNCTIONS" in ast.unparse(func):
-            keywords += [k.arg for k in node.keywords if k.arg is not None]
-    return tuple(dict.fromkeys(keywords))
+        if isinstance(node.value, ast.Name) or (isinstance(node.value, ast.Tuple)
+                                                 and all(isinstance(e, ast.Name) for e in node.value.elts)):
+            continue  # passed on as they are (Gemma 4 keeps them for its KV-sharing layers)
+        targets = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        used = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        if targets & fed and used & names:
+            return ast.unparse(node.value)
+    return None
 
 
 def _ops_support(argument: str) -> bool:
@@ -217,10 +257,6 @@ def check_model(model, who: str = "arkernels.patch") -> list[torch.nn.Module]:
             _refuse(who, f"{name}: layer {i} is a {t!r} layer: {reason}; arkernels runs {', '.join(LAYER_TYPES)}")
     if "chunked_attention" in types and not _ops_support("chunk_size"):
         _refuse(who, f"{name} has chunked_attention layers and this build's window_attention has no chunk_size")
-    can_set = getattr(model, "_can_set_attn_implementation", None)
-    if can_set is not None and not can_set():
-        _refuse(who, f"{name} does not let transformers switch its attention implementation (its modeling file has "
-                     "attention modules that bypass the AttentionInterface), so arkernels attention would never run")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     per_layer: dict[int, list[torch.nn.Module]] = {}
     for path, module in decoder.named_modules():
@@ -246,6 +282,10 @@ def check_model(model, who: str = "arkernels.patch") -> list[torch.nn.Module]:
         if len(per_layer[i]) > 1:
             _refuse(who, f"{name}: layer {i} has {len(per_layer[i])} attention modules "
                          f"({', '.join(type(m).__name__ for m in per_layer[i])}); arkernels expects one per layer")
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        _refuse(who, f"{name} does not let transformers switch its attention implementation (its modeling file has "
+                     "attention modules that bypass the AttentionInterface), so arkernels attention would never run")
     extra = sorted(set(per_layer) - set(range(n)))
     if extra:
         _refuse(who, f"{name}: attention modules with layer_idx {extra} lie outside the {n} decoder layers")
@@ -257,10 +297,15 @@ def _check_module(who: str, name: str, module, keywords: tuple[str, ...], layer_
     where = f"{name}: {_who(module)}"
     if getattr(module, "is_causal", True) is False:
         _refuse(who, f"{where} is bidirectional (is_causal=False); arkernels' kernels are causal")
-    qk, v = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
+    qk = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)
+    v = getattr(module, "v_head_dim", None)
     if qk is not None and v is not None and qk != v:
         _refuse(who, f"{where} has K head dim {qk} and V head dim {v} (multi-head latent attention, MLA); "
                      "arkernels' kernels need one head dim for K and V")
+    rework = _cached_kv_rework(type(module))
+    if rework is not None:
+        _refuse(who, f"{where} reworks the key / value returned by the cache update before attending ({rework}); "
+                     "arkernels' paged cache returns its block pools there, which only its attention can read")
     if layer_type == "sliding_attention" and "sliding_window" not in keywords:
         # the cache keeps this layer's last W keys (transformers' DynamicSlidingWindowLayer), but the attention is told
         # no window: what stock computes then depends on which keys happen to be left (all of a prompt, W in decode)

@@ -60,6 +60,8 @@ TINY_TEXT = dict(
     num_layers=4, num_heads=4, d_ff=128, n_inner=128, ffn_hidden_size=128, rotary_dim=8,
     # per-layer input embeddings (Gemma 3n / 4): the default table is 262144 x 256 per layer
     vocab_size_per_layer_input=256, hidden_size_per_layer_input=16,
+    # multimodal wrappers (Gemma 3): image tokens inside the tiny vocabulary, 2 x 2 pooled image tokens
+    mm_tokens_per_image=4, image_token_index=250, boi_token_index=251, eoi_token_index=252,
 )
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                    patch_size=8, depth=1, embed_dim=32, num_heads=2)
