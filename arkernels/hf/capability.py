@@ -13,6 +13,9 @@ paged cache would compute differently from the model's own attention:
   are refused: their recurrent states / selected keys are not what the paged cache holds. Hybrid models are refused
   whole rather than patched layer by layer: their ``DynamicCache`` layers hold conv/SSM states next to K/V, which a
   paged K/V cache cannot share cleanly;
+- the key / value the cache update returns reach the attention function as they are (the paged cache returns its
+  block pools there): a layer that splits or repeats them first (DiffLlama, JetMoe) is refused; a sliding layer
+  must pass its window (``sliding_window=``), or the window it attends over is whatever keys its cache still holds;
 - no encoder-decoder or cross-attention, no bidirectional flags (``config.is_causal=False``,
   ``use_bidirectional_attention``, a module's ``is_causal=False``), no ALiBi, one head dim for K and V (MLA's differ);
 - every keyword the attention module hands the attention function (read from its ``forward``'s source) is one

@@ -121,7 +121,7 @@ class CannotBuild(Exception):
     """transformers itself cannot build a tiny random model of this type (the reason is the message)."""
 
 
-def build_family(model_type: str, seed: int = 0, *, timeout_s: int = 60):
+def build_family(model_type: str, seed: int = 0, *, timeout_s: int = 30):
     """``tiny_causal_lm(model_type)``, or ``CannotBuild`` naming transformers' own error (a missing optional
     dependency, a config that rejects small sizes, a model class without a ``generate``), within ``timeout_s``."""
     import signal
