@@ -7,7 +7,7 @@ each accepted family also runs a left-padded greedy ``model.generate`` past its 
 
 Prints the Markdown table, or with ``--readme`` replaces the block between the README's ``families-table`` markers;
 one row per type: works / refused (the refusal's reason) /
-not built (transformers' own error building a tiny model). The full conformance test is tests/test_hf_families.py.
+not built (transformers' own error building a tiny model) / not run (transformers' own generate fails on it). The full conformance test is tests/test_hf_families.py.
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def _reason(e: Exception) -> str:
     return re.sub(r"^\S+ \(model type '[^']*'\)(: | )", "", msg)
 
 
+class _StockFails(Exception):
+    pass
+
+
 def _verify(model) -> str | None:
     """None when patched generate and arkernels.generate give stock's greedy tokens, else what differed."""
     import arkernels
@@ -39,8 +43,11 @@ def _verify(model) -> str | None:
     kw = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        stock = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        single = model.generate(input_ids=torch.tensor([prompt]), **kw)[0, len(prompt):].tolist()
+        try:
+            stock = model.generate(input_ids=ids, attention_mask=mask, **kw)
+            single = model.generate(input_ids=torch.tensor([prompt]), **kw)[0, len(prompt):].tolist()
+        except Exception as e:  # noqa: BLE001  (transformers' own model fails: nothing to compare against)
+            raise _StockFails(f"{type(e).__name__}: {' '.join(str(e).split())[:120]}") from e
         with arkernels.patch(model, block_size=4):
             ours = model.generate(input_ids=ids, attention_mask=mask, **kw)
         res = arkernels.generate(model, [prompt], max_new_tokens=4, eos_token_id=[], block_size=4)
@@ -52,7 +59,7 @@ def _verify(model) -> str | None:
 
 
 def survey(types: list[str], verify: bool = True) -> list[tuple[str, str, str]]:
-    """``(model_type, status, detail)`` per type; status: works / refused / not built / differs."""
+    """``(model_type, status, detail)`` per type; status: works / refused / not built / not run / differs."""
     from arkernels.hf.capability import check_model
     from arkernels.hf.tiny import CannotBuild, build_family
 
@@ -69,7 +76,11 @@ def survey(types: list[str], verify: bool = True) -> list[tuple[str, str, str]]:
         except NotImplementedError as e:
             rows.append((t, "refused", f"{name}: {_reason(e)}"))
             continue
-        problem = _verify(model) if verify else None
+        try:
+            problem = _verify(model) if verify else None
+        except _StockFails as e:
+            rows.append((t, "not run", f"{name}: transformers' own generate fails on the tiny model: {e}"))
+            continue
         rows.append((t, "differs" if problem else "works", f"{name}" + (f": {problem}" if problem else "")))
     return rows
 
@@ -77,7 +88,7 @@ def survey(types: list[str], verify: bool = True) -> list[tuple[str, str, str]]:
 def table(rows) -> str:
     import transformers
 
-    counts = {s: sum(r[1] == s for r in rows) for s in ("works", "refused", "not built", "differs")}
+    counts = {s: sum(r[1] == s for r in rows) for s in ("works", "refused", "not built", "not run", "differs")}
     lines = [f"transformers {transformers.__version__}: {len(rows)} causal-LM model types; "
              + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".", "",
              "| model type | status | class / reason |", "|---|---|---|"]
