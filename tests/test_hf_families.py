@@ -191,3 +191,40 @@ def test_family_beams_and_sampling(model_type):
         assert torch.equal(ours[mode].sequences, stock[mode].sequences), mode
         for got, want in zip(ours[mode].scores, stock[mode].scores):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # -inf where warpers removed tokens: same set
+
+
+def test_families_cover_what_the_kernels_must_get_right():
+    """The tiny models above exercise what the issue names (so a family passing test_family proves it): layers
+    without RoPE (SmolLM3, Llama 4's NoPE layers), chunked layers (Llama 4), per-layer head dims (Gemma 4), attention
+    sinks (gpt-oss), softcapping (Gemma 2), the Gemma 3 multimodal wrapper."""
+    need = {"smollm3", "llama4_text", "gemma4_text", "gpt_oss", "gemma2", "gemma3"}
+    if not need <= set(TYPES):
+        pytest.skip(f"not in this transformers: {sorted(need - set(TYPES))}")
+    mods = {t: check_model(_build(t)) for t in sorted(need)}
+    assert {a.use_rope for a in mods["smollm3"]} == {0, 1}  # NoPE and RoPE layers side by side
+    llama4 = [(a.use_rope, a.config.layer_types[a.layer_idx]) for a in mods["llama4_text"]]
+    assert {(1, "chunked_attention"), (0, "full_attention")} <= set(llama4)
+    assert len({a.head_dim for a in mods["gemma4_text"]}) > 1
+    assert all(a.sinks.shape == (a.config.num_attention_heads,) for a in mods["gpt_oss"])
+    assert all(a.config.attn_logit_softcapping for a in mods["gemma2"])
+    assert type(mods["gemma3"][0]).__name__ == "Gemma3Attention"
+
+
+def test_gemma3_images_refuse_clearly():
+    """Gemma 3's multimodal wrapper patches for text (test_family[gemma3]); an image prompt reaches the vision tower's
+    bidirectional attention, which refuses by name instead of running causally."""
+    if "gemma3" not in TYPES:
+        pytest.skip("gemma3 is not in this transformers")
+    model = _build("gemma3")
+    cfg = model.config
+    ids = torch.tensor([[5, 6, cfg.boi_token_index] + [cfg.image_token_index] * cfg.mm_tokens_per_image
+                        + [cfg.eoi_token_index, 7]])
+    pixels = torch.randn(1, 3, cfg.vision_config.image_size, cfg.vision_config.image_size)
+    kw = dict(input_ids=ids, pixel_values=pixels, max_new_tokens=2, do_sample=False, eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.generate(**kw)  # stock runs the image
+        with arkernels.patch(model, block_size=BLOCK):
+            with pytest.raises(NotImplementedError, match=r"SiglipAttention passes is_causal=False \(bidirectional "
+                                                          r"attention\).*vision or audio tower under the patch"):
+                model.generate(**kw)
