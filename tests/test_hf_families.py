@@ -39,7 +39,8 @@ _REGISTRY = r"does not call transformers' attention registry"
 _CROSS = r"is cross-attention"
 _BIDIR = r"is bidirectional \(is_causal=False\)"
 _MLA = r"K head dim 16 and V head dim 8 \(multi-head latent attention, MLA\)"
-_SPARSE = r"layer 0 is a '(indexed_attention|heavily_compressed_attention|compressed_sparse_attention)' layer"
+_SPARSE = (r"layer 0 is a '(indexed_attention|deepseek_sparse_attention|heavily_compressed_attention|"
+           r"compressed_sparse_attention)' layer")
 REFUSED = {
     # hybrids: recurrent / convolution states the paged K/V cache does not hold
     **{t: _HYBRID for t in ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "inkling2_text",
@@ -76,8 +77,8 @@ REFUSED = {
     "hrm_text": r"layer 0 has 2 attention modules",
     **{t: r"has no layer_idx, so it cannot address the paged cache" for t in ("git", "phi4_multimodal")},
 }
-if Version(transformers.__version__) < Version("5.18"):  # 5.17: these two still ran their own attention code
-    REFUSED.update({t: r"does not let transformers switch its attention implementation" for t in ("codegen", "gptj")})
+if Version(transformers.__version__) < Version("5.18"):  # 5.17: these still ran their own attention code
+    REFUSED.update({t: _REGISTRY for t in ("codegen", "gptj", "recurrent_gemma")})
 SLICE = ("llama4_text", "gpt_oss", "gemma2", "phi3", "gpt2", "qwen3_moe", "gemma3")
 TYPES = causal_lm_types()
 

@@ -204,6 +204,7 @@ _LAYER_TYPE_REASONS = {
     "hybrid_sliding": "a layer that runs attention and a state-space mixer side by side (a recurrent state next to K/V)",
     "dummy": "a layer that stores no K/V of its own (it reuses another layer's: KV sharing, or has no attention)",
     "indexed_attention": "sparse attention over indexer-selected keys",
+    "deepseek_sparse_attention": "sparse attention over indexer-selected keys",
     "compressed_sparse_attention": "attention over a compressed K/V cache",
     "heavily_compressed_attention": "attention over a compressed K/V cache",
 }

@@ -1,7 +1,12 @@
-"""Tiny random-weight decoders of every supported family, built from one seed (tests, demo fallback, CI benchmarks).
+"""Tiny random-weight decoders, built from one seed (tests, demo fallback, CI benchmarks).
 
-All share: vocab 256, hidden 64, 2 layers, GQA 4/2 heads, head_dim 16, pad 0 / bos 1 / eos 2. Windows are short
-(5 keys) so that an 8+ token prompt already slides.
+``tiny_model(family)``: the five families the hand-written tests grew up on (``FAMILIES``). All share: vocab 256,
+hidden 64, 2 layers, GQA 4/2 heads, head_dim 16, pad 0 / bos 1 / eos 2. Windows are short (5 keys) so that an 8+
+token prompt already slides.
+
+``tiny_causal_lm(model_type)`` / ``build_family``: any causal-LM type of the installed transformers
+(``causal_lm_types()``), from ``AutoConfig.for_model`` with ``TINY_TEXT`` sizes (tests/test_hf_families.py,
+scripts/families_table.py).
 """
 from __future__ import annotations
 
