@@ -7,7 +7,8 @@ each accepted family also runs a left-padded greedy ``model.generate`` past its 
 
 Prints the Markdown table, or with ``--readme`` replaces the block between the README's ``families-table`` markers;
 one row per type: works / refused (the refusal's reason) /
-not built (transformers' own error building a tiny model) / not run (transformers' own generate fails on it). The full conformance test is tests/test_hf_families.py.
+not built (transformers' own error building a tiny model) / not run (transformers' own generate fails on it).
+The full conformance test is tests/test_hf_families.py.
 """
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def test_family(model_type, monkeypatch):
         for name, ids, mask in (("short", [SHORT], None), ("long", [LONG], None), ("padded", PADDED, PADDED_MASK)):
             out = _greedy(model, torch.as_tensor(ids), mask)
             _assert_ran_everywhere(counter, n_layers, NEW, f"patched generate, {name} prompt")
-            assert torch.equal(out, stock[name]), f"{name} prompt: patched {out.tolist()} != stock {stock[name].tolist()}"
+            assert torch.equal(out, stock[name]), f"{name}: patched {out.tolist()} != stock {stock[name].tolist()}"
     res = arkernels.generate(model, [SHORT, LONG], max_new_tokens=NEW, eos_token_id=[], block_size=BLOCK)
     _assert_ran_everywhere(counter, n_layers, NEW, "arkernels.generate")
     assert res.tokens == [stock["short"][0, len(SHORT):].tolist(), stock["long"][0, len(LONG):].tolist()]

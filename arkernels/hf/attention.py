@@ -58,7 +58,7 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     if attention_mask is None:
         if not chunked_offset:
             return None
-        first = torch.zeros(batch_size, dtype=torch.int64)
+        first = torch.zeros(batch_size, dtype=torch.int64, device=kwargs.get("device"))
     else:
         mask = attention_mask[:, : kv_offset + kv_length].to(torch.bool)
         length = mask.shape[-1]
@@ -90,8 +90,8 @@ def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_functi
 
 def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
-                        sliding_window: int | None = None, softcap: float | None = None, s_aux: torch.Tensor | None = None,
-                        is_causal: bool | None = None, **kwargs):
+                        sliding_window: int | None = None, softcap: float | None = None,
+                        s_aux: torch.Tensor | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function (``AttentionInterface``).
 
     Args:
@@ -121,7 +121,8 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     cap = float(softcap or 0.0)
     chunk = _chunk_size(module)
     sinks = None if s_aux is None else s_aux.to(torch.float32)
-    if chunk and step is None and attention_mask is not None and attention_mask.dim() == 2 and len(attention_mask) == 3:
+    compact = attention_mask is not None and attention_mask.dim() == 2
+    if chunk and step is None and compact and len(attention_mask) == 3:
         # a chunked layer over dense keys that start at position kv_offset: the dense kernel counts chunks from the
         # first visible key, which is a chunk start only when kv_offset <= the left padding
         pad, offset = attention_mask[0], attention_mask[2]
@@ -196,10 +197,12 @@ def _masked_fallback(module, query, key, value, mask, scaling, softcap, s_aux, *
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **kwargs)
     import sys
 
+    from arkernels.hf.capability import _who
+
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         raise NotImplementedError(
-            f"arkernels attention: layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) needs a mask "
+            f"arkernels attention: {_who(module)} needs a mask "
             "the kernels cannot express (not left padding) together with sinks / softcap, and its model has no eager "
             "attention to fall back to")
     additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(

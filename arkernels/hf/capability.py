@@ -196,12 +196,13 @@ def layer_types(config) -> list[str]:
         return list(types)[:n]
 
 
+_SIDE_BY_SIDE = "a layer that runs attention and a state-space mixer side by side (a recurrent state next to K/V)"
 _LAYER_TYPE_REASONS = {
     "linear_attention": "a linear-attention / state-space layer of a hybrid model (a recurrent state, not K/V)",
     "mamba": "a state-space layer of a hybrid model (a recurrent state, not K/V)",
     "conv": "a convolution layer of a hybrid model (a recurrent state, not K/V)",
-    "hybrid": "a layer that runs attention and a state-space mixer side by side (a recurrent state next to K/V)",
-    "hybrid_sliding": "a layer that runs attention and a state-space mixer side by side (a recurrent state next to K/V)",
+    "hybrid": _SIDE_BY_SIDE,
+    "hybrid_sliding": _SIDE_BY_SIDE,
     "dummy": "a layer that stores no K/V of its own (it reuses another layer's: KV sharing, or has no attention)",
     "indexed_attention": "sparse attention over indexer-selected keys",
     "deepseek_sparse_attention": "sparse attention over indexer-selected keys",
