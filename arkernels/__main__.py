@@ -107,7 +107,7 @@ def _check_folder(path: str, what: str, need_tokenizer: bool = True):
 def _check_supported_config(config, path: str, auto_cls) -> None:
     """arkernels' own support check, on a weightless (meta-device) instance built from the config: the same verdict
     as on the loaded model, in milliseconds."""
-    from arkernels.hf.patch import _check_supported
+    from arkernels.hf.capability import check_model
 
     try:
         with torch.device("meta"):
@@ -115,7 +115,7 @@ def _check_supported_config(config, path: str, auto_cls) -> None:
     except ValueError as e:  # transformers: no *ForCausalLM class for this config
         raise UserError(f"--model {path}: not a causal language model transformers can load: {_one_line(e)}") from e
     try:
-        _check_supported(shell)
+        check_model(shell, "arkernels")
     except (NotImplementedError, TypeError, ValueError) as e:
         raise UserError(f"--model {path}: {_one_line(e)}") from e
 

@@ -262,8 +262,8 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
-        model: a transformers ``*ForCausalLM`` of a family ``arkernels.patch`` supports (its attention is switched
-            to arkernels' for the call and restored afterwards).
+        model: a transformers decoder ``arkernels.patch`` accepts (``arkernels.hf.capability.check_model``; its
+            attention is switched to arkernels' for the call and restored afterwards).
         prompts_or_input_ids: a str or list of str (needs ``tokenizer``), a list of token-id lists or 1-D tensors
             (ragged), an integer tensor ``[batch, len]`` / ``[len]``, or a tokenizer's output (``BatchEncoding`` or
             dict with ``input_ids`` and ``attention_mask``). A tensor whose rows start with the pad id is refused
@@ -305,11 +305,11 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     """
     from arkernels.hf.attention import NAME, register
     from arkernels.hf.cache import PagedCache
-    from arkernels.hf.patch import _check_supported
+    from arkernels.hf.capability import check_model
     from arkernels.hf.patch import _check_model_tensors
     from arkernels.ops.sampling import sample
 
-    _check_supported(model)
+    check_model(model, "arkernels.generate")
     _check_model_tensors(model, "generate")
     _check_args(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, block_size=block_size,
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)

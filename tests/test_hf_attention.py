@@ -73,3 +73,119 @@ def test_attention_refuses_dropout():
 def test_name_is_safe_for_transformers():
     # transformers treats names containing these specially (hub kernels, paged continuous batching, flash paths)
     assert not any(s in NAME for s in ("flash", "/", ":", "paged|"))
+
+
+class _Layer(torch.nn.Module):
+    """What arkernels_attention reads of a transformers attention module."""
+
+    def __init__(self, layer_idx=3, config=None):
+        super().__init__()
+        self.layer_idx, self.config, self.is_causal = layer_idx, config, True
+
+
+def _qkv(B=2, Hq=4, Hkv=2, T=6, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g),
+            torch.randn(B, Hkv, T, D, generator=g))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(position_bias=torch.zeros(1)), r"layer 3 \(_Layer\) passes position_bias \(a relative-position bias"),
+    (dict(head_mask=torch.ones(4)), r"passes head_mask \(a per-head output mask\)"),
+    (dict(cu_seq_lens_q=torch.zeros(3, dtype=torch.int32)), r"passes cu_seq_lens_q \(packed variable-length"),
+    (dict(some_new_flag=1.0), r"layer 3 \(_Layer\) passes some_new_flag, which arkernels attention does not "
+                              r"implement"),
+    (dict(is_causal=False), r"passes is_causal=False \(bidirectional attention\)"),
+    (dict(output_attentions=True), r"passes output_attentions=True \(arkernels returns no attention weights\)"),
+])
+def test_attention_refuses_unknown_keywords(kwargs, message):
+    from arkernels.hf.attention import arkernels_attention
+
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=message):
+        arkernels_attention(_Layer(), q, k, v, None, scaling=0.3, **kwargs)
+
+
+def test_attention_harmless_and_none_keywords_pass():
+    from arkernels.hf.attention import arkernels_attention
+    from arkernels.hf.capability import HARMLESS
+
+    q, k, v = _qkv()
+    ref, _ = arkernels_attention(_Layer(), q, k, v, None, scaling=0.3)
+    harmless = {name: torch.zeros(1) for name in HARMLESS if name != "output_attentions"}
+    out, _ = arkernels_attention(_Layer(), q, k, v, None, scaling=0.3, is_causal=True, output_attentions=False,
+                                 some_new_flag=None, position_bias=None, **harmless)
+    assert torch.equal(out, ref)
+
+
+def test_attention_refuses_bidirectional_module():
+    from arkernels.hf.attention import arkernels_attention
+
+    layer = _Layer()
+    layer.is_causal = False  # a vision tower's attention under the patch (Gemma 3 images)
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=r"layer 3 \(_Layer\) passes is_causal=False \(bidirectional "
+                                                  r"attention\).* \(a vision or audio tower under the patch"):
+        arkernels_attention(layer, q, k, v, None, scaling=0.3)
+
+
+def test_attention_sinks_match_gpt_oss_eager():
+    """gpt-oss' own eager attention (sinks in the softmax denominator) vs ours, dense and through the 4D fallback."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from arkernels.hf.attention import _masked_fallback, arkernels_attention
+
+    class GptOssLike(_Layer):  # the fallback looks up the eager attention of the module's model
+        __module__ = eager_attention_forward.__module__
+
+    q, k, v = _qkv(seed=1)
+    layer = GptOssLike()
+    layer.num_key_value_groups, layer.training = 2, False
+    layer.sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(2, 1, 6, 6)
+    ref, _ = eager_attention_forward(layer, q, k, v, torch.zeros(2, 1, 6, 6).masked_fill(~causal, float("-inf")),
+                                     scaling=0.3, s_aux=layer.sinks)
+    out, _ = arkernels_attention(layer, q, k, v, None, scaling=0.3, s_aux=layer.sinks)
+    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    no_sink, _ = arkernels_attention(layer, q, k, v, None, scaling=0.3)
+    assert (no_sink - ref).abs().max() > 1e-2  # the sinks matter at this size: a dropped sink cannot pass
+    fallback, _ = _masked_fallback(layer, q, k, v, causal, 0.3, None, layer.sinks)
+    torch.testing.assert_close(fallback, ref, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("kv_offset", [0, 5, 8, 11])
+def test_chunked_dense_keys_with_offset(kv_offset):
+    """A chunked layer (Llama 4) over dense keys that start at kv_offset (transformers' DynamicCache keeps the last
+    C - 1 keys of a chunked layer): our mask + attention vs sdpa over transformers' own chunked mask."""
+    from transformers import Llama4TextConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import chunked_causal_mask_function, sdpa_mask
+
+    C, q_len, kv_len = 4, 3, 7
+    config = Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=C,
+                              layer_types=["chunked_attention", "full_attention"])
+    layer = _Layer(layer_idx=0, config=config)
+    layer.num_key_value_groups = 2
+    pad = torch.tensor([2, 0])
+    mask_2d = (torch.arange(kv_offset + kv_len) >= pad[:, None]).long()
+    q, k, v = _qkv(T=kv_len, seed=2)
+    q = q[:, :, -q_len:]
+    kw = dict(batch_size=2, q_length=q_len, kv_length=kv_len, q_offset=kv_offset + kv_len - q_len,
+              kv_offset=kv_offset, attention_mask=mask_2d.bool(), local_size=C, config=config)
+    ours_mask = arkernels_mask(mask_function=chunked_causal_mask_function(C, pad), **kw)
+    want_mask = sdpa_mask(mask_function=chunked_causal_mask_function(C, pad), allow_is_causal_skip=False,
+                          **{n: kw[n] for n in ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset",
+                                                "attention_mask")})
+    out, _ = arkernels_attention_fn()(layer, q, k, v, ours_mask, scaling=0.3)
+    ref, _ = sdpa_attention_forward(layer, q, k, v, want_mask, scaling=0.3)
+    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    if kv_offset:
+        layer.config = None  # not chunked: the same keys and mask give another result (the chunk rule ran above)
+        plain, _ = arkernels_attention_fn()(layer, q, k, v, ours_mask, scaling=0.3)
+        assert (plain - ref).abs().max() > 1e-3
+
+
+def arkernels_attention_fn():
+    from arkernels.hf.attention import arkernels_attention
+
+    return arkernels_attention

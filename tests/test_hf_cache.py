@@ -80,9 +80,20 @@ def test_paged_cache_refuses_what_it_cannot_do():
         PagedCache(config, block_size=0)
     from transformers import Llama4TextConfig
 
-    with pytest.raises(NotImplementedError, match="chunked_attention"):
-        PagedCache(Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8, layer_types=None,
-                                    no_rope_layers=[1, 1]))
+    from transformers import Qwen3NextConfig
+
+    with pytest.raises(NotImplementedError, match="layer 0 is a 'linear_attention' layer"):
+        PagedCache(Qwen3NextConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
+    # chunked layers (Llama 4) are cached as transformers caches them: a sliding layer of attention_chunk_size
+    chunked = Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8, layer_types=None, no_rope_layers=[1, 1])
+    cache, ref = PagedCache(chunked, block_size=4, paged_attention=False), DynamicCache(config=chunked)
+    for t, pos in ((11, 0), (1, 11), (1, 12)):
+        for layer in range(2):
+            got, want = cache.update(*_kv(t, pos), layer), ref.update(*_kv(t, pos), layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for layer in range(2):
+            assert cache.layers[layer].get_mask_sizes(1) == ref.layers[layer].get_mask_sizes(1)
+        assert cache.get_seq_length() == ref.get_seq_length()
 
 
 # beam search / rollback against DynamicCache: (tokens, op) per step; op: ("reorder", idx), ("crop", n) or None

@@ -91,10 +91,93 @@ def test_undo_restores_and_isolates():
     arkernels.patch(model).undo()  # patchable again after undo
 
 
-def test_patch_unsupported_model():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_patch_refuses_before_changing_anything():
+    # falcon's attention runs its own code, not transformers' registry: our attention would never run
+    from arkernels.hf.tiny import tiny_causal_lm
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(NotImplementedError, match="supported: llama"):
+    model = tiny_causal_lm("falcon")
+    before = model.config._attn_implementation
+    with pytest.raises(NotImplementedError, match=r"^arkernels.patch: FalconForCausalLM \(model type 'falcon'\): "
+                       r"layer 0 \(FalconAttention\) does not call transformers' attention registry"):
         arkernels.patch(model)
     assert "_prepare_cache_for_generation" not in model.__dict__
+    assert model.config._attn_implementation == before
+
+
+def test_check_model_needs_generate():
+    from transformers import LlamaConfig, LlamaModel
+
+    from arkernels.hf.capability import check_model
+
+    with pytest.raises(TypeError, match="LlamaModel has no generate"):
+        check_model(LlamaModel(LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                           intermediate_size=64, vocab_size=64)))
+
+
+class _Param:  # what _check_device reads of a parameter: a CUDA device without a GPU
+    def __init__(self, device, dtype):
+        self.device, self.dtype = torch.device(device), dtype
+
+
+class _Stub(torch.nn.Module):
+    def __init__(self, device, dtype):
+        super().__init__()
+        self._param = _Param(device, dtype)
+
+    def parameters(self, recurse=True):
+        return iter([self._param])
+
+
+def test_check_model_cuda_head_dims_and_dtypes():
+    from arkernels.hf.capability import _check_device
+
+    attn = tiny_model("llama").model.layers[0].self_attn  # head_dim 16: CPU only
+    with pytest.raises(NotImplementedError, match=r"layer 0 \(LlamaAttention\) has head_dim 16; the CUDA kernels "
+                                                  r"are built for 64, 80, 96, 128, 256"):
+        _check_device("arkernels.patch", "m", [attn], _Stub("cuda", torch.bfloat16))
+    _check_device("arkernels.patch", "m", [attn], _Stub("cpu", torch.float32))  # the CPU kernel covers it
+    attn.head_dim = 64
+    with pytest.raises(NotImplementedError, match=r"is torch.float32 on CUDA; the CUDA kernels take float16"):
+        _check_device("arkernels.patch", "m", [attn], _Stub("cuda", torch.float32))
+    _check_device("arkernels.patch", "m", [attn], _Stub("cuda", torch.float16))
+    attn.head_dim = 576
+    with pytest.raises(NotImplementedError, match=r"has head_dim 576; arkernels' kernels take at most 512"):
+        _check_device("arkernels.patch", "m", [attn], _Stub("cpu", torch.float32))
+
+
+def test_check_model_refuses_ops_without_sinks_or_chunks(monkeypatch):
+    from arkernels.hf import capability
+    from arkernels.hf.tiny import tiny_causal_lm
+
+    monkeypatch.setattr(capability, "_ops_support", lambda name: False)  # a build from before sinks / chunk_size
+    with pytest.raises(NotImplementedError, match=r"layer 0 \(GptOssAttention\) passes s_aux \(attention sinks\) "
+                                                  r"and this build's window_attention has no sinks"):
+        capability.check_model(tiny_causal_lm("gpt_oss"))
+    with pytest.raises(NotImplementedError, match=r"has chunked_attention layers and this build's window_attention "
+                                                  r"has no chunk_size"):
+        capability.check_model(tiny_causal_lm("llama4_text"))
+
+
+def test_check_model_refuses_unknown_keyword_statically():
+    # a layer whose forward hands the attention function a keyword arkernels does not know refuses at patch time
+    import transformers.models.llama.modeling_llama as ml
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: F401  (the name the source reads)
+
+    from arkernels.hf.capability import check_model
+
+    class BiasedAttention(ml.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+            return attention_interface(self, hidden_states, hidden_states, hidden_states, attention_mask,
+                                       scaling=self.scaling, position_bias=None, **kwargs)
+
+    model = tiny_model("llama")
+    layer = model.model.layers[1]
+    old = layer.self_attn
+    layer.self_attn = BiasedAttention(model.config, 1)
+    with pytest.raises(NotImplementedError, match=r"layer 1 \(BiasedAttention\) passes position_bias \(a "
+                                                  r"relative-position bias added to the scores\) to the attention "
+                                                  r"function, which arkernels attention does not implement"):
+        check_model(model)
+    layer.self_attn = old
+    check_model(model)

@@ -34,6 +34,9 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers mask function (``AttentionMaskInterface``): left padding as int32 ``[2, batch]``, or None.
 
+    A model with chunked layers (``config.attention_chunk_size``) gets ``[3, batch]`` for its local masks over keys
+    that start at ``kv_offset > 0``: row 2 holds ``kv_offset``, where the dense keys start (``arkernels_attention``).
+
     ``attention_mask`` is the 2D padding mask ``[batch, >= kv_offset + kv_length]`` (True = real token) or None.
     Falls back to ``sdpa_mask`` (a 4D bool mask) for padding that is not left padding, custom overlays (``use_vmap``)
     and keys that do not end at the last query (a static cache), which the kernels cannot express, and while
@@ -47,20 +50,31 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
             or q_offset + q_length != kv_offset + kv_length or torch.compiler.is_compiling()):
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                           **kwargs)
+    # a chunked layer's mask (Llama 4: transformers passes local_size=attention_chunk_size; sliding layers pass their
+    # window there too, so every local mask of a model with chunks gets it) whose dense keys start past position 0:
+    # the attention function needs that offset to place the chunk boundaries (row 2)
+    chunked_offset = (kwargs.get("local_size") is not None and kv_offset > 0
+                      and getattr(kwargs.get("config"), "attention_chunk_size", None) is not None)
     if attention_mask is None:
-        return None
-    mask = attention_mask[:, : kv_offset + kv_length].to(torch.bool)
-    length = mask.shape[-1]
-    # first real token of each row; the row is left padded iff every token after it is real
-    first = torch.argmax(mask.to(torch.int8), dim=-1)
-    real = mask.sum(-1)
-    left_padded, unpadded = torch.stack([(real == length - first).all(), (first == 0).all()]).tolist()
-    if unpadded and left_padded:
-        return None
-    if not left_padded:
-        return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                          **kwargs)
-    return torch.stack([first, (first - kv_offset).clamp(min=0)]).to(torch.int32)
+        if not chunked_offset:
+            return None
+        first = torch.zeros(batch_size, dtype=torch.int64, device=kwargs.get("device"))
+    else:
+        mask = attention_mask[:, : kv_offset + kv_length].to(torch.bool)
+        length = mask.shape[-1]
+        # first real token of each row; the row is left padded iff every token after it is real
+        first = torch.argmax(mask.to(torch.int8), dim=-1)
+        real = mask.sum(-1)
+        left_padded, unpadded = torch.stack([(real == length - first).all(), (first == 0).all()]).tolist()
+        if unpadded and left_padded and not chunked_offset:
+            return None
+        if not left_padded:
+            return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                              **kwargs)
+    rows = [first, (first - kv_offset).clamp(min=0)]
+    if chunked_offset:
+        rows.append(torch.full_like(first, kv_offset))
+    return torch.stack(rows).to(torch.int32)
 
 
 def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs):
@@ -76,37 +90,56 @@ def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_functi
 
 def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
-                        sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+                        sliding_window: int | None = None, softcap: float | None = None,
+                        s_aux: torch.Tensor | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function (``AttentionInterface``).
 
     Args:
         query: ``[B, Hq, Tq, D]``.
         key, value: a paged cache's pools ``[num_blocks, block_size, Hkv, D]`` carrying a ``PagedStep``, or dense
             ``[B, Hkv, S, D]`` (the query is then the last Tq of the S positions).
-        attention_mask: what ``arkernels_mask`` returned: None, int32 ``[2, B]`` left padding, or a 4D bool mask.
+        attention_mask: what ``arkernels_mask`` returned: None, int32 ``[2, B]`` left padding (``[3, B]`` for chunked
+            layers: row 2 is the dense keys' first position), or a 4D bool mask.
         scaling: softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``); sliding_window: W keys including the
             current one, None/0 = full; softcap: logit soft-capping, None/0 = off.
+        s_aux: gpt-oss attention sinks ``[Hq]``: one logit per query head in the softmax denominator, no value.
+        is_causal: None / True; False (bidirectional) refuses.
+        kwargs: every other keyword transformers passes; each must be harmless or None (``capability.HARMLESS``),
+            anything else refuses naming the layer and the keyword (nothing is silently dropped).
+
+    Chunked layers (``config.layer_types[layer_idx] == "chunked_attention"``, Llama 4) attend within chunks of
+    ``config.attention_chunk_size`` positions counted from the first real token.
 
     Returns:
         ``(out [B, Tq, Hq, D], None)``.
     """
     if dropout and module.training:
         raise NotImplementedError("arkernels attention: dropout (training) is not supported; use sdpa for training")
+    _check_kwargs(module, is_causal=is_causal, **kwargs)
     step = getattr(key, PAGED_ATTR, None)
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
+    chunk = _chunk_size(module)
+    sinks = None if s_aux is None else s_aux.to(torch.float32)
+    compact = attention_mask is not None and attention_mask.dim() == 2
+    if chunk and step is None and compact and len(attention_mask) == 3:
+        # a chunked layer over dense keys that start at position kv_offset: the dense kernel counts chunks from the
+        # first visible key, which is a chunk start only when kv_offset <= the left padding
+        pad, offset = attention_mask[0], attention_mask[2]
+        if bool((offset > pad).any()):
+            attention_mask = _chunked_dense_mask(pad, offset, query.shape[2], key.shape[2], chunk)
     if attention_mask is not None and attention_mask.dim() == 4:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         if step is not None:
             key, value = step.dense()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0,
-                                      softcap=softcap, **kwargs)
+        return _masked_fallback(module, query, key, value, attention_mask, scaling, softcap, s_aux, **kwargs)
     B, Hq, Tq, D = query.shape
+    extra = dict(sinks=sinks) if sinks is not None else {}
+    if chunk:
+        extra["chunk_size"] = chunk
     if step is None:
         out = window_attention_dense(query.transpose(1, 2), key, value,
                                      kv_start=None if attention_mask is None else attention_mask[1],
-                                     window=window, scale=scaling, softcap=cap)
+                                     window=window, scale=scaling, softcap=cap, **extra)
         return out, None
     q = query.transpose(1, 2).reshape(B * Tq, Hq, D)
     kv_start = step.kv_start if attention_mask is None else attention_mask[0]
@@ -114,8 +147,70 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     out = window_attention(q, key, value, step.block_table, step.seq_lens, window=window, scale=scaling,
                            softcap=cap, cu_seqlens_q=step.cu_seqlens_q, max_q_len=step.max_q_len,
                            kv_start=kv_start, k_scale=k_scale, v_scale=v_scale,
-                           check=False)  # our cache built the indices: no host-sync validation
+                           check=False, **extra)  # our cache built the indices: no host-sync validation
     return out.view(B, Tq, Hq, D), None
+
+
+def _check_kwargs(module, **kwargs) -> None:
+    """Refuse, naming the layer and the keyword, any keyword whose value arkernels does not implement."""
+    from arkernels.hf.capability import _who, attention_kwarg_problem
+
+    if getattr(module, "is_causal", True) is False:
+        kwargs["is_causal"] = False  # the module's own flag: sdpa would honour it, so it refuses the same way
+    for name, value in kwargs.items():
+        problem = attention_kwarg_problem(name, value)
+        if problem is not None:
+            hint = (" (a vision or audio tower under the patch: run such inputs on the unpatched model)"
+                    if name == "is_causal" else "")
+            raise NotImplementedError(
+                f"arkernels attention: {_who(module)} passes {problem}, which arkernels attention does not "
+                f"implement{hint}; keep this model on transformers' attention (undo the patch)")
+
+
+def _chunk_size(module) -> int:
+    """``attention_chunk_size`` for a chunked layer (Llama 4), else 0."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types is None or idx is None or idx >= len(types) or types[idx] != "chunked_attention":
+        return 0
+    return int(config.attention_chunk_size)
+
+
+def _chunked_dense_mask(pad: torch.Tensor, offset: torch.Tensor, q_len: int, kv_len: int, chunk: int) -> torch.Tensor:
+    """4D bool ``[B, 1, q_len, kv_len]`` mask of a chunked layer over dense keys at positions ``offset ..``:
+    transformers' ``chunked_overlay`` (chunks of ``chunk`` positions counted from the left padding ``pad``)."""
+    j = offset[:, None, None] + torch.arange(kv_len, device=pad.device)  # [B, 1, kv_len]
+    i = offset[:, None, None] + kv_len - q_len + torch.arange(q_len, device=pad.device)[:, None]  # [B, q_len, 1]
+    p = pad[:, None, None]
+    visible = (j <= i) & (j >= p) & (torch.div(j - p, chunk, rounding_mode="floor")
+                                     == torch.div(i - p, chunk, rounding_mode="floor"))
+    return visible[:, None]
+
+
+def _masked_fallback(module, query, key, value, mask, scaling, softcap, s_aux, **kwargs):
+    """A 4D mask the kernels cannot express: transformers' sdpa, or, when the layer's math is more than sdpa does
+    (sinks, soft-capping), the model's own eager attention (it implements exactly that model's math)."""
+    if s_aux is None and not softcap:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **kwargs)
+    import sys
+
+    from arkernels.hf.capability import _who
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(
+            f"arkernels attention: {_who(module)} needs a mask "
+            "the kernels cannot express (not left padding) together with sinks / softcap, and its model has no eager "
+            "attention to fall back to")
+    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~mask, torch.finfo(query.dtype).min)
+    extra = {"s_aux": s_aux} if s_aux is not None else {}
+    if softcap:
+        extra["softcap"] = softcap
+    return eager(module, query, key, value, additive, scaling=scaling, dropout=0.0, **extra)
 
 
 _registered = False

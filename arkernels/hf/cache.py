@@ -527,7 +527,8 @@ class PagedLayer(CacheLayerMixin):
 
 
 def _layer_windows(config) -> list[int]:
-    """Per layer: 0 for full attention, W for a sliding window of W keys (the same rule DynamicCache applies)."""
+    """Per layer: 0 for full attention, W for a sliding window of W keys or a chunked layer of W-position chunks
+    (the same rule DynamicCache applies)."""
     config = config.get_text_config(decoder=True)
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
@@ -546,9 +547,14 @@ def _layer_windows(config) -> list[int]:
             windows.append(0)
         elif t == "sliding_attention":
             windows.append(int(k["sliding_window"]))
+        elif t == "chunked_attention":
+            # transformers caches a chunked layer (Llama 4) as a sliding layer of W = attention_chunk_size: same
+            # blocks kept, same mask sizes; the chunk rule itself is the attention kernel's (chunk_size)
+            windows.append(int(k.get("sliding_window") or config.attention_chunk_size))
         else:
             raise NotImplementedError(
-                f"PagedCache: layer {i} is a {t!r} layer; supported: full_attention, sliding_attention")
+                f"PagedCache: layer {i} is a {t!r} layer; supported: full_attention, sliding_attention, "
+                "chunked_attention")
     return windows
 
 

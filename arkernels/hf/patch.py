@@ -26,7 +26,6 @@ import warnings
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 _PATCH_ATTR = "_arkernels_patch"
 
 
@@ -62,17 +61,6 @@ class PatchHandle:
 
     def __exit__(self, *exc):
         self.undo()
-
-
-def _check_supported(model) -> None:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"arkernels.patch: model type {model_type!r} ({type(model).__name__}) is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if not hasattr(model, "generate"):
-        raise TypeError(f"arkernels.patch: {type(model).__name__} has no generate(); pass a *ForCausalLM model")
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the attention kernels and the paged cache hold
@@ -113,7 +101,10 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
 
     Args:
-        model: a transformers ``*ForCausalLM`` of a supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
+        model: a transformers decoder (``*ForCausalLM``, or a multimodal ``*ForConditionalGeneration`` for its text
+            path) whose layers arkernels can run: ``arkernels.hf.capability.check_model`` decides from what the
+            layers do (attention through transformers' registry, full / sliding / chunked layers, the keywords each
+            layer passes) and refuses, naming the layer and the reason, before anything is changed.
         attention: select arkernels' attention + mask functions on this model's config.
         cache: give ``generate`` a ``PagedCache`` (``block_size`` tokens per block, an int >= 1) instead of a
             DynamicCache, for the modes it serves (greedy, sampling, beam search / sampling, assisted and
@@ -133,13 +124,16 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
     """
-    _check_supported(model)
+    from arkernels.hf.capability import check_model
+
+    check_model(model, "arkernels.patch")
     _check_patch_args(model, block_size, attention)
     from arkernels.kv_cache import kv_cache_dtype_of, per_layer_scales
 
     kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)  # refuse bad values before changing anything
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-        per_layer_scales("arkernels.patch", name, sc, model.config.num_hidden_layers, kv_dtype)
+        per_layer_scales("arkernels.patch", name, sc,
+                         model.config.get_text_config(decoder=True).num_hidden_layers, kv_dtype)
     if kv_dtype is not None and not cache:
         raise ValueError("arkernels.patch: kv_cache_dtype='fp8' needs cache=True (the paged cache holds the fp8 K/V)")
     if getattr(model, _PATCH_ATTR, None) is not None:
