@@ -279,9 +279,6 @@ FAULTS += [
                   "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
                   "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n          vo = int32_t(blk * "
                   "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
-    _safety_fault("prefill: query positions back in 32 bits (seq_len INT32_MIN wraps)", _PF,
-                  "const int64_t pos0 = len - q_len;", "const int64_t pos0 = int32_t(len - q_len);",
-                  "test_window_attention_hostile_input[seq_len_int32_min, simt]"),
     _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
                   "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n", "",
                   "test_window_attention_hostile_input[cu_seqlens_q_*, simt]"),

@@ -244,7 +244,7 @@ def drive(args) -> int:
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=errf, text=True)
         sel = selectors.DefaultSelector()
         sel.register(p.stdout, selectors.EVENT_READ)
-        current, last_progress, hung = None, time.time(), False
+        current, last_progress, hung, last = None, time.time(), False, nxt - 1
         while True:
             if sel.select(timeout=1.0):
                 line = p.stdout.readline()
@@ -259,9 +259,11 @@ def drive(args) -> int:
                 elif kind == "OK":
                     tried += 1
                     current = None
+                    last = int(rest)
                 elif kind == "FINDING":
                     tried += 1
                     idx, _, what = rest.partition(" ")
+                    last = int(idx)
                     findings.append((int(idx), what, current))
                     print(f"[simt_fuzz] finding at case {idx}: {what}\n    {current}", flush=True)
                     current = None
@@ -275,11 +277,13 @@ def drive(args) -> int:
         err = _tail(errf)
         errf.close()
         if current is None:
-            if p.returncode != 0:
-                print(err[-3000:])
-                print("[simt_fuzz] the worker failed outside any case")
-                return 2
-            break  # deadline reached
+            if p.returncode == 0:
+                break  # deadline reached
+            # died between cases (killed from outside, e.g. by the OOM killer): say so, go on after the last case
+            print(f"[simt_fuzz] the worker died between cases (exit {p.returncode}) after case {last}: "
+                  f"{_report_line(err)}", flush=True)
+            nxt = last + 1
+            continue
         idx = int(current.split(" ", 1)[0])
         tried += 1
         what = (f"no progress for {args.case_timeout} s" if hung else
