@@ -7,10 +7,14 @@ through ``AttentionMaskInterface[NAME]``: both must be registered under the same
 What flows between them:
 - the mask function never builds a ``[B, 1, Tq, Tk]`` mask for the common case. Causal order and the sliding window
   are enforced by the kernel (``window=`` from the model's ``sliding_window`` kwarg); the only thing the 2D padding
-  mask adds is LEFT padding, which the mask function turns into an int32 ``[2, B]`` tensor:
+  mask adds is LEFT padding, which the mask function turns into an int32 ``[2, B, 1, 1]`` tensor (4D, so that
+  transformers passes it through untouched when generate builds the masks ahead of a compiled forward; its dtype tells
+  it from a 4D mask):
   row 0 = number of left-pad tokens (absolute positions: the paged cache keeps every position),
   row 1 = the same relative to the keys handed over by a dense cache (``max(pad - kv_offset, 0)``: a sliding
-  DynamicCache layer drops its oldest keys). ``None`` when nothing is padded.
+  DynamicCache layer drops its oldest keys). ``None`` when nothing is padded, except for the decode step of a
+  compileable cache (transformers then passes ``allow_is_causal_skip=False``): zeros, so that the compiled forward
+  gets a prepared mask and never builds one from the cache's lengths.
   Any other padding pattern or custom mask overlay falls back to transformers' own 4D ``sdpa_mask`` and
   ``sdpa_attention_forward``: slower, never wrong.
 - the paged cache (arkernels.hf.cache) hands the attention function its pools ``[num_blocks, block_size, Hkv, D]``
@@ -32,7 +36,7 @@ KV_SCALES_ATTR = "_arkernels_kv_scales"
 
 def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """transformers mask function (``AttentionMaskInterface``): left padding as int32 ``[2, batch]``, or None.
+    """transformers mask function (``AttentionMaskInterface``): left padding as int32 ``[2, batch, 1, 1]``, or None.
 
     ``attention_mask`` is the 2D padding mask ``[batch, >= kv_offset + kv_length]`` (True = real token) or None.
     Falls back to ``sdpa_mask`` (a 4D bool mask) for padding that is not left padding, custom overlays (``use_vmap``)
@@ -55,12 +59,12 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     first = torch.argmax(mask.to(torch.int8), dim=-1)
     real = mask.sum(-1)
     left_padded, unpadded = torch.stack([(real == length - first).all(), (first == 0).all()]).tolist()
-    if unpadded and left_padded:
+    if unpadded and left_padded and kwargs.get("allow_is_causal_skip", True):
         return None
     if not left_padded:
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                           **kwargs)
-    return torch.stack([first, (first - kv_offset).clamp(min=0)]).to(torch.int32)
+    return torch.stack([first, (first - kv_offset).clamp(min=0)]).to(torch.int32).view(2, -1, 1, 1)
 
 
 def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs):
@@ -83,7 +87,8 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         query: ``[B, Hq, Tq, D]``.
         key, value: a paged cache's pools ``[num_blocks, block_size, Hkv, D]`` carrying a ``PagedStep``, or dense
             ``[B, Hkv, S, D]`` (the query is then the last Tq of the S positions).
-        attention_mask: what ``arkernels_mask`` returned: None, int32 ``[2, B]`` left padding, or a 4D bool mask.
+        attention_mask: what ``arkernels_mask`` returned: None, int32 ``[2, B, 1, 1]`` left padding, or a 4D mask
+            (bool / float: transformers' own, served by sdpa).
         scaling: softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``); sliding_window: W keys including the
             current one, None/0 = full; softcap: logit soft-capping, None/0 = off.
 
@@ -95,7 +100,7 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     step = getattr(key, PAGED_ATTR, None)
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
-    if attention_mask is not None and attention_mask.dim() == 4:
+    if attention_mask is not None and attention_mask.dtype != torch.int32:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if step is not None:
@@ -105,11 +110,11 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     B, Hq, Tq, D = query.shape
     if step is None:
         out = window_attention_dense(query.transpose(1, 2), key, value,
-                                     kv_start=None if attention_mask is None else attention_mask[1],
+                                     kv_start=None if attention_mask is None else attention_mask[1].view(-1),
                                      window=window, scale=scaling, softcap=cap)
         return out, None
     q = query.transpose(1, 2).reshape(B * Tq, Hq, D)
-    kv_start = step.kv_start if attention_mask is None else attention_mask[0]
+    kv_start = step.kv_start if attention_mask is None else attention_mask[0].view(-1)
     k_scale, v_scale = getattr(key, KV_SCALES_ATTR, (None, None))  # fp8 pools only
     out = window_attention(q, key, value, step.block_table, step.seq_lens, window=window, scale=scaling,
                            softcap=cap, cu_seqlens_q=step.cu_seqlens_q, max_q_len=step.max_q_len,
