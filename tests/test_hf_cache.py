@@ -176,7 +176,7 @@ def test_fixed_paged_cache_matches_dynamic(family, block_size, updates, max_leng
     config = tiny_model(family).config
     ref = DynamicCache(config=config)
     cache = PagedCache(config, block_size=block_size, max_length=max_length, paged_attention=paged, compileable=True)
-    assert cache.is_compileable
+    assert cache.is_compileable == paged  # dense views are sized on the host: only the paged form compiles
     seen, within, was_fixed = 0, True, True
     for step, tokens in enumerate(updates):
         within = within and seen + tokens <= max_length
@@ -190,13 +190,19 @@ def test_fixed_paged_cache_matches_dynamic(family, block_size, updates, max_leng
             if paged:
                 info = getattr(pk, PAGED_ATTR)
                 assert pk.dim() == 4 and info.seq_lens.tolist() == [cache.get_seq_length(layer)] * BATCH
-                pk, pv = info.dense()
+                pk, pv = info.dense()  # an attention asking for dense K/V: not compileable from here on
+                assert not cache.is_compileable
             assert torch.equal(pk, rk) and torch.equal(pv, rv)  # data movement: exact
         seen += tokens
-        # fixed while every update stays within max_length; once on the host path, never back
-        assert cache.is_compileable or not within
-        assert was_fixed or not cache.is_compileable
-        was_fixed = cache.is_compileable
+        # fixed shapes while every update stays within max_length (and no one asked for dense K/V); once on the host
+        # path, never back
+        fixed = all(g.fixed for g in cache.groups.values())
+        if paged:  # the dense() above asked on the first update: the host path from the second
+            assert fixed == (step == 0)
+        else:
+            assert fixed or not within
+        assert was_fixed or not fixed
+        was_fixed = fixed
         for g in cache.groups.values():
             if g.fixed:  # lengths on the device and on the host agree (the device ones are what a compiled step reads)
                 assert g.dev_lens.tolist() == g.lens == [seen] * BATCH

@@ -82,7 +82,13 @@ CALLS = [(10, NEW), (7, 5), (13, 12), (10, 3)]
 
 
 def _prompt(width):
-    ids = IDS[:, -width:] if width <= IDS.shape[1] else torch.cat([IDS[:, : width - IDS.shape[1]] + 20, IDS], 1)
+    """IDS cut or extended on the left to ``width`` positions, still left padded (row 0 keeps its 7 real tokens)."""
+    if width <= IDS.shape[1]:
+        ids = IDS[:, -width:]
+    else:
+        extra = width - IDS.shape[1]
+        ids = torch.cat([torch.cat([torch.zeros(1, extra, dtype=IDS.dtype), IDS[:1]], 1),
+                         torch.cat([torch.arange(20, 20 + extra)[None], IDS[1:]], 1)])
     return ids, (ids != 0).long()
 
 

@@ -51,15 +51,19 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
             or q_offset + q_length != kv_offset + kv_length or torch.compiler.is_compiling()):
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                           **kwargs)
+    skip = kwargs.get("allow_is_causal_skip", True)
     if attention_mask is None:
-        return None
+        device = kwargs.get("device")
+        if skip or device is None:
+            return None
+        return torch.zeros((2, batch_size, 1, 1), dtype=torch.int32, device=device)
     mask = attention_mask[:, : kv_offset + kv_length].to(torch.bool)
     length = mask.shape[-1]
     # first real token of each row; the row is left padded iff every token after it is real
     first = torch.argmax(mask.to(torch.int8), dim=-1)
     real = mask.sum(-1)
     left_padded, unpadded = torch.stack([(real == length - first).all(), (first == 0).all()]).tolist()
-    if unpadded and left_padded and kwargs.get("allow_is_causal_skip", True):
+    if unpadded and left_padded and skip:
         return None
     if not left_padded:
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,

@@ -443,9 +443,8 @@ class PagedLayer(CacheLayerMixin):
             setattr(self.k_pool, KV_SCALES_ATTR, (self.k_scale, self.v_scale))
         if g.fixed:
             _static_inputs(self.k_pool, self.v_pool, dynamic=((self.k_pool, 0), (self.v_pool, 0)))
-            rows = list(range(g.table.shape[0]))
             # built here, eagerly: created inside a compiled step it would be new state that the next step's guards see
-            self._decode_step = PagedStep(g.table, g.dev_lens, None, None, None, lambda: self._dense(rows, 1))
+            self._decode_step = PagedStep(g.table, g.dev_lens, None, None, None, lambda: self._dense_fixed(1))
         self.is_initialized = True
 
     def grow_pools(self, num_blocks: int) -> None:
@@ -530,10 +529,15 @@ class PagedLayer(CacheLayerMixin):
         if tokens == 1:
             step = self._decode_step  # the same table and lengths tensors every decode step
         else:
-            step = PagedStep(g.table, g.dev_lens, g.fixed_cu, tokens, None,
-                             lambda: self._dense(list(range(batch)), tokens))
+            step = PagedStep(g.table, g.dev_lens, g.fixed_cu, tokens, None, lambda: self._dense_fixed(tokens))
         setattr(self.k_pool, PAGED_ATTR, step)
         return self.k_pool, self.v_pool
+
+    def _dense_fixed(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K/V of a fixed forward for an attention that needs them (a 4D mask): they are sized from the host's
+        lengths, which a compiled step cannot read, so the cache stops being compileable (see ``leave_fixed``)."""
+        self.cache.leave_fixed()
+        return self._dense(list(range(len(self.group.lens))), tokens)
 
     def _make_step(self, rows, q_lens, tokens) -> PagedStep:
         g, dev = self.group, self.k_pool.device
@@ -733,7 +737,7 @@ class PagedCache(DynamicCache):
         Cache.__init__(self, layers=[PagedLayer(self.groups[w], self) for w in windows])
         for i, layer in enumerate(self.layers):
             layer.layer_idx = i
-        self.fixed = False
+        self.fixed = self.leaving = False
         self.host_ahead = 0  # tokens of the coming forward whose host half begin_forward already did
         if compileable:
             self._set_fixed(True)
@@ -741,15 +745,24 @@ class PagedCache(DynamicCache):
     # ---- fixed shapes (compileable=True): what model.generate's compiled decode step runs on ----------------------
     def _set_fixed(self, on: bool) -> None:
         self.fixed = on
+        self._set_compileable(on and self.paged_attention)  # dense K/V views read host lengths: eager only
+
+    def _set_compileable(self, on: bool) -> None:
         for layer in self.layers:
             layer.is_compileable = on  # instance attribute: transformers reads cache.is_compileable from the layers
+
+    def leave_fixed(self) -> None:
+        """Asked mid-forward (an attention function wanted dense K/V: a mask our kernel cannot express): no longer
+        compileable from now on; the groups move to the host path at the start of the next forward."""
+        self.leaving = True
+        self._set_compileable(False)
 
     def fixed_forward(self, tokens: int) -> bool:
         """Host half of a forward of ``tokens`` tokens per row on a fixed cache, groups' part: the lengths the host
         reports advance (each layer advances its own as it sees the forward). False, and the cache is on the host path
         from then on (``unfix``), when the forward does not fit what was reserved (a longer continuation of a returned
         cache)."""
-        if not all(g.fits(tokens) for g in self.groups.values() if g.allocator is not None):
+        if self.leaving or not all(g.fits(tokens) for g in self.groups.values() if g.allocator is not None):
             self.unfix()
             return False
         for g in self.groups.values():
@@ -785,6 +798,7 @@ class PagedCache(DynamicCache):
             if g.allocator is not None:
                 g.unfix()
         self._set_fixed(False)
+        self.leaving = False
         self.version += 1
 
     # ---- arkernels.generate's interface ----------------------------------------------------------------
