@@ -100,12 +100,15 @@ def _ours(model, ids, n, cuda_graphs=False, compile=False):
                                            cuda_graphs=cuda_graphs, compile=compile).tokens)
 
 
+_CLOCK = time.perf_counter  # --clock cpu: time.process_time (see main)
+
+
 def _time_once(fn, device):
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = _CLOCK()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return _CLOCK() - t0
 
 
 def _median(xs):
@@ -177,6 +180,8 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
         static = next((r for r in rows if r["batch"] == batch and r["method"] == "static+compile"
                        and r["model"] == name), None)
         for r in rows:
+            if r["batch"] == batch and r["model"] == name:
+                r["clock"] = "cpu" if _CLOCK is time.process_time else "wall"
             if r["batch"] == batch and r["model"] == name and static is not None:
                 r["vs_static"] = r["tokens_per_s"] / static["tokens_per_s"]
     return rows
@@ -294,8 +299,20 @@ def main():
     p.add_argument("--methods", default=None, help="comma-separated subset of methods to time (stock always runs)")
     p.add_argument("--count", action="store_true", help="ops per layer and host-device syncs per decode step "
                                                         "(CPU profiler; no timing)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="cpu: this process's CPU time (time.process_time) instead of wall time: on a shared, "
+                        "oversubscribed CPU machine it counts only the work the host does for the decode (use with "
+                        "--threads 1, where no idle worker thread spins); a GPU needs wall time")
     args = p.parse_args()
     device = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.device(device).type == "cuda":
+            p.error("--clock cpu measures host work only: time a GPU with the wall clock")
+        global _CLOCK
+        _CLOCK = time.process_time
     gpu = torch.device(device).type == "cuda"
     methods = [m for m in METHODS if gpu or args.compile or args.case or m not in COMPILED]
     if args.methods:

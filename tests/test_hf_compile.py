@@ -192,3 +192,20 @@ def _fwd_params(model):
     import inspect
 
     return inspect.signature(model.forward).parameters
+
+
+def test_mask_the_kernel_cannot_express_leaves_fixed_shapes():
+    """A padding hole (not left padding): transformers' 4D mask and sdpa serve it, over dense K/V sized on the host,
+    so the cache stops being compileable at the prefill and the call decodes eagerly: stock's tokens, no graph (and
+    no recompile per step)."""
+    model = tiny_model("qwen3")
+    mask = MASK.clone()
+    mask[1, 4] = 0
+    ref = _generate(model, IDS, mask)
+    patch_module._warned.discard("unfixed")
+    with arkernels.patch(model, block_size=BLOCK):
+        with pytest.warns(UserWarning, match="decodes eagerly"):
+            out = _generate(model, IDS, mask, compile_config=_config())
+    assert torch.equal(out, ref)
+    assert not _generate.last_cache.is_compileable
+    assert counters["stats"]["unique_graphs"] == 0

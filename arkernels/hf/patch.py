@@ -237,7 +237,7 @@ def _wrap_compiled_call(model, original):
             tokens = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
             if not cache.begin_forward(tokens):
                 _warn_once("unfixed", "arkernels.patch: the paged cache left its fixed shapes (a forward longer than "
-                           "it reserved); this call decodes eagerly")
+                           "it reserved, or a padding mask that is not left padding); this call decodes eagerly")
                 return model.__call__(*args, **kwargs)
             try:
                 return compiled(*args, **kwargs)
