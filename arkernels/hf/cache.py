@@ -22,6 +22,14 @@ Two ways to drive it:
   extra rows have slot -1 (nothing written) and seq_len 0 (the kernel outputs zeros). The block tables and pools
   must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
 
+- ``model.generate`` with fixed shapes (``compileable=True``, what ``arkernels.patch`` uses for greedy and sampling):
+  the first forward reserves every block of the call (``max_length`` per row; a sliding group a ring of blocks that
+  logical block i reuses as ``i % ring``) and builds the table and each position's slot once; a forward's device half
+  is then a gather of the slots at the rows' lengths and an in-place advance of those lengths (no host data, no
+  sync: what torch.compile traces and a CUDA graph replays), its host half (the lengths ``get_seq_length`` reports)
+  runs eagerly, inside ``update`` or, before a compiled forward, in ``begin_forward``. Reorders, rollback, a forward
+  longer than the reservation or a request for dense K/V move the cache to the host path (``unfix``) for good.
+
 Beam search, parallel samples and rollback (transformers' ``Cache`` API), per group:
 - ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of
   block-table rows plus reference counts (``BlockAllocator.fork``); no K/V byte moves. The next write into a shared,
@@ -180,18 +188,26 @@ class _Group:
         assert self.allocator.allocate(1) == [SCRATCH_BLOCK]
         self.rows = [self.allocator.allocate(ring) for _ in range(batch)]
         self.lens = [0] * batch
-        logical = torch.arange(width) % ring
-        self.table = torch.tensor(self.rows, dtype=torch.int32)[:, logical].contiguous().to(like.device)
-        self.dev_lens = torch.zeros(batch, dtype=torch.int32, device=like.device)
+        table = torch.tensor(self.rows, dtype=torch.int64)[:, torch.arange(width) % ring]
+        pos = torch.arange(width * bs)
+        dev = like.device
+        self.table = table.to(torch.int32).contiguous().to(dev)
+        # the slot of every position of every row, computed once: a step's slots are one gather at the lengths (8 bytes
+        # per position and row, against the K/V's 2 * Hkv * D elements per layer)
+        self.slot_of = (table[:, pos // bs] * bs + pos % bs).to(dev)
+        self.dev_lens = torch.zeros(batch, dtype=torch.int32, device=dev)  # what the attention kernel reads
+        self.dev_pos = torch.zeros((batch, 1), dtype=torch.int64, device=dev)  # the same lengths as a gather index
+        self.capacity = width * bs
+        # the longest forward whose keys (W - 1 back, plus its own) lie in distinct ring blocks
+        self.max_forward = (ring - 1) * bs - self.window + 1 if ring < width else self.capacity
         self.fixed = True
-        _static_inputs(self.table, self.dev_lens, dynamic=((self.table, 1),))
+        _static_inputs(self.table, self.slot_of, self.dev_lens, self.dev_pos,
+                       dynamic=((self.table, 1), (self.slot_of, 1)))
 
     def fits(self, tokens: int) -> bool:
-        """Whether a forward of ``tokens`` more tokens per row stays within the fixed reservation."""
-        bs = self.block_size
-        if max(self.lens) + tokens > self.table.shape[1] * bs:
-            return False
-        return not self.ring or self.ring == self.table.shape[1] or (self.window + tokens - 2) // bs + 2 <= self.ring
+        """Whether a forward of ``tokens`` more tokens per row stays within the fixed reservation (rows advance
+        together on a fixed cache)."""
+        return self.lens[0] + tokens <= self.capacity and tokens <= self.max_forward
 
     def advance_fixed_host(self, tokens: int) -> None:
         """Host half of a fixed forward: the host's copy of the lengths (what get_seq_length / get_mask_sizes report)."""
@@ -202,16 +218,15 @@ class _Group:
     def advance_fixed_device(self, tokens: int) -> None:
         """Device half of a fixed forward (tensor ops only: graph-safe, no host data): each row's slots from its length
         on the device, then the lengths advance in place (the attention then reads the whole table and those lengths)."""
-        bs, table, lens = self.block_size, self.table, self.dev_lens
-        pos = lens.long()
+        pos = self.dev_pos
         if tokens == 1:
-            self.slots = table.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+            self.slots = self.slot_of.gather(1, pos).view(-1)
         else:
-            pos = pos[:, None] + torch.arange(tokens, device=pos.device)
-            self.slots = (table.gather(1, pos // bs).long() * bs + pos % bs).reshape(-1)
-            rows = lens.shape[0]
+            self.slots = self.slot_of.gather(1, pos + torch.arange(tokens, device=pos.device)).view(-1)
+            rows = pos.shape[0]
             self.fixed_cu = torch.arange(0, (rows + 1) * tokens, tokens, dtype=torch.int32, device=pos.device)
-        lens.add_(tokens)
+        pos.add_(tokens)
+        self.dev_lens.add_(tokens)
 
     def unfix(self) -> None:
         """Hand the group to the host path: per-row logical block lists, unused reservations back to the pool."""
@@ -232,7 +247,7 @@ class _Group:
             self.table[r].fill_(SCRATCH_BLOCK)
             if last >= lo:
                 self.table[r, lo: last + 1] = torch.tensor(logical[lo:], dtype=torch.int32, device=self.table.device)
-        self.ring, self.dev_lens = 0, None
+        self.ring, self.dev_lens, self.dev_pos, self.slot_of = 0, None, None, None
         self.plan = self.step = None
         self.generation += 1
 
@@ -707,6 +722,9 @@ class PagedCache(DynamicCache):
         k_scale, v_scale: fp8 only: a float for every layer, one float per layer, or None: calibrated per layer on
             its first update (the prefill): ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults:
             headroom for later tokens; ``arkernels.kv_cache.calibrate_kv_scale``).
+        compileable: fixed shapes for one ``model.generate`` call (needs ``max_length``): every block reserved at the
+            first forward, lengths advanced on the device, ``is_compileable`` True (with ``paged_attention``) until
+            the cache moves to the host path (a reorder, a crop, a forward longer than ``max_length``, dense K/V asked).
     """
 
     def __init__(self, config, *, block_size: int = 16, max_length: int | None = None, num_blocks: int | None = None,
@@ -739,6 +757,9 @@ class PagedCache(DynamicCache):
             layer.layer_idx = i
         self.fixed = self.leaving = False
         self.host_ahead = 0  # tokens of the coming forward whose host half begin_forward already did
+        # model.generate's masks for this call's one-token forwards (arkernels.patch): the padding of a call's rows
+        # does not change between its decode steps, so they are built once (left padding as kv_start) and reused
+        self.decode_masks = None
         if compileable:
             self._set_fixed(True)
 
@@ -767,6 +788,8 @@ class PagedCache(DynamicCache):
             return False
         for g in self.groups.values():
             g.advance_fixed_host(tokens)
+        if tokens > 1:
+            self.decode_masks = None  # a new prompt (a continuation): its padding is its own
         self.version += 1
         return True
 
@@ -799,6 +822,7 @@ class PagedCache(DynamicCache):
                 g.unfix()
         self._set_fixed(False)
         self.leaving = False
+        self.decode_masks = None
         self.version += 1
 
     # ---- arkernels.generate's interface ----------------------------------------------------------------

@@ -7,7 +7,10 @@ Three independent pieces, each undone by the handle:
   ``DynamicCache`` for a mode the paged cache serves (greedy, sampling, beam search, beam sampling, assisted and
   prompt-lookup decoding), it gets a ``PagedCache`` sized for the call (prompt + max_new_tokens). Any other cache
   request (``cache_implementation="static"`` and the other compiled caches, a cache the user passed, a mode outside
-  that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once.
+  that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once. Greedy and
+  sampling calls get it with fixed shapes (compileable): transformers then compiles their decode forward where it
+  compiles a static cache, through ``get_compiled_call`` (wrapped: the cache's host half of each step runs before the
+  compiled forward) and ``create_masks_for_generate`` (wrapped: a call's decode masks are built once).
 - sampler: an instance attribute wrapping ``_get_logits_processor``: for plain sampling (``do_sample=True``, one beam,
   no assistant, no ``output_scores``) whose warpers are exactly a trailing run of temperature / top-k / top-p / min-p
   (transformers' order, ``min_tokens_to_keep`` 1), those warpers are replaced by one processor that draws with
@@ -131,7 +134,8 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         attrs.append("_prepare_cache_for_generation")
     if cache and compile is not False:
         model.get_compiled_call = _wrap_compiled_call(model, model.get_compiled_call)
-        attrs.append("get_compiled_call")
+        model.create_masks_for_generate = _wrap_masks(model)
+        attrs += ["get_compiled_call", "create_masks_for_generate"]
     if sampler:
         model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
         attrs.append("_get_logits_processor")
@@ -175,6 +179,9 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
         mode = bound.arguments.get("generation_mode")
         state["mode"] = getattr(mode, "value", mode)
         original(*args, **kwargs)
+        for name in ("cache", "past_key_values"):  # a cache passed back in: its decode masks were another call's
+            if isinstance(model_kwargs.get(name), PagedCache):
+                model_kwargs[name].decode_masks = None
         if not swap:
             return
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -217,6 +224,29 @@ def _default_compile_config(model):
     config = copy.deepcopy(getattr(model.generation_config, "compile_config", None) or CompileConfig())
     config._compile_all_devices = True
     return config
+
+
+def _wrap_masks(model):
+    """``create_masks_for_generate`` (what generate calls before every forward on a compileable cache): on a
+    fixed-shape paged cache, a call's one-token forwards get the masks its first decode step built. Valid because a
+    call's decode masks only grow by real tokens (generate appends ones), so its left padding, all the kernel reads,
+    stays the same; the wrapped cache hook clears them at every call, a multi-token forward clears them too."""
+    from transformers import masking_utils
+
+    from arkernels.hf.cache import PagedCache
+
+    original = getattr(model, "create_masks_for_generate", None) or masking_utils.create_masks_for_generate
+
+    def create_masks_for_generate(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        embeds = kwargs.get("inputs_embeds")
+        if not isinstance(cache, PagedCache) or not cache.is_compileable or embeds is None or embeds.shape[1] != 1:
+            return original(*args, **kwargs)
+        if cache.decode_masks is None:
+            cache.decode_masks = original(*args, **kwargs)
+        return cache.decode_masks
+
+    return create_masks_for_generate
 
 
 def _wrap_compiled_call(model, original):
