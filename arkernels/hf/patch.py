@@ -201,8 +201,7 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                     return
                 paged = model.config._attn_implementation == NAME
                 max_length = bound.arguments.get("max_cache_length")
-                fixed = (compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
-                         and not generation_config.disable_compile)
+                fixed = compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
                 if generation_config.compile_config is not None and not fixed:
                     _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs "
                                "the paged cache eagerly (compile_config applies to greedy and sampling calls)")
