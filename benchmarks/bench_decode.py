@@ -1,15 +1,25 @@
-"""End-to-end decode: tokens/s and achieved memory bandwidth of four ways to generate with one model.
+"""End-to-end decode: tokens/s and achieved memory bandwidth of the ways to generate with one model.
 
 Methods (greedy, the same prompts):
-- ``stock``: transformers ``model.generate`` (sdpa, DynamicCache): the baseline every ratio is against.
-- ``static+compile``: ``cache_implementation="static"`` + ``torch.compile`` (GPU, or ``--compile`` on the CPU: its
-  compile time on 2 cores is minutes).
-- ``patched``: ``arkernels.patch(model)`` + the same ``model.generate``.
+- ``stock``: transformers ``model.generate`` (sdpa, DynamicCache, eager): the baseline every ratio is against.
+- ``static+compile``: ``cache_implementation="static"`` + ``compile_config`` (transformers' own compiled decode step;
+  ``_compile_all_devices`` on the CPU).
+- ``patched``: ``arkernels.patch(model)`` + the same ``model.generate``, the patch's default (``compile="auto"``: a
+  fixed-shape paged cache; transformers compiles its decode step on a GPU, the CPU runs it eagerly).
+- ``patched+compile``: the patch + ``compile_config`` (``_compile_all_devices``): the decode forward compiled over the
+  fixed-shape paged cache, CUDA graphs through the config's mode on a GPU.
+- ``patched+host``: ``arkernels.patch(model, compile=False)``: the host-path paged cache (blocks reserved per step).
 - ``arkernels``: ``arkernels.generate`` (eager decode steps).
 - ``arkernels+graphs``: ``arkernels.generate(cuda_graphs=True)``: on a GPU each batch-size bucket's decode step is
   captured in a CUDA graph and replayed; on the CPU the same static step runs eagerly (its host overhead, no graphs).
 - ``arkernels+compile``: ``arkernels.generate(compile=True)``: that static step under ``torch.compile`` (captured per
-  bucket on a GPU); the first call compiles (minutes on a 2-core CPU), timed calls reuse it.
+  bucket on a GPU).
+Compiled methods compile on their first (warm-up) call: ``compile_s`` is that call's time minus the method's median
+full-length time.
+
+Named cases (``--case``): ``host-bound``: a tiny random Llama (4 layers, hidden 64, fp32 on the CPU), batch 1, a
+16-token prompt, 48 new tokens: compute is negligible, so what is timed is the host's work per step, the regime of
+batch-1 decoding on a GPU.
 
 Methods are timed interleaved (A B C A B C ..., ``--repeats`` rounds) and each reports the median; ``vs_stock`` is
 the ratio of the medians.
@@ -58,6 +68,28 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+METHODS = ["stock", "static+compile", "patched", "patched+compile", "patched+host", "arkernels", "arkernels+graphs",
+           "arkernels+compile"]
+COMPILED = ("static+compile", "patched+compile", "arkernels+compile")  # minutes to compile on a 2-core CPU
+
+
+def host_bound_model(device):
+    """The ``host-bound`` case's model: a tiny random Llama with 4 layers (fp32 on the CPU; bf16 with head_dim 64 on a
+    GPU, what the CUDA attention kernel takes)."""
+    if torch.device(device).type == "cuda":
+        return tiny_llama(0, dtype=torch.bfloat16, num_hidden_layers=4, hidden_size=256, intermediate_size=512,
+                          head_dim=64).to(device)
+    return tiny_llama(0, num_hidden_layers=4).to(device)
+
+
+def _compile_config():
+    from transformers import CompileConfig
+
+    config = CompileConfig()  # transformers' defaults (inductor, mode "reduce-overhead": CUDA graphs on a GPU)
+    config._compile_all_devices = True  # generate compiles on accelerators only otherwise
+    return config
+
+
 def _stock(model, ids, n, **kw):
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                           do_sample=False, eos_token_id=None, pad_token_id=0, **kw)[:, ids.shape[1]:]
@@ -68,12 +100,15 @@ def _ours(model, ids, n, cuda_graphs=False, compile=False):
                                            cuda_graphs=cuda_graphs, compile=compile).tokens)
 
 
+_CLOCK = time.perf_counter  # --clock cpu: time.process_time (see main)
+
+
 def _time_once(fn, device):
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = _CLOCK()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return _CLOCK() - t0
 
 
 def _median(xs):
@@ -93,14 +128,17 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
     for batch in batches:
         ids = torch.randint(3, min(cfg.vocab_size, 30000), (batch, prompt_len), generator=g).to(device)
         fns = {}
+        config = _compile_config()  # one object: transformers recompiles when the config changes
         for method in methods:
             if method == "stock":
                 fns[method] = lambda n: _stock(model, ids, n)  # noqa: E731
             elif method == "static+compile":
                 fns[method] = lambda n: _stock(model, ids, n, cache_implementation="static",  # noqa: E731
-                                               compile_config=None)
-            elif method == "patched":
+                                               compile_config=config)
+            elif method in ("patched", "patched+host"):
                 fns[method] = lambda n: _stock(model, ids, n)  # noqa: E731  (runs inside the patch below)
+            elif method == "patched+compile":
+                fns[method] = lambda n: _stock(model, ids, n, compile_config=config)  # noqa: E731
             elif method == "arkernels+graphs":
                 fns[method] = lambda n: _ours(model, ids, n, cuda_graphs=True)  # noqa: E731
             elif method == "arkernels+compile":
@@ -109,14 +147,18 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
                 fns[method] = lambda n: _ours(model, ids, n)  # noqa: E731
 
         def run(method, n):
-            handle = arkernels.patch(model) if method == "patched" else None
+            handle = None
+            if method.startswith("patched"):
+                handle = arkernels.patch(model, compile=False if method == "patched+host" else "auto")
             try:
                 return fns[method](n)
             finally:
                 if handle is not None:
                     handle.undo()
 
-        runs = {m: run(m, new_tokens) for m in methods}  # warm-up (and compile) + the check against stock
+        runs, first = {}, {}
+        for m in methods:  # warm-up (and compile) + the check against stock
+            first[m] = _time_once(lambda: runs.__setitem__(m, run(m, new_tokens)), device)
         full, prefill = {m: [] for m in methods}, {m: [] for m in methods}
         for _ in range(repeats):  # interleaved: A B C A B C ..., so drifts of a shared machine hit every method
             for m in methods:
@@ -129,12 +171,19 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
             gbs = (model_bytes + batch * ctx * kv_per_token) / step / 1e9
             rows.append(dict(model=name, device=device_name(device), method=method, batch=batch, prompt=prompt_len,
                              new_tokens=new_tokens, repeats=repeats, tokens_per_s=batch / step, step_ms=step * 1e3,
-                             gb_per_s=gbs, prefill_s=t_prefill,
+                             gb_per_s=gbs, prefill_s=t_prefill, compile_s=max(first[method] - t_full, 0.0),
                              match=bool(torch.equal(runs[method].cpu(), runs["stock"].cpu()))))
         base = next(r for r in rows if r["batch"] == batch and r["method"] == "stock" and r["model"] == name)
         for r in rows:
             if r["batch"] == batch and r["model"] == name:
                 r["vs_stock"] = r["tokens_per_s"] / base["tokens_per_s"]  # the ratio of the median step times
+        static = next((r for r in rows if r["batch"] == batch and r["method"] == "static+compile"
+                       and r["model"] == name), None)
+        for r in rows:
+            if r["batch"] == batch and r["model"] == name:
+                r["clock"] = "cpu" if _CLOCK is time.process_time else "wall"
+            if r["batch"] == batch and r["model"] == name and static is not None:
+                r["vs_static"] = r["tokens_per_s"] / static["tokens_per_s"]
     return rows
 
 
@@ -239,7 +288,10 @@ def count_step(model, name, batch, prompt_len, new_tokens):
     return rows
 def main():
     p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--compile", action="store_true", help="include static cache + torch.compile on the CPU")
+    p.add_argument("--compile", action="store_true", help="include the compiled methods on the CPU")
+    p.add_argument("--case", default=None, choices=["host-bound"],
+                   help="host-bound: tiny 4-layer Llama, batch 1 (--batches to change), 16-token prompt, 48 new tokens, "
+                        "every method (compiled ones included)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -247,11 +299,22 @@ def main():
     p.add_argument("--methods", default=None, help="comma-separated subset of methods to time (stock always runs)")
     p.add_argument("--count", action="store_true", help="ops per layer and host-device syncs per decode step "
                                                         "(CPU profiler; no timing)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="cpu: this process's CPU time (time.process_time) instead of wall time: on a shared, "
+                        "oversubscribed CPU machine it counts only the work the host does for the decode (use with "
+                        "--threads 1, where no idle worker thread spins); a GPU needs wall time")
     args = p.parse_args()
     device = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.device(device).type == "cuda":
+            p.error("--clock cpu measures host work only: time a GPU with the wall clock")
+        global _CLOCK
+        _CLOCK = time.process_time
     gpu = torch.device(device).type == "cuda"
-    methods = (["stock"] + (["static+compile"] if gpu or args.compile else [])
-               + ["patched", "arkernels", "arkernels+graphs", "arkernels+compile"])
+    methods = [m for m in METHODS if gpu or args.compile or args.case or m not in COMPILED]
     if args.methods:
         methods = ["stock"] + [m for m in args.methods.split(",") if m != "stock"]
     if args.count:
@@ -270,10 +333,14 @@ def main():
                            "scalar_syncs_per_step", "host_reads_per_step"])
         return
     rows = []
-    if args.quick:  # CI: a tiny random Llama, seconds on the CPU
+    if args.case == "host-bound":
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else [1]
+        rows += bench_model("tiny-llama-4l", host_bound_model(device), batches, 16, 48, device, methods,
+                            max(args.repeats, 5))
+    elif args.quick:  # CI: a tiny random Llama, seconds on the CPU
         batches = [1, 4]
         rows += bench_model("tiny-llama", tiny_llama(0).to(device), batches, 32, 16, device,
-                            [m for m in methods if not m.endswith("+compile") or args.compile], 2)
+                            [m for m in methods if m not in COMPILED or args.compile], 2)
     else:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8, 32]
         model, _ = load_model(device=device, dtype=torch.bfloat16 if gpu else torch.float32)
@@ -288,7 +355,8 @@ def main():
                                 device, methods, args.repeats)
     write_results(rows, args.out, "bench_decode", plot=("batch", "tokens_per_s", "method"),
                   title="decode tokens/s")
-    print_table(rows, ["model", "method", "batch", "tokens_per_s", "vs_stock", "step_ms", "gb_per_s", "match"])
+    print_table(rows, ["model", "method", "batch", "tokens_per_s", "vs_stock", "vs_static", "step_ms", "compile_s",
+                       "match"])
 
 
 if __name__ == "__main__":

@@ -97,14 +97,19 @@ for graphs in (False, True):
 
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget)
-  # decode: batch 1 and 32, 64 new tokens (the full 256-token sweep with torch.compile does not fit the budget)
+  # decode: the host-bound case first (tiny 4-layer bf16 Llama, batch 1 and 8, 16-token prompt, 48 new tokens, every
+  # method: stock eager, stock static + compile, patched default / + compile_config / host path, arkernels.generate
+  # eager / graphs / compile; ratios vs stock eager and vs static + compile), then SmolLM2 / Llama-8B-shape at batch 1
+  # and 32, 64 new tokens, without the compiled methods (each compiles per model and batch: past the budget)
   # window_attention: the issues' headline shapes (--short), each with SDPA, flex_attention (compiled per shape), fp8
   # cb: transformers' continuous batching, stock sdpa / paged|eager (/ flash where installed) vs patched, 64 requests
   # of 16-256 prompt tokens, 32 new tokens; patched+graphs: CB's padded step captured in CUDA graphs (use_cuda_graph)
-  declare -A extra=([int8_matmul]="--shapes 14336x4096 --ms 1 4 8 16 4096" [decode]="--batches 1,32 --new-tokens 64"
+  declare -A extra=([int8_matmul]="--shapes 14336x4096 --ms 1 4 8 16 4096"
+                    [decode]="--batches 1,32 --new-tokens 64 --methods patched+host,arkernels,arkernels+graphs"
                     [window_attention]="--short"
                     [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024")
-  declare -A limit=([decode]=180 [window_attention]=150 [cb]=60)
+  declare -A limit=([decode]=100 [window_attention]=150 [cb]=60)
+  step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host"
   for b in paged_kv window_attention sampling int8_matmul cb decode; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086

@@ -24,7 +24,10 @@ def test_mask_function_forms():
     left[0, :2] = False
     out = arkernels_mask(2, 1, 4, q_offset=5, kv_offset=2, attention_mask=left)  # a sliding layer's decode step
     # row 0: 2 pad tokens (absolute); relative to keys that start at position 2: none left
-    assert out.dtype == torch.int32 and out.tolist() == [[2, 0], [0, 0]]
+    assert out.dtype == torch.int32 and out.shape == (2, 2, 1, 1) and out.view(2, 2).tolist() == [[2, 0], [0, 0]]
+    # a compileable cache's decode step (no causal skip): zeros rather than None, a prepared mask for the compiled step
+    zeros = arkernels_mask(2, 1, 6, q_offset=5, attention_mask=ones, allow_is_causal_skip=False)
+    assert zeros.dtype == torch.int32 and zeros.shape == (2, 2, 1, 1) and not zeros.any()
     # keys that do not end at the query (a static cache: all max_cache_len slots, q_offset a tensor): 4D fallback
     for static in (arkernels_mask(2, 1, 8, q_offset=torch.tensor(5), attention_mask=left),
                    arkernels_mask(2, 1, 8, q_offset=5, attention_mask=left)):

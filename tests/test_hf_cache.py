@@ -171,3 +171,85 @@ def _crop_unrecorded(config):
     for layer in range(2):
         cache.update(*_kv(TINY_WINDOW + 1, layer), layer)
     cache.crop(-1)
+
+
+# fixed shapes (compileable=True): (updates, max_length): one-token updates after the first fit the reservation; a
+# later multi-token update may not, and the cache then hands its groups to the host path mid-sequence
+FIXED_SEQUENCES = [([7, 1, 1, 1, 1, 1, 1, 1], 14), ([13, 1, 1, 1, 3, 1], 16), ([1, 1, 1, 1, 1, 1, 1], 7),
+                   ([6, 1, 1, 9, 1], 8)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("updates,max_length", FIXED_SEQUENCES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_fixed_paged_cache_matches_dynamic(family, block_size, updates, max_length, paged):
+    config = tiny_model(family).config
+    ref = DynamicCache(config=config)
+    cache = PagedCache(config, block_size=block_size, max_length=max_length, paged_attention=paged, compileable=True)
+    assert cache.is_compileable == paged  # dense views are sized on the host: only the paged form compiles
+    seen, within, was_fixed = 0, True, True
+    for step, tokens in enumerate(updates):
+        within = within and seen + tokens <= max_length
+        for layer in range(config.num_hidden_layers):
+            assert cache.get_seq_length(layer) == ref.get_seq_length(layer)
+            for q in (1, tokens):
+                assert cache.get_mask_sizes(q, layer) == ref.get_mask_sizes(q, layer)
+            k, v = _kv(tokens, seed=100 * step + layer)
+            rk, rv = ref.update(k, v, layer)
+            pk, pv = cache.update(k, v, layer)
+            if paged:
+                info = getattr(pk, PAGED_ATTR)
+                assert pk.dim() == 4 and info.seq_lens.tolist() == [cache.get_seq_length(layer)] * BATCH
+                pk, pv = info.dense()  # an attention asking for dense K/V: not compileable from here on
+                assert not cache.is_compileable
+            assert torch.equal(pk, rk) and torch.equal(pv, rv)  # data movement: exact
+        seen += tokens
+        # fixed shapes while every update stays within max_length (and no one asked for dense K/V); once on the host
+        # path, never back
+        fixed = all(g.fixed for g in cache.groups.values())
+        if paged:  # the dense() above asked on the first update: the host path from the second
+            assert fixed == (step == 0)
+        else:
+            assert fixed or not within
+        assert was_fixed or not fixed
+        was_fixed = fixed
+        for g in cache.groups.values():
+            if g.fixed:  # lengths on the device and on the host agree (the device ones are what a compiled step reads)
+                assert g.dev_lens.tolist() == g.lens == [seen] * BATCH
+        for window, used in cache.blocks_in_use.items():
+            if window:  # a ring (fixed) or freed blocks (host path): bounded by the window either way
+                assert used <= BATCH * (math.ceil((window - 1 + max(updates)) / block_size) + 1)
+    for layer in range(config.num_hidden_layers):  # the readable cache after either path
+        assert torch.equal(cache.layers[layer].keys, ref.layers[layer].keys)
+    cache.reset()
+    assert not cache.is_compileable and all(used == 0 for used in cache.blocks_in_use.values())
+
+
+def test_fixed_paged_cache_reserves_once_and_unfixes_for_beams():
+    """Every block of the call reserved at the first update, none taken after (the table and pools never move); a
+    reorder first hands the groups to the host path (copy-on-write needs it), and the result still reads like stock."""
+    config = tiny_model("gemma3_text").config
+    ref = DynamicCache(config=config)
+    cache = PagedCache(config, block_size=4, max_length=20, paged_attention=False, compileable=True)
+    tables = None
+    for step, tokens in enumerate([9, 1, 1, 1, 1, 1]):
+        for layer in range(2):
+            k, v = _kv(tokens, seed=step * 10 + layer)
+            ref.update(k, v, layer)
+            cache.update(k, v, layer)
+        now = {w: (g.table.data_ptr(), g.allocator.num_free, cache.layers[0].k_pool.data_ptr())
+               for w, g in cache.groups.items()}
+        assert tables is None or now == tables
+        tables = now
+    assert cache.blocks_in_use[0] == BATCH * 5  # ceil(20 / 4) blocks per row, full attention
+    assert cache.blocks_in_use[TINY_WINDOW] == BATCH * ((TINY_WINDOW + 9 - 2) // 4 + 2)  # the ring
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    ref.reorder_cache(torch.tensor([2, 2, 0]))
+    assert not cache.is_compileable
+    for step in range(3):
+        for layer in range(2):
+            k, v = _kv(1, seed=500 + step * 10 + layer)
+            assert all(torch.equal(a, b) for a, b in zip(cache.update(k, v, layer), ref.update(k, v, layer)))
+    with pytest.raises(ValueError, match="compileable=True needs max_length"):
+        PagedCache(config, compileable=True)

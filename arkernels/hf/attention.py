@@ -7,10 +7,14 @@ through ``AttentionMaskInterface[NAME]``: both must be registered under the same
 What flows between them:
 - the mask function never builds a ``[B, 1, Tq, Tk]`` mask for the common case. Causal order and the sliding window
   are enforced by the kernel (``window=`` from the model's ``sliding_window`` kwarg); the only thing the 2D padding
-  mask adds is LEFT padding, which the mask function turns into an int32 ``[2, B]`` tensor:
+  mask adds is LEFT padding, which the mask function turns into an int32 ``[2, B, 1, 1]`` tensor (4D, so that
+  transformers passes it through untouched when generate builds the masks ahead of a compiled forward; its dtype tells
+  it from a 4D mask):
   row 0 = number of left-pad tokens (absolute positions: the paged cache keeps every position),
   row 1 = the same relative to the keys handed over by a dense cache (``max(pad - kv_offset, 0)``: a sliding
-  DynamicCache layer drops its oldest keys). ``None`` when nothing is padded.
+  DynamicCache layer drops its oldest keys). ``None`` when nothing is padded, except for the decode step of a
+  compileable cache (transformers then passes ``allow_is_causal_skip=False``): zeros, so that the compiled forward
+  gets a prepared mask and never builds one from the cache's lengths.
   Any other padding pattern or custom mask overlay falls back to transformers' own 4D ``sdpa_mask`` and
   ``sdpa_attention_forward``: slower, never wrong.
 - the paged cache (arkernels.hf.cache) hands the attention function its pools ``[num_blocks, block_size, Hkv, D]``
@@ -32,7 +36,7 @@ KV_SCALES_ATTR = "_arkernels_kv_scales"
 
 def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """transformers mask function (``AttentionMaskInterface``): left padding as int32 ``[2, batch]``, or None.
+    """transformers mask function (``AttentionMaskInterface``): left padding as int32 ``[2, batch, 1, 1]``, or None.
 
     A model with chunked layers (``config.attention_chunk_size``) gets ``[3, batch]`` for its local masks over keys
     that start at ``kv_offset > 0``: row 2 holds ``kv_offset``, where the dense keys start (``arkernels_attention``).
@@ -55,10 +59,14 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     # the attention function needs that offset to place the chunk boundaries (row 2)
     chunked_offset = (kwargs.get("local_size") is not None and kv_offset > 0
                       and getattr(kwargs.get("config"), "attention_chunk_size", None) is not None)
+    # allow_is_causal_skip=False: transformers wants a mask object even when nothing is padded (the decode step of a
+    # compileable cache, whose graph must not switch between None and a tensor): zeros then
+    skip = kwargs.get("allow_is_causal_skip", True)
+    device = kwargs.get("device")
     if attention_mask is None:
-        if not chunked_offset:
+        if not chunked_offset and (skip or device is None):
             return None
-        first = torch.zeros(batch_size, dtype=torch.int64, device=kwargs.get("device"))
+        first = torch.zeros(batch_size, dtype=torch.int64, device=device)
     else:
         mask = attention_mask[:, : kv_offset + kv_length].to(torch.bool)
         length = mask.shape[-1]
@@ -66,7 +74,7 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
         first = torch.argmax(mask.to(torch.int8), dim=-1)
         real = mask.sum(-1)
         left_padded, unpadded = torch.stack([(real == length - first).all(), (first == 0).all()]).tolist()
-        if unpadded and left_padded and not chunked_offset:
+        if unpadded and left_padded and skip and not chunked_offset:
             return None
         if not left_padded:
             return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
@@ -74,7 +82,8 @@ def arkernels_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     rows = [first, (first - kv_offset).clamp(min=0)]
     if chunked_offset:
         rows.append(torch.full_like(first, kv_offset))
-    return torch.stack(rows).to(torch.int32)
+    # 4-D ([rows, B, 1, 1]) so transformers passes a pre-built mask through untouched; told apart by dtype int32
+    return torch.stack(rows).to(torch.int32).view(len(rows), -1, 1, 1)
 
 
 def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs):
@@ -98,8 +107,9 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         query: ``[B, Hq, Tq, D]``.
         key, value: a paged cache's pools ``[num_blocks, block_size, Hkv, D]`` carrying a ``PagedStep``, or dense
             ``[B, Hkv, S, D]`` (the query is then the last Tq of the S positions).
-        attention_mask: what ``arkernels_mask`` returned: None, int32 ``[2, B]`` left padding (``[3, B]`` for chunked
-            layers: row 2 is the dense keys' first position), or a 4D bool mask.
+        attention_mask: what ``arkernels_mask`` returned: None, int32 ``[2, B, 1, 1]`` left padding (``[3, B, 1, 1]``
+            for chunked layers: row 2 is the dense keys' first position), or a 4D mask (bool / float: transformers'
+            own, served by sdpa or the model's eager attention).
         scaling: softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``); sliding_window: W keys including the
             current one, None/0 = full; softcap: logit soft-capping, None/0 = off.
         s_aux: gpt-oss attention sinks ``[Hq]``: one logit per query head in the softmax denominator, no value.
@@ -121,14 +131,14 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     cap = float(softcap or 0.0)
     chunk = _chunk_size(module)
     sinks = None if s_aux is None else s_aux.to(torch.float32)
-    compact = attention_mask is not None and attention_mask.dim() == 2
+    compact = attention_mask is not None and attention_mask.dtype == torch.int32
     if chunk and step is None and compact and len(attention_mask) == 3:
         # a chunked layer over dense keys that start at position kv_offset: the dense kernel counts chunks from the
         # first visible key, which is a chunk start only when kv_offset <= the left padding
-        pad, offset = attention_mask[0], attention_mask[2]
+        pad, offset = attention_mask[0].view(-1), attention_mask[2].view(-1)
         if bool((offset > pad).any()):
             attention_mask = _chunked_dense_mask(pad, offset, query.shape[2], key.shape[2], chunk)
-    if attention_mask is not None and attention_mask.dim() == 4:
+    if attention_mask is not None and attention_mask.dtype != torch.int32:
         if step is not None:
             key, value = step.dense()
         return _masked_fallback(module, query, key, value, attention_mask, scaling, softcap, s_aux, **kwargs)
@@ -138,11 +148,11 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         extra["chunk_size"] = chunk
     if step is None:
         out = window_attention_dense(query.transpose(1, 2), key, value,
-                                     kv_start=None if attention_mask is None else attention_mask[1],
+                                     kv_start=None if attention_mask is None else attention_mask[1].view(-1),
                                      window=window, scale=scaling, softcap=cap, **extra)
         return out, None
     q = query.transpose(1, 2).reshape(B * Tq, Hq, D)
-    kv_start = step.kv_start if attention_mask is None else attention_mask[0]
+    kv_start = step.kv_start if attention_mask is None else attention_mask[0].view(-1)
     k_scale, v_scale = getattr(key, KV_SCALES_ATTR, (None, None))  # fp8 pools only
     out = window_attention(q, key, value, step.block_table, step.seq_lens, window=window, scale=scaling,
                            softcap=cap, cu_seqlens_q=step.cu_seqlens_q, max_q_len=step.max_q_len,

@@ -22,6 +22,14 @@ Two ways to drive it:
   extra rows have slot -1 (nothing written) and seq_len 0 (the kernel outputs zeros). The block tables and pools
   must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
 
+- ``model.generate`` with fixed shapes (``compileable=True``, what ``arkernels.patch`` uses for greedy and sampling):
+  the first forward reserves every block of the call (``max_length`` per row; a sliding group a ring of blocks that
+  logical block i reuses as ``i % ring``) and builds the table and each position's slot once; a forward's device half
+  is then a gather of the slots at the rows' lengths and an in-place advance of those lengths (no host data, no
+  sync: what torch.compile traces and a CUDA graph replays), its host half (the lengths ``get_seq_length`` reports)
+  runs eagerly, inside ``update`` or, before a compiled forward, in ``begin_forward``. Reorders, rollback, a forward
+  longer than the reservation or a request for dense K/V move the cache to the host path (``unfix``) for good.
+
 Beam search, parallel samples and rollback (transformers' ``Cache`` API), per group:
 - ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of
   block-table rows plus reference counts (``BlockAllocator.fork``); no K/V byte moves. The next write into a shared,
@@ -80,6 +88,19 @@ def _grow_allocator(old: BlockAllocator, num_blocks: int) -> BlockAllocator:
     return new
 
 
+def _static_inputs(*tensors: torch.Tensor, dynamic: tuple = ()) -> None:
+    """Tell torch.compile these cache tensors live at fixed addresses for the cache's life (CUDA graphs then read them
+    in place instead of copying them in, as transformers' StaticCache does), and that the dims in ``dynamic_dim``
+    (``(tensor, dim)`` pairs: pool blocks, table width, which follow each call's length) are sizes one compiled graph
+    serves for every call."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
+    for t, d in dynamic:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+
+
 class PagedStep:
     """What one forward of one group hands to the attention function (attached to the K pool as ``_arkernels_paged``).
 
@@ -124,6 +145,12 @@ class _Group:
         self.record_past = False  # sliding: keep out-of-window blocks until crop (transformers' rollback protocol)
         self.bytes_copied = 0  # K/V bytes copied by copy-on-write (every layer of the group, K and V)
         self.kept_from = 0  # sliding: the first position DynamicSlidingWindowLayer would still hold (readable keys)
+        # fixed shapes (PagedCache(compileable=True)): every block of the call reserved at the first forward, the rows'
+        # lengths advance on the device (dev_lens); None once the group runs on the host path (``unfix``)
+        self.fixed = False
+        self.ring = 0  # fixed sliding group: blocks per row, reused in turn (logical block i lives in rows[r][i % ring])
+        self.dev_lens: torch.Tensor | None = None  # int32 [rows]: each row's length after the last forward
+        self.fixed_cu: torch.Tensor | None = None  # int32 [rows+1]: query layout of a fixed multi-token forward
 
     # ---- allocation ----------------------------------------------------------------------------------------
     def init(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
@@ -141,6 +168,88 @@ class _Group:
         self.lens = [0] * batch
         cap = -(-max(self.max_length or first_tokens, 1) // bs)
         self.table = torch.full((batch, cap), SCRATCH_BLOCK, dtype=torch.int32, device=like.device)
+
+    # ---- fixed shapes: reserved once, advanced on the device (compileable) -----------------------------------------
+    def init_fixed(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
+        """Reserve every block of the call (``max_length`` positions per row) and build the table once.
+
+        Full attention: ``ceil(max_length / block_size)`` blocks per row. Sliding window W: a ring of
+        ``(W + T0 - 2) // block_size + 2`` blocks per row (T0: this first forward's tokens), enough that the keys any
+        query of a forward of at most T0 tokens can see (W - 1 back, plus the forward's own) lie in distinct blocks; the
+        table's logical entry i points at ring block ``i % ring``, so the attention kernel and the slot arithmetic see a
+        plain block table and the window's memory stays bounded as in the host path."""
+        bs = self.block_size
+        width = -(-max(self.max_length, first_tokens, 1) // bs)
+        ring = width
+        if self.window:
+            ring = min((self.window + max(first_tokens, 1) - 2) // bs + 2, width)
+            self.ring = ring
+        self.allocator = BlockAllocator(batch * ring + 1)
+        assert self.allocator.allocate(1) == [SCRATCH_BLOCK]
+        self.rows = [self.allocator.allocate(ring) for _ in range(batch)]
+        self.lens = [0] * batch
+        table = torch.tensor(self.rows, dtype=torch.int64)[:, torch.arange(width) % ring]
+        pos = torch.arange(width * bs)
+        dev = like.device
+        self.table = table.to(torch.int32).contiguous().to(dev)
+        # the slot of every position of every row, computed once: a step's slots are one gather at the lengths (8 bytes
+        # per position and row, against the K/V's 2 * Hkv * D elements per layer)
+        self.slot_of = (table[:, pos // bs] * bs + pos % bs).to(dev)
+        self.dev_lens = torch.zeros(batch, dtype=torch.int32, device=dev)  # what the attention kernel reads
+        self.dev_pos = torch.zeros((batch, 1), dtype=torch.int64, device=dev)  # the same lengths as a gather index
+        self.capacity = width * bs
+        # the longest forward whose keys (W - 1 back, plus its own) lie in distinct ring blocks
+        self.max_forward = (ring - 1) * bs - self.window + 1 if ring < width else self.capacity
+        self.fixed = True
+        _static_inputs(self.table, self.slot_of, self.dev_lens, self.dev_pos,
+                       dynamic=((self.table, 1), (self.slot_of, 1)))
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` more tokens per row stays within the fixed reservation (rows advance
+        together on a fixed cache)."""
+        return self.lens[0] + tokens <= self.capacity and tokens <= self.max_forward
+
+    def advance_fixed_host(self, tokens: int) -> None:
+        """Host half of a fixed forward: the host's copy of the lengths (what get_seq_length / get_mask_sizes report)."""
+        self.lens = [n + tokens for n in self.lens]
+        if self.window and not self.record_past:
+            self.kept_from = max(self.lens[0] - self.window + 1, 0)
+
+    def advance_fixed_device(self, tokens: int) -> None:
+        """Device half of a fixed forward (tensor ops only: graph-safe, no host data): each row's slots from its length
+        on the device, then the lengths advance in place (the attention then reads the whole table and those lengths)."""
+        pos = self.dev_pos
+        if tokens == 1:
+            self.slots = self.slot_of.gather(1, pos).view(-1)
+        else:
+            self.slots = self.slot_of.gather(1, pos + torch.arange(tokens, device=pos.device)).view(-1)
+            rows = pos.shape[0]
+            self.fixed_cu = torch.arange(0, (rows + 1) * tokens, tokens, dtype=torch.int32, device=pos.device)
+        pos.add_(tokens)
+        self.dev_lens.add_(tokens)
+
+    def unfix(self) -> None:
+        """Hand the group to the host path: per-row logical block lists, unused reservations back to the pool."""
+        if not self.fixed:
+            return
+        self.fixed = False
+        bs = self.block_size
+        for r, L in enumerate(self.lens):
+            blocks, last = self.rows[r], (L - 1) // bs if L else -1
+            if self.ring:  # logical blocks still intact in the ring: the last `ring` ones
+                lo = max(last - self.ring + 1, 0)
+                logical = [None] * lo + [blocks[i % self.ring] for i in range(lo, last + 1)]
+            else:
+                lo, logical = 0, blocks[: last + 1]
+            kept = {b for b in logical if b is not None}
+            self.allocator.free([b for b in blocks if b not in kept])
+            self.rows[r] = logical
+            self.table[r].fill_(SCRATCH_BLOCK)
+            if last >= lo:
+                self.table[r, lo: last + 1] = torch.tensor(logical[lo:], dtype=torch.int32, device=self.table.device)
+        self.ring, self.dev_lens, self.dev_pos, self.slot_of = 0, None, None, None
+        self.plan = self.step = None
+        self.generation += 1
 
     def _ensure_free(self, need: int) -> None:
         if need <= self.allocator.num_free:
@@ -304,7 +413,9 @@ class _Group:
 class PagedLayer(CacheLayerMixin):
     """One layer of ``PagedCache``: K/V pools ``[num_blocks, block_size, Hkv, D]`` addressed by its group's table."""
 
-    is_compileable = False  # generate() would auto-compile the forward otherwise (a non-DynamicCache that says True)
+    # generate() auto-compiles the decode forward of a compileable cache: only a fixed-shape PagedCache
+    # (compileable=True) is, per instance, until it hands its groups to the host path
+    is_compileable = False
     is_croppable = True  # crop releases whole blocks; sliding layers follow DynamicSlidingWindowLayer's rules
 
     def __init__(self, group: _Group, cache: "PagedCache"):
@@ -317,6 +428,7 @@ class PagedLayer(CacheLayerMixin):
         self.length = 0  # positions written by this layer (rows advance together in model.generate)
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
+        self.first_in_group = not group.layers  # a fixed forward's slots are computed once, by this layer
         group.layers.append(self)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -324,7 +436,11 @@ class PagedLayer(CacheLayerMixin):
         batch, hkv, tokens, dim = key_states.shape
         if self.cache.plan is not None:  # arkernels.generate: rows are the planned sequences
             batch = self.cache.num_rows
-        if g.allocator is None:
+        if self.cache.fixed:  # every group at once: the first forward's host half (at layer 0) counts them all
+            for group in self.cache.groups.values():
+                if group.allocator is None:
+                    group.init_fixed(batch, tokens, key_states)
+        elif g.allocator is None:
             g.init(batch, tokens, key_states)
         self.device, self.dtype = key_states.device, key_states.dtype
         shape = (g.allocator.num_blocks, g.block_size, hkv, dim)
@@ -340,6 +456,10 @@ class PagedLayer(CacheLayerMixin):
             self.v_scale = (calibrate_kv_scale(value_states, V_RANGE) if vs is None
                             else torch.tensor([vs], dtype=torch.float32, device=dev))
             setattr(self.k_pool, KV_SCALES_ATTR, (self.k_scale, self.v_scale))
+        if g.fixed:
+            _static_inputs(self.k_pool, self.v_pool, dynamic=((self.k_pool, 0), (self.v_pool, 0)))
+            # built here, eagerly: created inside a compiled step it would be new state that the next step's guards see
+            self._decode_step = PagedStep(g.table, g.dev_lens, None, None, None, lambda: self._dense_fixed(1))
         self.is_initialized = True
 
     def grow_pools(self, num_blocks: int) -> None:
@@ -368,6 +488,8 @@ class PagedLayer(CacheLayerMixin):
                             k_scale=self.k_scale, v_scale=self.v_scale, check=False)
             setattr(self.k_pool, PAGED_ATTR, step)
             return self.k_pool, self.v_pool
+        if cache.fixed:
+            return self._update_fixed(key_states, value_states)
         cache.version += 1
         if cache.plan is not None:
             rows, q_lens = cache.plan
@@ -399,6 +521,38 @@ class PagedLayer(CacheLayerMixin):
                                                  step.kv_start, lambda: self._dense(rows, tokens)))
             return k_pool, v_pool
         return self._dense(rows, tokens)
+
+    def _update_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A forward of a fixed-shape cache: the host half (lengths the host reports: the groups' at layer 0, each
+        layer's own) runs eagerly, unless ``PagedCache.begin_forward`` ran it before a compiled forward; the device
+        half (slots, lengths on the device) once per group. Inside torch.compile nothing here reads a value that
+        changes between steps."""
+        g, cache = self.group, self.cache
+        batch, hkv, tokens, dim = key_states.shape
+        # (host_ahead: begin_forward did this forward's host half, for a compiled call that runs eagerly after all)
+        if not torch.compiler.is_compiling() and not cache.host_ahead:
+            if self.layer_idx == 0 and not cache.fixed_forward(tokens):  # does not fit: the host path from here on
+                return self.update(key_states, value_states)
+            self.length += tokens
+        if self.first_in_group:
+            g.advance_fixed_device(tokens)
+        paged_kv_append(key_states.transpose(1, 2).reshape(-1, hkv, dim),
+                        value_states.transpose(1, 2).reshape(-1, hkv, dim), self.k_pool, self.v_pool, g.slots,
+                        k_scale=self.k_scale, v_scale=self.v_scale, check=False)
+        if not cache.paged_attention:
+            return self._dense(list(range(batch)), tokens)
+        if tokens == 1:
+            step = self._decode_step  # the same table and lengths tensors every decode step
+        else:
+            step = PagedStep(g.table, g.dev_lens, g.fixed_cu, tokens, None, lambda: self._dense_fixed(tokens))
+        setattr(self.k_pool, PAGED_ATTR, step)
+        return self.k_pool, self.v_pool
+
+    def _dense_fixed(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K/V of a fixed forward for an attention that needs them (a 4D mask): they are sized from the host's
+        lengths, which a compiled step cannot read, so the cache stops being compileable (see ``leave_fixed``)."""
+        self.cache.leave_fixed()
+        return self._dense(list(range(len(self.group.lens))), tokens)
 
     def _make_step(self, rows, q_lens, tokens) -> PagedStep:
         g, dev = self.group, self.k_pool.device
@@ -574,13 +728,20 @@ class PagedCache(DynamicCache):
         k_scale, v_scale: fp8 only: a float for every layer, one float per layer, or None: calibrated per layer on
             its first update (the prefill): ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults:
             headroom for later tokens; ``arkernels.kv_cache.calibrate_kv_scale``).
+        compileable: fixed shapes for one ``model.generate`` call (needs ``max_length``): every block reserved at the
+            first forward, lengths advanced on the device, ``is_compileable`` True (with ``paged_attention``) until
+            the cache moves to the host path (a reorder, a crop, a forward longer than ``max_length``, dense K/V asked).
     """
 
     def __init__(self, config, *, block_size: int = 16, max_length: int | None = None, num_blocks: int | None = None,
                  paged_attention: bool = True, kv_cache_dtype: str | torch.dtype = "auto",
-                 k_scale: float | list[float] | None = None, v_scale: float | list[float] | None = None):
+                 k_scale: float | list[float] | None = None, v_scale: float | list[float] | None = None,
+                 compileable: bool = False):
         if block_size <= 0:
             raise ValueError(f"PagedCache: block_size must be > 0, got {block_size}")
+        if compileable and (max_length is None or max_length <= 0 or num_blocks is not None):
+            raise ValueError("PagedCache: compileable=True needs max_length (> 0: every block of the call is reserved "
+                             f"up front) and no num_blocks; got max_length={max_length}, num_blocks={num_blocks}")
         windows = _layer_windows(config)
         self.kv_dtype = kv_cache_dtype_of("PagedCache", kv_cache_dtype)  # None: the model's dtype
         self.kv_scales = (per_layer_scales("PagedCache", "k_scale", k_scale, len(windows), self.kv_dtype),
@@ -600,10 +761,80 @@ class PagedCache(DynamicCache):
         Cache.__init__(self, layers=[PagedLayer(self.groups[w], self) for w in windows])
         for i, layer in enumerate(self.layers):
             layer.layer_idx = i
+        self.fixed = self.leaving = False
+        self.host_ahead = 0  # tokens of the coming forward whose host half begin_forward already did
+        # model.generate's masks for this call's one-token forwards (arkernels.patch): the padding of a call's rows
+        # does not change between its decode steps, so they are built once (left padding as kv_start) and reused
+        self.decode_masks = None
+        if compileable:
+            self._set_fixed(True)
+
+    # ---- fixed shapes (compileable=True): what model.generate's compiled decode step runs on ----------------------
+    def _set_fixed(self, on: bool) -> None:
+        self.fixed = on
+        self._set_compileable(on and self.paged_attention)  # dense K/V views read host lengths: eager only
+
+    def _set_compileable(self, on: bool) -> None:
+        for layer in self.layers:
+            layer.is_compileable = on  # instance attribute: transformers reads cache.is_compileable from the layers
+
+    def leave_fixed(self) -> None:
+        """Asked mid-forward (an attention function wanted dense K/V: a mask our kernel cannot express): no longer
+        compileable from now on; the groups move to the host path at the start of the next forward."""
+        self.leaving = True
+        self._set_compileable(False)
+
+    def fixed_forward(self, tokens: int) -> bool:
+        """Host half of a forward of ``tokens`` tokens per row on a fixed cache, groups' part: the lengths the host
+        reports advance (each layer advances its own as it sees the forward). False, and the cache is on the host path
+        from then on (``unfix``), when the forward does not fit what was reserved (a longer continuation of a returned
+        cache)."""
+        if self.leaving or not all(g.fits(tokens) for g in self.groups.values() if g.allocator is not None):
+            self.unfix()
+            return False
+        for g in self.groups.values():
+            g.advance_fixed_host(tokens)
+        if tokens > 1:
+            self.decode_masks = None  # a new prompt (a continuation): its padding is its own
+        self.version += 1
+        return True
+
+    def begin_forward(self, tokens: int) -> bool:
+        """Before a compiled forward (whose traced ``update`` only does device work): its host half, here, eagerly.
+        Returns False when the cache cannot serve it with fixed shapes (it is then on the host path: run the forward
+        eagerly). A no-op True before the first forward (the prefill initializes the reservation eagerly)."""
+        if not self.fixed:
+            return False
+        if not self.layers[0].is_initialized:
+            return True
+        if not self.fixed_forward(tokens):
+            return False
+        for layer in self.layers:
+            layer.length += tokens
+        self.host_ahead = tokens
+        return True
+
+    def end_forward(self) -> None:
+        """After a forward that ``begin_forward`` prepared (a compiled call that ran eagerly consumed it already)."""
+        self.host_ahead = 0
+
+    def unfix(self) -> None:
+        """Leave fixed shapes for good: the groups take the host path (blocks freed and reserved per forward), which
+        serves every forward shape, beams and rollback; ``is_compileable`` becomes False."""
+        if not self.fixed:
+            return
+        for g in self.groups.values():
+            if g.allocator is not None:
+                g.unfix()
+        self._set_fixed(False)
+        self.leaving = False
+        self.decode_masks = None
+        self.version += 1
 
     # ---- arkernels.generate's interface ----------------------------------------------------------------
     def begin_step(self, rows: list[int], q_lens: list[int]) -> None:
         """Plan the next forward: ``q_lens[i]`` new tokens for row ``rows[i]`` (packed in that order)."""
+        self.unfix()  # arkernels.generate plans ragged rows: the host path
         self.plan = (list(rows), list(q_lens))
 
     def begin_static_step(self, rows: list[int], ahead: int = 0) -> list[list[int]]:
@@ -646,6 +877,7 @@ class PagedCache(DynamicCache):
         return sum(g.generation for g in self.groups.values())
 
     def set_rows(self, num_rows: int) -> None:
+        self.unfix()  # arkernels.generate plans ragged rows: the host path
         self.num_rows = num_rows
         self.plan = ([], [])
 
@@ -678,6 +910,7 @@ class PagedCache(DynamicCache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (in that order, repeats allowed), sharing their blocks; see ``reorder_cache``."""
         idx = [int(i) for i in (indices.tolist() if isinstance(indices, torch.Tensor) else indices)]
+        self.unfix()  # reorders and rollbacks run on the host path
         for g in self.groups.values():
             g.select_rows(idx)
         if self.kv_start is not None:
@@ -699,6 +932,7 @@ class PagedCache(DynamicCache):
         (``activate_past_recording``, which generate calls for assisted decoding), and ``crop(0)`` then releases what
         fell out of the window."""
         tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
+        self.unfix()
         length = self.get_seq_length()
         if tokens_to_remove > 0:
             if not _LEGACY_POSITIVE_CROP:
@@ -735,6 +969,7 @@ class PagedCache(DynamicCache):
         return {w: g.blocks_in_use for w, g in self.groups.items()}
 
     def reset(self) -> None:
+        self.unfix()
         for g in self.groups.values():
             for r in range(len(g.rows)):
                 g.release_row(r)

@@ -7,7 +7,10 @@ Three independent pieces, each undone by the handle:
   ``DynamicCache`` for a mode the paged cache serves (greedy, sampling, beam search, beam sampling, assisted and
   prompt-lookup decoding), it gets a ``PagedCache`` sized for the call (prompt + max_new_tokens). Any other cache
   request (``cache_implementation="static"`` and the other compiled caches, a cache the user passed, a mode outside
-  that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once.
+  that list) keeps transformers' own cache for that call; modes the paged cache cannot take warn once. Greedy and
+  sampling calls get it with fixed shapes (compileable): transformers then compiles their decode forward where it
+  compiles a static cache, through ``get_compiled_call`` (wrapped: the cache's host half of each step runs before the
+  compiled forward) and ``create_masks_for_generate`` (wrapped: a call's decode masks are built once).
 - sampler: an instance attribute wrapping ``_get_logits_processor``: for plain sampling (``do_sample=True``, one beam,
   no assistant, no ``output_scores``) whose warpers are exactly a trailing run of temperature / top-k / top-p / min-p
   (transformers' order, ``min_tokens_to_keep`` 1) with values the fused sampler reproduces exactly (``_fusable``:
@@ -97,7 +100,7 @@ def _check_patch_args(model, block_size, attention: bool) -> None:
 
 def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16,
           fuse: bool = False, kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | list[float] | None = None,
-          v_scale: float | list[float] | None = None):
+          v_scale: float | list[float] | None = None, compile: bool | str = "auto"):
     """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
 
     Args:
@@ -120,6 +123,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
             and a V scale per layer, vLLM's convention), read by the CPU and the CUDA attention kernels.
         k_scale, v_scale: fp8 only: a float, one float per layer, or None (default): calibrated per layer on each
             call's prefill as ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults).
+        compile: the decode step of greedy / sampling calls. "auto" (default) and True: the paged cache of such a call
+            has fixed shapes (every block reserved at prefill, lengths advanced on the device) and is compileable, so
+            transformers compiles the decode forward wherever it would compile a static cache (``compile_config``;
+            any CUDA model); True also compiles it where transformers would not (the CPU) when the call gives no
+            ``compile_config``. False: today's host-path paged cache, never compiled. ``generate(...,
+            disable_compile=True)`` turns compilation off for one call.
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
@@ -156,12 +165,19 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         if hook_continuous_batching(model, sampler=sampler):
             attrs.append("init_continuous_batching")
     state = {"mode": None}  # this call's generation mode (the cache hook runs before the logits-processor hook)
+    if compile not in ("auto", True, False):
+        raise ValueError(f"arkernels.patch: compile must be 'auto', True or False, got {compile!r}")
     if cache or sampler:
         model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
                                                           state, swap=cache,
                                                           cache_kwargs=dict(kv_cache_dtype=kv_cache_dtype,
-                                                                            k_scale=k_scale, v_scale=v_scale))
+                                                                            k_scale=k_scale, v_scale=v_scale),
+                                                          compile=compile)
         attrs.append("_prepare_cache_for_generation")
+    if cache and compile is not False:
+        model.get_compiled_call = _wrap_compiled_call(model, model.get_compiled_call)
+        model.create_masks_for_generate = _wrap_masks(model)
+        attrs += ["get_compiled_call", "create_masks_for_generate"]
     if sampler:
         model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
         attrs.append("_get_logits_processor")
@@ -184,7 +200,14 @@ def _paged_modes():
     return ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
-def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache_kwargs: dict | None = None):
+# modes whose decode forwards all take one token per row and never reorder or roll back the cache: their paged cache
+# has fixed shapes and is compileable; beams (reorders, copy-on-write) and assisted decoding (crop, candidate runs of
+# varying length) keep the host path, eager
+_FIXED_MODES = ("greedy_search", "sample")
+
+
+def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache_kwargs: dict | None = None,
+                compile: bool | str = "auto"):
     from transformers import DynamicCache
 
     from arkernels.hf.attention import NAME
@@ -198,6 +221,9 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
         mode = bound.arguments.get("generation_mode")
         state["mode"] = getattr(mode, "value", mode)
         original(*args, **kwargs)
+        for name in ("cache", "past_key_values"):  # a cache passed back in: its decode masks were another call's
+            if isinstance(model_kwargs.get(name), PagedCache):
+                model_kwargs[name].decode_masks = None
         if not swap:
             return
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -215,9 +241,83 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                     _warn_once(f"mode:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} keeps "
                                "transformers' DynamicCache for this call")
                     return
-                model_kwargs[name] = PagedCache(
-                    model.config, block_size=block_size, max_length=bound.arguments.get("max_cache_length"),
-                    paged_attention=model.config._attn_implementation == NAME, **(cache_kwargs or {}))
+                paged = model.config._attn_implementation == NAME
+                max_length = bound.arguments.get("max_cache_length")
+                fixed = compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
+                if generation_config.compile_config is not None and not fixed:
+                    _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs "
+                               "the paged cache eagerly (compile_config applies to greedy and sampling calls)")
+                if fixed and compile is True and generation_config.compile_config is None:
+                    generation_config.compile_config = _default_compile_config(model)
+                model_kwargs[name] = PagedCache(model.config, block_size=block_size, max_length=max_length,
+                                                paged_attention=paged, compileable=fixed, **(cache_kwargs or {}))
+
+    return _prepare_cache_for_generation
+
+
+def _default_compile_config(model):
+    """transformers' default compile config for this model, allowed on every device (it compiles on accelerators
+    only unless ``_compile_all_devices``)."""
+    import copy
+
+    from transformers import CompileConfig
+
+    config = copy.deepcopy(getattr(model.generation_config, "compile_config", None) or CompileConfig())
+    config._compile_all_devices = True
+    return config
+
+
+def _wrap_masks(model):
+    """``create_masks_for_generate`` (what generate calls before every forward on a compileable cache): on a
+    fixed-shape paged cache, a call's one-token forwards get the masks its first decode step built. Valid because a
+    call's decode masks only grow by real tokens (generate appends ones), so its left padding, all the kernel reads,
+    stays the same; the wrapped cache hook clears them at every call, a multi-token forward clears them too."""
+    from transformers import masking_utils
+
+    from arkernels.hf.cache import PagedCache
+
+    original = getattr(model, "create_masks_for_generate", None) or masking_utils.create_masks_for_generate
+
+    def create_masks_for_generate(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        embeds = kwargs.get("inputs_embeds")
+        if not isinstance(cache, PagedCache) or not cache.is_compileable or embeds is None or embeds.shape[1] != 1:
+            return original(*args, **kwargs)
+        if cache.decode_masks is None:
+            cache.decode_masks = original(*args, **kwargs)
+        return cache.decode_masks
+
+    return create_masks_for_generate
+
+
+def _wrap_compiled_call(model, original):
+    """``get_compiled_call`` (what generate uses for every forward after the prefill when the cache is compileable):
+    the compiled forward, preceded by the paged cache's host half of the step (its traced ``update`` does only device
+    work). A forward the fixed-shape cache cannot serve (it then leaves fixed shapes) runs eagerly: that call's
+    decode is eager from there on, with one warning."""
+    from arkernels.hf.cache import PagedCache
+
+    def get_compiled_call(compile_config):
+        compiled = original(compile_config)
+
+        def forward(*args, **kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if not isinstance(cache, PagedCache):
+                return compiled(*args, **kwargs)
+            ids = kwargs.get("input_ids")
+            tokens = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+            if not cache.begin_forward(tokens):
+                _warn_once("unfixed", "arkernels.patch: the paged cache left its fixed shapes (a forward longer than "
+                           "it reserved, or a padding mask that is not left padding); this call decodes eagerly")
+                return model.__call__(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                cache.end_forward()
+
+        return forward
+
+    return get_compiled_call
 
     return _prepare_cache_for_generation
 
