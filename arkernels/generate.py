@@ -314,7 +314,9 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     _check_args(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, block_size=block_size,
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)
     pad_id = _pad_id(model, tokenizer)
-    bos_id = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else model.config.bos_token_id
+    # composite configs (Gemma 3, Fuyu: a text config inside) keep the token ids on the text config
+    bos_id = (getattr(tokenizer, "bos_token_id", None) if tokenizer is not None
+              else getattr(model.config.get_text_config(decoder=True), "bos_token_id", None))
     prompts = _as_prompts(prompts_or_input_ids, tokenizer, input_ids=input_ids, attention_mask=attention_mask,
                           token_type_ids=token_type_ids, pad_id=pad_id, bos_id=bos_id, vocab_size=_vocab_size(model))
     cuda_graphs = cuda_graphs or compile

@@ -50,6 +50,7 @@ REFUSED = {
     # sparse / compressed attention
     **{t: _SPARSE for t in ("axk2", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "hy_v4")},
     "minimax_m3_vl_text": r"reworks the key / value returned by the cache update .*self.indexer",  # block-sparse
+    "blt": r"names no num_hidden_layers \(not one stack of decoder layers\)",  # byte-level stacks + cross-attention
     # multi-head latent attention: K and V head dims differ
     **{t: _MLA for t in ("axk1", "deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "minicpm3",
                         "longcat_flash", "youtu", "mimo_v2_flash")},

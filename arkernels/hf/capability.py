@@ -254,7 +254,10 @@ def check_model(model, who: str = "arkernels.patch") -> list[torch.nn.Module]:
         alibi = getattr(holder, "alibi", None) or getattr(holder, "use_alibi", None)
         if alibi or getattr(holder, "position_embedding_type", None) == "alibi":
             _refuse(who, f"{name} uses ALiBi position biases, which arkernels' kernels do not add")
-    n = text.num_hidden_layers
+    n = getattr(text, "num_hidden_layers", None)
+    if n is None:  # e.g. Blt: byte-level local encoder / global / local decoder stacks, joined by cross-attention
+        _refuse(who, f"{name}: its text config names no num_hidden_layers (not one stack of decoder layers); "
+                     "arkernels' paged cache holds one stack of self-attention layers")
     types = layer_types(config)
     for i, t in enumerate(types):
         if t not in LAYER_TYPES:

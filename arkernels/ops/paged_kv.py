@@ -105,7 +105,9 @@ def paged_kv_gather(
     shapes_ok = block_table.dim() == 2 and seq_lens.dim() == 1 and k_cache.dim() == 4
     if max_seq_len is None:
         max_seq_len = max(int(seq_lens.max()), 0) if seq_lens.numel() > 0 else 0
-        if shapes_ok and max_seq_len > block_table.shape[1] * k_cache.shape[1]:
+        # not while torch.compile traces: the length is then a data-dependent size (the kernel still bounds it)
+        addressable = block_table.shape[1] * k_cache.shape[1] if shapes_ok else None
+        if addressable is not None and not torch.compiler.is_compiling() and max_seq_len > addressable:
             # the op would refuse the length it was given as "max_seq_len", which this caller never passed
             b = int(seq_lens.argmax())
             raise ValueError(f"paged_kv_gather: seq_lens[{b}] = {max_seq_len} exceeds what block_table can address "
