@@ -822,8 +822,11 @@ def test_window_attention_no_visible_keys(device):
     query = torch.randn(3, 2, 64, generator=gen).half().to(device)
     lens = torch.tensor([4, 0, 3], dtype=torch.int32, device=device)
     table = torch.cat([table, table[:1]])
+    # check=False: kv_start past seq_len is refused by check=True (tests/test_window_attention_safety.py); what is
+    # tested here is what the kernels compute when it reaches them anyway
     out, lse = window_attention(query, k, v, table, lens, kv_start=torch.tensor([9, 0, 0], dtype=torch.int32,
-                                                                                 device=device), return_lse=True)
+                                                                                 device=device), return_lse=True,
+                                check=False)
     assert bool((out[:2] == 0).all()) and bool(torch.isneginf(lse[:2]).all())
     assert torch.isfinite(out[2]).all() and torch.isfinite(lse[2]).all()
 
