@@ -209,3 +209,35 @@ def test_mask_the_kernel_cannot_express_leaves_fixed_shapes():
     assert torch.equal(out, ref)
     assert not _generate.last_cache.is_compileable
     assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_masks_transformers_cannot_build_keep_the_eager_cache(monkeypatch):
+    """transformers 5.17's ``create_masks_for_generate`` passes ``block_sequence_ids`` to a mask function that does not
+    take it (``create_chunked_causal_mask``: Llama 4). Emulated here on gemma3's sliding layers with a mask function of
+    that older signature: a compile request keeps the eager paged cache (stock's DynamicCache never calls it), with
+    stock's tokens and one warning, rather than the TypeError."""
+    import inspect
+
+    from transformers import masking_utils
+
+    model = tiny_model("gemma3_text")
+    ref = _generate(model)
+    original = masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING["sliding_attention"]
+
+    def older(*args, **kwargs):
+        if "block_sequence_ids" in kwargs:
+            raise TypeError("older() got an unexpected keyword argument 'block_sequence_ids'")
+        return original(*args, **kwargs)
+
+    older.__signature__ = inspect.Signature([p for p in inspect.signature(original).parameters.values()
+                                             if p.name != "block_sequence_ids"])
+    monkeypatch.setitem(masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, "sliding_attention", older)
+    assert not patch_module._masks_for_generate_work(model.config)
+    patch_module._warned.discard("eager:greedy_search")
+    with arkernels.patch(model, block_size=BLOCK):
+        with pytest.warns(UserWarning, match="eagerly"):
+            out = _generate(model, compile_config=_config())
+    assert torch.equal(out, ref)
+    assert isinstance(_generate.last_cache, PagedCache) and not _generate.last_cache.is_compileable
+    monkeypatch.undo()
+    assert patch_module._masks_for_generate_work(model.config)

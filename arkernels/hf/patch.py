@@ -243,7 +243,8 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                     return
                 paged = model.config._attn_implementation == NAME
                 max_length = bound.arguments.get("max_cache_length")
-                fixed = compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
+                fixed = (compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
+                         and _masks_for_generate_work(model.config))
                 if generation_config.compile_config is not None and not fixed:
                     _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs "
                                "the paged cache eagerly (compile_config applies to greedy and sampling calls)")
@@ -253,6 +254,29 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                                                 paged_attention=paged, compileable=fixed, **(cache_kwargs or {}))
 
     return _prepare_cache_for_generation
+
+
+def _masks_for_generate_work(config) -> bool:
+    """Whether transformers' ``create_masks_for_generate`` (what generate calls on a compileable cache, the fixed
+    paged cache included) can build this model's masks: every mask function its layer types map to takes every
+    argument it passes. transformers 5.17 passes ``block_sequence_ids`` to ``create_chunked_causal_mask``, which does
+    not take it (Llama 4: stock StaticCache fails the same way); such a model keeps the eager paged cache, as stock
+    keeps its DynamicCache, and runs the same tokens."""
+    from transformers import masking_utils
+
+    passed = set(inspect.signature(masking_utils.create_masks_for_generate).parameters) - {"kwargs"}
+    mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    for layer_type in set(getattr(config.get_text_config(), "layer_types", None) or ()):
+        functions = mapping.get(layer_type)
+        for function in (functions.values() if isinstance(functions, dict) else [functions]):
+            if function is None:
+                continue
+            parameters = inspect.signature(function).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+                continue
+            if not passed <= set(parameters):
+                return False
+    return True
 
 
 def _default_compile_config(model):
