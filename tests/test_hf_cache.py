@@ -22,6 +22,24 @@ def _kv(tokens, seed):
     return k, torch.randn(BATCH, HKV, tokens, HEAD_DIM, generator=g)
 
 
+def _update_every_layer(cache, ref, config, step, tokens, paged):
+    """One update of every layer in both caches: the same lengths and mask sizes before it, the same K/V after
+    (exact: data movement). A paged layer's K/V is compared through ``dense()``."""
+    for layer in range(config.num_hidden_layers):
+        assert cache.get_seq_length(layer) == ref.get_seq_length(layer)
+        for q in (1, tokens):
+            assert cache.get_mask_sizes(q, layer) == ref.get_mask_sizes(q, layer)
+        k, v = _kv(tokens, seed=100 * step + layer)
+        rk, rv = ref.update(k, v, layer)
+        pk, pv = cache.update(k, v, layer)
+        if paged:
+            info = getattr(pk, PAGED_ATTR)
+            assert pk.dim() == 4 and info.seq_lens.tolist() == [cache.get_seq_length(layer)] * BATCH
+            pk, pv = info.dense()  # on a fixed cache: an attention asking for dense K/V, not compileable from here on
+            assert not cache.is_compileable
+        assert torch.equal(pk, rk) and torch.equal(pv, rv)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("updates", UPDATE_SEQUENCES)
@@ -32,18 +50,7 @@ def test_paged_cache_matches_dynamic(family, block_size, updates, paged):
     cache = PagedCache(config, block_size=block_size, paged_attention=paged)  # no max_length: pools must grow
     assert not cache.is_compileable
     for step, tokens in enumerate(updates):
-        for layer in range(config.num_hidden_layers):
-            assert cache.get_seq_length(layer) == ref.get_seq_length(layer)
-            for q in (1, tokens):
-                assert cache.get_mask_sizes(q, layer) == ref.get_mask_sizes(q, layer)
-            k, v = _kv(tokens, seed=100 * step + layer)
-            rk, rv = ref.update(k, v, layer)
-            pk, pv = cache.update(k, v, layer)
-            if paged:
-                info = getattr(pk, PAGED_ATTR)
-                assert pk.dim() == 4 and info.seq_lens.tolist() == [cache.get_seq_length(layer)] * BATCH
-                pk, pv = info.dense()
-            assert torch.equal(pk, rk) and torch.equal(pv, rv)  # data movement: exact
+        _update_every_layer(cache, ref, config, step, tokens, paged)
         for window, used in cache.blocks_in_use.items():
             if window:  # out-of-window blocks went back: W - 1 old keys + this update, one straddled block more
                 assert used <= BATCH * (math.ceil((window - 1 + tokens) / block_size) + 1)
@@ -191,19 +198,7 @@ def test_fixed_paged_cache_matches_dynamic(family, block_size, updates, max_leng
     seen, within, was_fixed = 0, True, True
     for step, tokens in enumerate(updates):
         within = within and seen + tokens <= max_length
-        for layer in range(config.num_hidden_layers):
-            assert cache.get_seq_length(layer) == ref.get_seq_length(layer)
-            for q in (1, tokens):
-                assert cache.get_mask_sizes(q, layer) == ref.get_mask_sizes(q, layer)
-            k, v = _kv(tokens, seed=100 * step + layer)
-            rk, rv = ref.update(k, v, layer)
-            pk, pv = cache.update(k, v, layer)
-            if paged:
-                info = getattr(pk, PAGED_ATTR)
-                assert pk.dim() == 4 and info.seq_lens.tolist() == [cache.get_seq_length(layer)] * BATCH
-                pk, pv = info.dense()  # an attention asking for dense K/V: not compileable from here on
-                assert not cache.is_compileable
-            assert torch.equal(pk, rk) and torch.equal(pv, rv)  # data movement: exact
+        _update_every_layer(cache, ref, config, step, tokens, paged)
         seen += tokens
         # fixed shapes while every update stays within max_length (and no one asked for dense K/V); once on the host
         # path, never back
