@@ -401,12 +401,16 @@ _w8a16_matmul_tuned = triton.autotune(configs=_ALL_CONFIGS + _FP32_SMALL_M + _FP
                                       prune_configs_by={"early_config_prune": _prune_by_class})(_w8a16_matmul_kernel)
 
 
-def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
+def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused"):
     """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]``, w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
     -> ``[M, N]`` in x's dtype. The kernel follows M (:func:`w8a16_path`); ``path`` forces one of "gemv",
     "splitk", "tiled". ``config``: a decode kernel's sizes (:func:`w8a16_decode_config`'s keys) with
     ``path="gemv"`` / ``"splitk"``; without a path, the tiled kernel's tile sizes as for
-    :func:`int8_matmul_triton` (that kernel at any M)."""
+    :func:`int8_matmul_triton` (that kernel at any M). ``reduce``: how a decode path adds its K splits,
+    ``"fused"`` (the last program of each tile, one launch) or ``"launch"`` (a second kernel; the benchmark's
+    baseline); both add in split order and give the same bits."""
+    if reduce not in REDUCES:
+        raise ValueError(f"w8a16_matmul: reduce must be one of {REDUCES}, got {reduce!r}")
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -418,7 +422,7 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
         path = "tiled" if config is not None else w8a16_path(M, x.dtype)
     dot_fp32 = x.dtype == torch.float32 or interpreting()
     if path != "tiled":
-        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config)
+        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce)
         return out
     args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
             w.stride(0), w.stride(1), out.stride(0), out.stride(1))
@@ -432,8 +436,13 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
 # ---------------------------------------------------------------------------------------------------------------
 GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
 DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
-PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}  # enough programs that every SM has loads in flight (~23 KB per SM)
-REDUCE_BLOCK_N = 1024
+# Programs resident per SM that a wave is planned with (enough that every SM keeps ~23 KB of loads in flight).
+PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}
+WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
+REDUCE_BLOCK_N = 1024  # the two-launch path's reduce kernel: columns per program
+REDUCE_BLOCK: tl.constexpr = tl.constexpr(1024)  # the fused reduce: outputs per step of the last program (8 a thread)
+REDUCES = ("fused", "launch")  # the split-K reduction: by the last program of each tile, or a second launch
+EPOCH_MAX = (1 << 31) - 1  # ticket epochs cycle in [1, EPOCH_MAX]: an int32 kernel argument, a 64-bit ticket tag
 
 
 def w8a16_path(M: int, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -452,39 +461,63 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def wave_efficiency(programs: int, wave: int) -> float:
+    """Busy fraction of the program slots over the waves a grid occupies: ``programs / (waves * wave)``; 1.0 when
+    the grid is a whole number of waves (896 programs on a wave of 528: 0.85, the second wave 70% idle)."""
+    return programs / (triton.cdiv(programs, wave) * wave)
+
+
+def _fewest_programs_near_best(candidates: list[tuple[int, dict]], wave: int) -> dict:
+    """``candidates``: (programs, config). The config with the fewest programs among those whose wave efficiency
+    is within WAVE_SLACK of the best (fewer programs: more x reuse, fewer partial sums, fewer tickets)."""
+    best = max(wave_efficiency(p, wave) for p, _ in candidates)
+    near = [(p, i) for i, (p, _) in enumerate(candidates) if wave_efficiency(p, wave) >= best - WAVE_SLACK]
+    return candidates[min(near)[1]][1]
+
+
 def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict:
-    """Tile sizes and split of a decode kernel, from the shape alone (no autotuning: same bits every run).
+    """Tile sizes and split of a decode kernel, a pure function of (path, M, N, K, SM count): no autotuning and
+    no device query, so the bits do not depend on a sweep and the plan is testable without a GPU.
 
     gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512);
-    N_TILES (weight tiles per program, sharing its x slice) as large as keeps PROGRAMS_PER_SM programs per SM.
-    BLOCK_M 16 (the dot's smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274
-    instead of 539 sm_90 loop instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272).
-    Llama-8B on 132 SMs: 4096x14336 -> 28 splits x 32 programs, 14336x4096 -> 8 x 112, 4096x4096 -> 8 x 128;
-    the workspace is 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
-    splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K so that N tiles x splits ~ 2 programs per SM
-    (4096x14336: 64 N tiles x 5 splits of 23 K blocks) unless the workspace would pass 10% of the weight bytes.
+    N_TILES (weight tiles per program, sharing its x slice) is the power of two up to 16 whose grid fills whole
+    waves of PROGRAMS_PER_SM x SMs best (within WAVE_SLACK, then the fewest programs). BLOCK_M 16 (the dot's
+    smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274 instead of 539 sm_90 loop
+    instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272). Llama-8B on 132 SMs (waves of 528):
+    4096x14336 (N x K) -> 28 splits x 128 programs = 3584 (6.8 waves, 0.97 busy; the old N_TILES 4 gave 896 =
+    1.7 waves, 0.85), 14336x4096 -> 8 x 448 = 3584, 4096x4096 -> 8 x 64 = 512 (0.97). The workspace is 1.6%
+    (M = 1) to 6.2% (M = 4) of the weight bytes.
+    splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
+    cdiv(N, 64) x SPLIT_K fills whole waves of 2 x SMs best, unless the workspace would pass 10% of the weight
+    bytes (K = 4096 at M = 16: 3 splits, 192 programs).
     """
     if path == "gemv":
         block_k = max(32, min(256, triton.next_power_of_2(K)))
         halves = 2 if K > block_k else 1
         block_n = max(16, min(32, triton.next_power_of_2(N)))
         n_blocks = triton.cdiv(N, block_n)
-        split_k = triton.cdiv(K, halves * block_k)
-        n_tiles = 1
-        while n_tiles < 16 and n_tiles < n_blocks and \
-                triton.cdiv(n_blocks, 2 * n_tiles) * split_k >= PROGRAMS_PER_SM["gemv"] * num_sms:
-            n_tiles *= 2
+        split_k = max(1, triton.cdiv(K, halves * block_k))  # K = 0: one split of nothing
+        wave = PROGRAMS_PER_SM["gemv"] * num_sms
+        candidates = [(triton.cdiv(n_blocks, t) * split_k, t) for t in (1, 2, 4, 8, 16)
+                      if t == 1 or t < 2 * n_blocks]  # no tile group wider than twice the columns
+        n_tiles = _fewest_programs_near_best([(p, t) for p, t in candidates], wave)
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
                     K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=2)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = 64
     k_blocks = max(1, triton.cdiv(K, block_k))
-    splits = min(k_blocks, triton.cdiv(PROGRAMS_PER_SM["splitk"] * num_sms, triton.cdiv(N, block_n)))
     # the workspace (written, then read: 2 x splits x M x N x 4 B) stays under 10% of the weight bytes N x K; this
-    # binds for K = 4096 at M = 16 (3 splits: 192 programs, not 2 per SM)
-    splits = max(1, min(splits, K // (80 * M)))
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1,
-                K_PER_SPLIT=triton.cdiv(k_blocks, splits) * block_k, num_warps=4, num_stages=4)
+    # binds for K = 4096 at M = 16 (3 splits: 192 programs)
+    max_splits = max(1, min(k_blocks, K // (80 * M)))
+    n_cols = triton.cdiv(N, block_n)
+    plans = {}  # K_PER_SPLIT -> programs (several split counts round to the same K range)
+    for s in range(1, max_splits + 1):
+        k_per_split = triton.cdiv(k_blocks, s) * block_k
+        plans[k_per_split] = n_cols * triton.cdiv(K, k_per_split) if K > 0 else n_cols
+    k_per_split = _fewest_programs_near_best([(p, kps) for kps, p in plans.items()],
+                                             PROGRAMS_PER_SM["splitk"] * num_sms)
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=k_per_split, num_warps=4,
+                num_stages=4)
 
 
 @triton.jit
@@ -497,11 +530,91 @@ def _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_
         base = part_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + rm[:, None] * N + rn[None, :], acc, mask=mask)
     else:
-        out = acc * tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        if HAS_BIAS:
-            out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        o_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :].to(tl.int64) * stride_on
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        _epilogue_store(acc, rm[:, None], rn[None, :], mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om,
+                        stride_on, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                    HAS_BIAS: tl.constexpr):
+    """``out[rows, cols] = acc * w_scale[cols] + bias[cols]`` (fp32 math), masked; rows/cols broadcast to acc."""
+    out = acc * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    o_ptrs = out_ptr + rows.to(tl.int64) * stride_om + cols.to(tl.int64) * stride_on
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _is_last_split(ticket_ptr, epoch):
+    """Take this program's ticket for its output tile; True for the program that arrives last of the
+    ``num_programs(1)`` splits, which then owns the reduction. The ticket is left reset for the next launch.
+
+    A ticket is an int64 ``(tag << 32) | count``: ``count`` programs of the launch whose epoch is ``tag`` have
+    arrived. The host passes every launch a new epoch (1, 2, ..., EPOCH_MAX, then 1 again), and a program that
+    finds another tag (the reset value 0, or what an aborted launch left: some of its programs never arrived, so
+    its last program never reset the ticket) claims the ticket for its own epoch with a compare-and-swap that
+    discards the stale count. Stale state therefore never shifts a later launch's count, and no launch has to
+    succeed for the next one to be right (a plain counter reset by the kernel itself stays poisoned forever after
+    one aborted launch). The last program still resets the ticket to 0: a CUDA graph replays a captured launch
+    with its captured epoch, so the next replay must find a count of 0, not the count it left. What a reset cannot
+    cover: an aborted replay followed by a replay of the same captured launch with no other launch on the ticket
+    between them (any other w8a16 decode call of the stream in between re-tags it).
+
+    Cost: one atomic round trip (an add) for every program that finds its own tag; the first of a launch adds a
+    compare-and-swap (two on contention). Ordering: the barrier puts every thread's partial-sum stores before the
+    release of the single-thread atomic (the threadfence-reduction idiom); its acquire orders the last program's
+    loads of the other splits' partials after their releases.
+    """
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    mine = old + 1
+    claimed = (old >> 32) == epoch
+    seen = mine
+    while not claimed:  # first arrival of this epoch (or racing another first arrival): claim the tag
+        want = tl.where((seen >> 32) == epoch, seen + 1, (epoch.to(tl.int64) << 32) + 1)
+        got = tl.atomic_cas(ticket_ptr, seen, want, sem="acq_rel", scope="gpu")
+        claimed = got == seen
+        mine = want
+        seen = got
+    last = (mine & 0xFFFFFFFF) == tl.num_programs(1)
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _load_partial(p_ptrs, s, SPLIT_K, M, N, mask):
+    """Split ``s``'s partial sums at ``p_ptrs`` (offsets into ``part [SPLIT_K, M, N]``); zeros past the last split."""
+    return tl.load(p_ptrs + tl.cast(s, tl.int64) * M * N, mask=mask & (s < SPLIT_K), other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                   HAS_BIAS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """The last program's reduction of columns ``[col0, col0 + COLS)`` of every row: ``out = (sum over s = 0,
+    1, ... of part[s]) * w_scale + bias``, the splits added one after another in split order, so the bits do not
+    depend on which split finished first (and equal the two-launch reduce's). Four splits' loads are issued
+    before the first of their additions (one L2 round trip per four splits, not per split); ``.cg``: the other
+    programs' partials are read from L2, never from a line this SM's L1 might hold."""
+    SPLIT_K = tl.num_programs(1)
+    for r0 in range(0, M * COLS, BLOCK):
+        idx = r0 + tl.arange(0, BLOCK)
+        rows = idx // COLS  # COLS is a power of two: a shift
+        cols = col0 + idx % COLS
+        mask = (rows < M) & (cols < N)
+        p_ptrs = part_ptr + rows * N + cols  # < 2^31: M <= 16 rows of N < 2^27 columns (checked on the host)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s0 in range(0, SPLIT_K, 4):  # four loads in flight, then their four additions in split order
+            p0 = _load_partial(p_ptrs, s0, SPLIT_K, M, N, mask)
+            p1 = _load_partial(p_ptrs, s0 + 1, SPLIT_K, M, N, mask)
+            p2 = _load_partial(p_ptrs, s0 + 2, SPLIT_K, M, N, mask)
+            p3 = _load_partial(p_ptrs, s0 + 3, SPLIT_K, M, N, mask)
+            acc = acc + p0
+            acc = tl.where(s0 + 1 < SPLIT_K, acc + p1, acc)  # no + 0.0 past the last split: -0.0 stays -0.0
+            acc = tl.where(s0 + 2 < SPLIT_K, acc + p2, acc)
+            acc = tl.where(s0 + 3 < SPLIT_K, acc + p3, acc)
+        _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
 
 
 @triton.jit
@@ -531,12 +644,14 @@ def _gemv_step(acc, x, w_k, ln, rk, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # a new value every launch: never a new specialization
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,  # as _w8a16_matmul_kernel; part fp32 [SPLIT_K, M, N]
+    ticket_ptr, epoch,  # int64 [>= grid dim 0] tickets, this launch's epoch (FUSED only: see _is_last_split)
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > K_HALVES * BLOCK_K, partial sums to part_ptr
+    FUSED: tl.constexpr,  # with SPLIT: the last program of each column group reduces (else a second launch)
     EVEN_K: tl.constexpr,  # K_HALVES * BLOCK_K divides K: no K masks
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (bf16 arithmetic is wrong there): the dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
@@ -565,15 +680,19 @@ def _w8a16_gemv_kernel(
             acc = _gemv_step(acc, x1, w_k1, ln, rk1, K, stride_wn, EVEN_K, DOT_FP32)
         _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                      HAS_BIAS, SPLIT)
+    if SPLIT and FUSED:
+        if _is_last_split(ticket_ptr + pid_n, epoch):
+            _reduce_splits(part_ptr, pid_n * (N_TILES * BLOCK_N), M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om,
+                           stride_on, HAS_BIAS, N_TILES * BLOCK_N, REDUCE_BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def _w8a16_splitk_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, epoch,  # as _w8a16_gemv_kernel
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     K_PER_SPLIT,  # a multiple of BLOCK_K: splits start on K-tile boundaries, only the last tile of K is partial
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the interpreter (bf16 arithmetic is wrong there): an fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
 ):
@@ -605,6 +724,10 @@ def _w8a16_splitk_kernel(
         w_ptrs += BLOCK_K * stride_wk
     _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                  HAS_BIAS, SPLIT)
+    if SPLIT and FUSED:
+        if _is_last_split(ticket_ptr + pid_n, epoch):
+            _reduce_splits(part_ptr, pid_n * BLOCK_N, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                           HAS_BIAS, BLOCK_N, REDUCE_BLOCK)
 
 
 @triton.jit
@@ -630,7 +753,33 @@ def _splitk_reduce_kernel(
              mask=mask)
 
 
-def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config):
+
+
+class _Tickets:
+    """The fused reduce's tickets of one (device, stream): an int64 tensor, 0 between launches, and the epoch of
+    the next launch. Per stream: launches on one stream run one after another, so they can share tickets (two
+    streams could run two launches at once). Grown (a new zeroed tensor) when a grid needs more tiles."""
+
+    def __init__(self):
+        self.tensor, self.epoch = None, 0
+
+    def take(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
+        if self.tensor is None or self.tensor.numel() < tiles:
+            self.tensor = torch.zeros(max(tiles, 1 << 14), dtype=torch.int64, device=device)  # 128 KB
+        self.epoch = self.epoch % EPOCH_MAX + 1
+        return self.tensor, self.epoch
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
+    """(tickets, epoch) for a fused launch of ``tiles`` output tiles on ``device``'s current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _TICKETS.setdefault((device, stream), _Tickets()).take(device, tiles)
+
+
+def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fused"):
     M, K = x.shape
     N = w.shape[0]
     cfg = dict(config) if config is not None else w8a16_decode_config(path, M, N, K, _num_sms(x.device))
@@ -638,21 +787,27 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config):
     k_per_split = cfg.pop("K_PER_SPLIT", cfg["BLOCK_K"])
     if path == "gemv":
         assert k_per_split == cfg["BLOCK_K"] * cfg["K_HALVES"], "gemv: one x slice of K_HALVES * BLOCK_K per program"
+    else:
+        cfg.pop("K_HALVES", None)
+    if M * N >= 1 << 31:  # the partial sums' in-split offsets are int32
+        raise ValueError(f"w8a16_matmul: M x N = {M} x {N} outputs is too many for a decode path (< 2^31)")
     split_k = triton.cdiv(K, k_per_split) if K > 0 else 1
     # K == 0: one split of nothing (zeros, then scale and bias), not an empty grid that leaves out unwritten
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    grid = (triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]), split_k)
+    split = split_k > 1
+    fused = split and reduce == "fused"
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
+    tickets, epoch = _tickets(x.device, grid[0]) if fused else (part, 0)  # never read without FUSED
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
-    args = (x, w, w_scale, bias_arg, out, part, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1))
-    flags = dict(HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=K > 0 and K % k_per_split == 0)
+    args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1), w.stride(0),
+            w.stride(1), out.stride(0), out.stride(1))
+    flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
+                 DOT_FP32=dot_fp32)
     if path == "gemv":
-        grid = (triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]), split_k)
-        _w8a16_gemv_kernel[grid](*args, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
+        _w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)
     else:
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
-        cfg.pop("K_HALVES", None)
-        _w8a16_splitk_kernel[grid](*args, k_per_split, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
-    if split_k > 1:
+        _w8a16_splitk_kernel[grid](*args, k_per_split, **flags, **cfg, **launch)
+    if split and not fused:
         _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK_N))](
             part, w_scale, bias_arg, out, M, N, split_k, out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
             BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
