@@ -10,6 +10,8 @@ and are tested without a GPU. The schemas live in csrc/torch_bindings.cpp; the f
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -272,8 +274,22 @@ if _tk is not None:
         with torch.cuda.device(a.device):
             return _tk.int8_matmul_triton(a, b, a_scale, b_scale, bias, None if dtype == torch.int32 else dtype)
 
+    _UNALIGNED_SEEN: set = set()
+
+    def _warn_unaligned(w):
+        """Never a silent 4x: an unaligned or odd-stride weight still runs (the op takes any view), once warned
+        per (shape, strides). Int8Linear refuses such layers at construction; this is for direct op calls."""
+        reason = _tk.weight_unaligned_reason(w)
+        key = (tuple(w.shape), tuple(w.stride()), reason)
+        if reason is not None and key not in _UNALIGNED_SEEN:
+            _UNALIGNED_SEEN.add(key)
+            warnings.warn(f"w8a16_matmul: the int8 weight {tuple(w.shape)} is {reason}; the CUDA kernels fall back "
+                          "to byte loads (~4x slower). Use a contiguous weight with in_features a multiple of 16",
+                          stacklevel=3)
+
     @torch.library.register_kernel("arkernels::w8a16_matmul", "cuda")
     def _w8a16_matmul_cuda(x, w, w_scale, bias):
         _check_w8a16_matmul(x, w, w_scale, bias)
+        _warn_unaligned(w)
         with torch.cuda.device(x.device):
             return _tk.w8a16_matmul_triton(x, w, w_scale, bias)

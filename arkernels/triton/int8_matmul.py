@@ -319,18 +319,40 @@ def _grid(M, N):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
 
-def _launch(tuned, kernel, M, N, args, flags, config):
+# The config each autotuned shape settled on, keyed as the autotuner keys it (M bucket, N, K, the tensors' dtypes)
+# plus the kernel and its flags: what a launch during a CUDA-graph capture runs.
+_TUNED: dict = {}
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _config_dict(config) -> dict:
+    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _launch(tuned, kernel, M, N, K, args, flags, config):
+    """Launch ``kernel`` for an ``[M, N]`` output: with ``config``, or the autotuner's choice. Never a sweep
+    during a CUDA-graph capture: its benchmarking launches and synchronisations would invalidate the capture, so
+    a capture runs the config the same shape settled on outside it (tune ahead by running the shape once first,
+    as a warm-up before capture does), else the bucket's first config, as ``ARKERNELS_AUTOTUNE=0`` would."""
     bucket = tune_bucket(M)
+    key = (id(tuned), bucket, N, K, tuple(str(a.dtype) for a in args if hasattr(a, "dtype")),
+           tuple(sorted(flags.items())))
     if config is None and autotuning():
-        tuned[_grid(M, N)](*args, bucket, **flags)
-        return
+        if not _capturing():
+            tuned[_grid(M, N)](*args, bucket, **flags)
+            _TUNED[key] = tuned.best_config
+            return
+        config = _TUNED.get(key)
+        config = None if config is None else _config_dict(config)
     if config is not None:
         cfg = dict(config)
     elif interpreting():
         cfg = dict(INTERPRET_CONFIGS[m_class(M)])
-    else:  # ARKERNELS_AUTOTUNE=0 on a GPU: the bucket's first config, as the autotuner would have pruned them
-        first = configs_for(bucket, flags.get("DOT_FP32", False))[0]
-        cfg = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    else:  # ARKERNELS_AUTOTUNE=0 or an untuned shape under capture: the bucket's first config, as the autotuner
+        cfg = _config_dict(configs_for(bucket, flags.get("DOT_FP32", False))[0])  # would have pruned them
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
     kernel[_grid(M, N)(cfg)](*args, bucket, **flags, **cfg, **launch)
 
@@ -352,7 +374,7 @@ def int8_matmul_triton(a, b, a_scale=None, b_scale=None, bias=None, out_dtype=No
     # None -> c, never read: the HAS_* flags compile those loads out.
     vecs = [c if t is None else t.contiguous() for t in (a_scale, b_scale, bias)]
     args = (a, b, c, *vecs, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    _launch(_int8_matmul_tuned, _int8_matmul_kernel, M, N, args, flags, config)
+    _launch(_int8_matmul_tuned, _int8_matmul_kernel, M, N, K, args, flags, config)
     return c
 
 
@@ -427,7 +449,7 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
     args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
             w.stride(0), w.stride(1), out.stride(0), out.stride(1))
     flags = dict(HAS_BIAS=bias is not None, DOT_FP32=dot_fp32)
-    _launch(_w8a16_matmul_tuned, _w8a16_matmul_kernel, M, N, args, flags, config)
+    _launch(_w8a16_matmul_tuned, _w8a16_matmul_kernel, M, N, K, args, flags, config)
     return out
 
 
@@ -443,6 +465,20 @@ REDUCE_BLOCK_N = 1024  # the two-launch path's reduce kernel: columns per progra
 REDUCE_BLOCK: tl.constexpr = tl.constexpr(1024)  # the fused reduce: outputs per step of the last program (8 a thread)
 REDUCES = ("fused", "launch")  # the split-K reduction: by the last program of each tile, or a second launch
 EPOCH_MAX = (1 << 31) - 1  # ticket epochs cycle in [1, EPOCH_MAX]: an int32 kernel argument, a 64-bit ticket tag
+
+
+def weight_unaligned_reason(w: torch.Tensor) -> str | None:
+    """Why the int8 weight ``w [N, K]`` misses the kernels' 16-byte vector loads along K, or None. Triton
+    specializes pointers and integer arguments on divisibility by 16 and strides equal to 1: an aligned,
+    K-contiguous weight whose rows are a multiple of 16 bytes gets those hints (and 16-byte loads) with nothing
+    more; any other view compiles to byte loads, about 4x slower for a memory-bound decode."""
+    if w.shape[0] > 1 and w.stride(1) != 1:
+        return f"not K-contiguous (strides {tuple(w.stride())})"
+    if w.stride(0) % 16 or w.shape[1] % 16:
+        return f"rows of {w.shape[1]} bytes at a stride of {w.stride(0)}: not multiples of 16"
+    if w.data_ptr() % 16:
+        return f"its data starts {w.data_ptr() % 16} bytes past a 16-byte boundary"
+    return None
 
 
 def w8a16_path(M: int, dtype: torch.dtype = torch.bfloat16) -> str:
