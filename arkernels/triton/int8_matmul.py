@@ -23,21 +23,36 @@ W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once
   x is read once per N_TILES tiles, not once per tile. The K reduction on the tensor cores matters: the sm_90
   SASS of an fp32 FMA + shuffle-reduction version of this loop had 9.7 instructions per weight at M = 1 and 21.7
   at M = 4, past the ~7.7 an SM can issue per weight byte at 4.3 TB/s (128 lanes/clk / 16.5 B/clk).
-- 5 <= M <= 16: ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of
-  K_PER_SPLIT; K is split so that about two programs per SM exist even for N = 4096 (64 N tiles of 64), unless
-  the split workspace would pass 10% of the weight bytes (K = 4096 at M = 16: 3 splits, 192 programs).
-- Split-K reduction: partial fp32 sums go to a ``[SPLIT_K, M, N]`` workspace and ``_splitk_reduce_kernel`` adds
-  them in split order (0, 1, ...), then applies scale and bias: no atomics, so the same inputs give the same bits.
-  With one split the matmul kernel applies the epilogue itself and no workspace exists. Tile sizes and split
-  counts are a pure function of (path, M, N, K, SM count) (:func:`w8a16_decode_config`), never autotuned: the
-  bits do not depend on which config a sweep picked, and decode never sweeps.
+- 5 <= M <= 16: ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT.
+- Grids (:func:`w8a16_decode_config`): a pure function of (path, M, N, K, SM count), never autotuned (the bits do
+  not depend on which config a sweep picked; decode never sweeps), planned for whole waves of PROGRAMS_PER_SM
+  programs per SM (4 GEMV, 2 split-K): among the N_TILES (GEMV) or split counts (split-K) the shape allows, the
+  fewest programs within WAVE_SLACK of the best wave efficiency. M = 1 at 4096x14336 on 132 SMs: 3584 programs,
+  6.8 waves of 528, 0.97 busy (the previous 896 programs were 1.7 waves, 0.85). Split-K keeps its workspace under
+  10% of the weight bytes (K = 4096 at M = 16: 3 splits).
+- Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
+  workspace; each program then takes a ticket for its output tile (:func:`_is_last_split`: an int64 atomic tagged
+  with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
+  programs adds the partials in split order (0, 1, ...; four loads in flight per step), then applies scale and
+  bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes first.
+  ``reduce="launch"`` keeps the previous two-launch path (``_splitk_reduce_kernel``, the same order, the same
+  bits) as the benchmark's baseline. With one split the matmul kernel applies the epilogue itself and no workspace
+  or ticket exists. Offline sm_90 compile (triton 3.8, ``triton.compile`` of an ``ASTSource``, then ``cuobjdump
+  -res-usage``): GEMV fused 56 registers, 24 KB shared, split-K fused 56 registers, 36 KB, no local memory.
+- Alignment: Triton specializes pointers and integer arguments divisible by 16 and strides equal to 1; an
+  aligned, K-contiguous weight with rows a multiple of 16 bytes gets 16-byte loads with no hint written here,
+  anything else byte loads (~4x slower). :func:`weight_unaligned_reason` names the cases; the op warns on CUDA and
+  ``Int8Linear`` refuses such layers.
 - int8 -> float: no per-element I2F (a quarter-rate unit on sm_90), :func:`_int8_to`. Triton 3.6 already lowers
   ``w.to(bf16)`` of an int8 tile to the byte-permute / magic-number sequence, two lanes per instruction (sm_90
   offline compile: 64 weights per thread -> 32 HADD2 + ~33 PRMT, 2 I2F in the whole kernel), but ``w.to(fp16)`` to
   one I2F per weight (64 I2F for the same tile): fp16 takes the magic number by hand (0 I2F, 32 HADD2).
 
+Autotuning (prefill, and int8_matmul at any M) never runs during a CUDA-graph capture (:func:`_launch`).
+
 Interpreter (TRITON_INTERPRET=1, CPU tensors): autotuning is skipped (one fixed config per class, or the caller's),
-and the W8A16 dots run in fp32 because the interpreter computes bf16 arithmetic wrongly (its int8 -> bf16 cast
+the tickets' atomics and compare-and-swap loop run as written (programs one after another), and the W8A16 dots
+run in fp32 because the interpreter computes bf16 arithmetic wrongly (its int8 -> bf16 cast
 gives NaN too).
 """
 from __future__ import annotations
@@ -458,7 +473,10 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
 # ---------------------------------------------------------------------------------------------------------------
 GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
 DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
-# Programs resident per SM that a wave is planned with (enough that every SM keeps ~23 KB of loads in flight).
+# Programs per SM that a wave is planned with (enough that every SM keeps ~23 KB of loads in flight). Below the
+# occupancy limit: the offline sm_90 compile (triton 3.8) gives 24 KB / 36 KB of shared memory per GEMV / split-K
+# program, so 8 / 6 fit an SM; by that count the M = 1 4096x14336 plan is 3.4 waves. Which unit the hardware's
+# tail actually follows is for a GPU measurement to decide (one constant per path here).
 PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
 REDUCE_BLOCK_N = 1024  # the two-launch path's reduce kernel: columns per program
