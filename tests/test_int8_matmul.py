@@ -374,9 +374,9 @@ def _plan(M, N, K, num_sms):
 def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
     """The plan is a pure function of (shape, SM count): no device query (any would raise here), equal inputs give
     equal plans. On 132 SMs (H100 / H200) the GEMV grids of the Llama-8B shapes are >= 0.95 busy over whole waves
-    of PROGRAMS_PER_SM x 132, i.e. at least 0.95 of a wave (the old plan's 896 programs at 4096x14336 were 1.7 waves, 0.85); every plan is within
-    WAVE_SLACK of the best split count the workspace bound allows (brute force here, from K_PER_SPLIT alone); splits
-    start on K-tile boundaries; the workspace stays under 10% of the weight bytes."""
+    of PROGRAMS_PER_SM x 132 (the old plan's 896 programs at 4096x14336 were 1.7 waves, 0.85); every plan is
+    within WAVE_SLACK of the best split count the workspace bound allows (brute force here, from K_PER_SPLIT
+    alone); splits start on K-tile boundaries; the workspace stays under 10% of the weight bytes."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the plan queried a device"))
     for num_sms in (132, 114, 78):
         for M in (1, 4, 5, 8, 16):
@@ -398,6 +398,20 @@ def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
             assert eff >= max(tk.wave_efficiency(p, wave) for p in options) - tk.WAVE_SLACK, (M, N, K, cfg)
     assert _plan(1, 4096, 14336, 132)[3] == 3584  # 28 splits x 128 column tiles: 6.8 waves of 528, 0.97 busy
     assert tk.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
+
+
+def test_w8a16_tickets_epochs_and_growth():
+    """Each fused launch takes the next epoch (EPOCH_MAX wraps to 1, never 0: the reset value's tag); a grid with
+    more tiles than the tickets hold gets a larger, zeroed tensor."""
+    t = tk._Tickets()
+    first, e1 = t.take(torch.device("cpu"), 5)
+    assert e1 == 1 and first.numel() >= 5 and not first.any()
+    assert t.take(torch.device("cpu"), 5) == (first, 2)
+    t.epoch = tk.EPOCH_MAX
+    assert t.take(torch.device("cpu"), 5)[1] == 1
+    first[0] = 7
+    grown, _ = t.take(torch.device("cpu"), first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any()
 
 
 def _decode_inputs(M, K, N, seed):
