@@ -812,13 +812,19 @@ def _splitk_reduce_kernel(
 class _Tickets:
     """The fused reduce's tickets of one (device, stream): an int64 tensor, 0 between launches, and the epoch of
     the next launch. Per stream: launches on one stream run one after another, so they can share tickets (two
-    streams could run two launches at once). Grown (a new zeroed tensor) when a grid needs more tiles."""
+    streams could run two launches at once). Grown (a new zeroed tensor) when a grid needs more tiles. A CUDA graph
+    keeps the tickets of the stream it was captured on (torch.cuda.graph's default capture stream is one for all
+    graphs): graphs captured on one stream must not be replayed concurrently on two streams. Created during a
+    capture, the tensor comes from the graph's pool and its zero-fill becomes a node of the graph (harmless: it
+    runs before the graph's launches, which find the reset value anyway)."""
 
     def __init__(self):
-        self.tensor, self.epoch = None, 0
+        self.tensor, self.epoch, self.retired = None, 0, []
 
     def take(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
         if self.tensor is None or self.tensor.numel() < tiles:
+            if self.tensor is not None:  # a captured CUDA graph may hold its address: never freed
+                self.retired.append(self.tensor)
             self.tensor = torch.zeros(max(tiles, 1 << 14), dtype=torch.int64, device=device)  # 128 KB
         self.epoch = self.epoch % EPOCH_MAX + 1
         return self.tensor, self.epoch
