@@ -413,7 +413,7 @@ def test_w8a16_tickets_epochs_and_growth():
     first[0] = 7
     grown, _ = t.take(torch.device("cpu"), first.numel() + 1)
     assert grown.numel() > first.numel() and not grown.any()
-    assert len(t.retired) == 1 and t.retired[0] is first  # kept alive: a graph captured with the old tickets still writes there
+    assert len(t.retired) == 1 and t.retired[0] is first  # kept alive: a graph captured with it still writes there
 
 
 def _decode_inputs(M, K, N, seed):
@@ -559,12 +559,21 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
     if path == "splitk":
         consts.pop("K_HALVES", None)
     assert triton.cdiv(K, cfg["K_PER_SPLIT"]) > 1
-    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False)
+    splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+    block, unroll = tk.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
+    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
+                  REDUCE_BLOCK=block, REDUCE_UNROLL=unroll)
     kernel = "_w8a16_gemv_kernel" if path == "gemv" else "_w8a16_splitk_kernel"
     ptx, sass, res = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
     assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
     assert not re.search(r"\b(?:STL|LDL)\b", sass)
     assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
+    # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
+    # trip, not one (masked loads were serialised on predicate registers: one load per addition)
+    ins = [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
+    first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
+    ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
+    assert sum("LDG.E.STRONG.GPU" in x for x in ins[first:first + ahead]) >= min(unroll, 8), ins[first:first + ahead]
     wide = len(re.findall(WIDE_GLOBAL_LOAD, ptx))
     ptx_unaligned, _, _ = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)
     wide_unaligned = len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))

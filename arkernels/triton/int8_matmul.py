@@ -33,12 +33,13 @@ W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once
 - Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
   workspace; each program then takes a ticket for its output tile (:func:`_is_last_split`: an int64 atomic tagged
   with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
-  programs adds the partials in split order (0, 1, ...; four loads in flight per step), then applies scale and
-  bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes first.
-  ``reduce="launch"`` keeps the previous two-launch path (``_splitk_reduce_kernel``, the same order, the same
-  bits) as the benchmark's baseline. With one split the matmul kernel applies the epilogue itself and no workspace
-  or ticket exists. Offline sm_90 compile (triton 3.8, ``triton.compile`` of an ``ASTSource``, then ``cuobjdump
-  -res-usage``): GEMV fused 56 registers, 24 KB shared, split-K fused 56 registers, 36 KB, no local memory.
+  programs adds the partials in split order (0, 1, ...; up to 16 splits' loads in flight at once), then applies
+  scale and bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes
+  first. ``reduce="launch"`` keeps the previous two-launch path (``_splitk_reduce_kernel``, the same order, the
+  same bits) as the benchmark's baseline. With one split the matmul kernel applies the epilogue itself and no
+  workspace or ticket exists. Offline sm_90 compile (triton 3.8, ``triton.compile`` of an ``ASTSource``, then
+  ``cuobjdump``; tests/test_int8_matmul.py): GEMV fused 64 registers, 24 KB shared, split-K fused 69 registers,
+  36 KB, no local memory; 13 of the GEMV reduce's 16 partial loads issue before its first addition.
 - Alignment: Triton specializes pointers and integer arguments divisible by 16 and strides equal to 1; an
   aligned, K-contiguous weight with rows a multiple of 16 bytes gets 16-byte loads with no hint written here,
   anything else byte loads (~4x slower). :func:`weight_unaligned_reason` names the cases; the op warns on CUDA and
@@ -480,7 +481,7 @@ DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M)
 PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
 REDUCE_BLOCK_N = 1024  # the two-launch path's reduce kernel: columns per program
-REDUCE_BLOCK: tl.constexpr = tl.constexpr(1024)  # the fused reduce: outputs per step of the last program (8 a thread)
+REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
 REDUCES = ("fused", "launch")  # the split-K reduction: by the last program of each tile, or a second launch
 EPOCH_MAX = (1 << 31) - 1  # ticket epochs cycle in [1, EPOCH_MAX]: an int32 kernel argument, a 64-bit ticket tag
 
@@ -513,6 +514,16 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: as few, large programs as possible (~0.5 ms per program instance)
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def reduce_shape(M: int, cols: int, split_k: int, num_warps: int = 4) -> tuple[int, int]:
+    """(BLOCK, UNROLL) of the fused reduce over ``M x cols`` outputs and ``split_k`` splits: as many splits per
+    trip as exist (up to 16, a power of two), then as many outputs per step as keep REDUCE_LOADS_PER_THREAD loads
+    in flight per thread. M = 1, 28 splits of 32 columns: (32, 16), 2 trips; M = 16, 4 splits of 64: (1024, 4)."""
+    unroll = min(16, triton.next_power_of_2(max(split_k, 1)))
+    threads = 32 * num_warps
+    block = min(triton.next_power_of_2(M * cols), max(threads, threads * REDUCE_LOADS_PER_THREAD // unroll))
+    return block, unroll
 
 
 def wave_efficiency(programs: int, wave: int) -> float:
@@ -638,36 +649,38 @@ def _is_last_split(ticket_ptr, epoch):
 
 
 @triton.jit
-def _load_partial(p_ptrs, s, SPLIT_K, M, N, mask):
-    """Split ``s``'s partial sums at ``p_ptrs`` (offsets into ``part [SPLIT_K, M, N]``); zeros past the last split."""
-    return tl.load(p_ptrs + tl.cast(s, tl.int64) * M * N, mask=mask & (s < SPLIT_K), other=0.0, cache_modifier=".cg")
+def _load_partial(p_ptrs, s, SPLIT_K, M, N):
+    """Split ``s``'s partial sums at ``p_ptrs`` (offsets into ``part [SPLIT_K, M, N]``); past the last split, the
+    last split's (a valid address, discarded by the caller)."""
+    s = tl.minimum(s, SPLIT_K - 1)
+    return tl.load(p_ptrs + tl.cast(s, tl.int64) * M * N, cache_modifier=".cg")
 
 
 @triton.jit
 def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
-                   HAS_BIAS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
     """The last program's reduction of columns ``[col0, col0 + COLS)`` of every row: ``out = (sum over s = 0,
     1, ... of part[s]) * w_scale + bias``, the splits added one after another in split order, so the bits do not
-    depend on which split finished first (and equal the two-launch reduce's). Four splits' loads are issued
-    before the first of their additions (one L2 round trip per four splits, not per split); ``.cg``: the other
-    programs' partials are read from L2, never from a line this SM's L1 might hold."""
+    depend on which split finished first (and equal the two-launch reduce's). UNROLL splits per loop trip, fully
+    unrolled into one basic block: their loads do not depend on the sums, so they are all issued before the first
+    addition (one L2 round trip per UNROLL splits: 2 for the 28 splits of K = 14336); ``.cg``: the other programs'
+    partials are read from L2, never from a line this SM's L1 might hold. BLOCK x UNROLL / threads <= 32 loads in
+    flight per thread (:func:`reduce_shape`), under the GEMV's own register use."""
     SPLIT_K = tl.num_programs(1)
     for r0 in range(0, M * COLS, BLOCK):
         idx = r0 + tl.arange(0, BLOCK)
         rows = idx // COLS  # COLS is a power of two: a shift
         cols = col0 + idx % COLS
         mask = (rows < M) & (cols < N)
-        p_ptrs = part_ptr + rows * N + cols  # < 2^31: M <= 16 rows of N < 2^27 columns (checked on the host)
+        # < 2^31: M <= 16 rows of N < 2^27 columns (checked on the host). Lanes past M / N read element 0 and splits
+        # past the last read the last one (both valid, then discarded): unmasked loads, because ptxas serialises
+        # masked ones on the few predicate registers (offline SASS: one load per addition, not UNROLL at once)
+        p_ptrs = part_ptr + tl.where(mask, rows * N + cols, 0)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s0 in range(0, SPLIT_K, 4):  # four loads in flight, then their four additions in split order
-            p0 = _load_partial(p_ptrs, s0, SPLIT_K, M, N, mask)
-            p1 = _load_partial(p_ptrs, s0 + 1, SPLIT_K, M, N, mask)
-            p2 = _load_partial(p_ptrs, s0 + 2, SPLIT_K, M, N, mask)
-            p3 = _load_partial(p_ptrs, s0 + 3, SPLIT_K, M, N, mask)
-            acc = acc + p0
-            acc = tl.where(s0 + 1 < SPLIT_K, acc + p1, acc)  # no + 0.0 past the last split: -0.0 stays -0.0
-            acc = tl.where(s0 + 2 < SPLIT_K, acc + p2, acc)
-            acc = tl.where(s0 + 3 < SPLIT_K, acc + p3, acc)
+        for s0 in range(0, SPLIT_K, UNROLL):
+            for u in tl.static_range(UNROLL):
+                # no + 0.0 past the last split (a -0.0 sum stays -0.0, as in the two-launch reduce)
+                acc = tl.where(s0 + u < SPLIT_K, acc + _load_partial(p_ptrs, s0 + u, SPLIT_K, M, N), acc)
         _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
 
 
@@ -706,6 +719,7 @@ def _w8a16_gemv_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > K_HALVES * BLOCK_K, partial sums to part_ptr
     FUSED: tl.constexpr,  # with SPLIT: the last program of each column group reduces (else a second launch)
+    REDUCE_BLOCK: tl.constexpr, REDUCE_UNROLL: tl.constexpr,  # the fused reduce's shape (reduce_shape)
     EVEN_K: tl.constexpr,  # K_HALVES * BLOCK_K divides K: no K masks
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (bf16 arithmetic is wrong there): the dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
@@ -737,7 +751,7 @@ def _w8a16_gemv_kernel(
     if SPLIT and FUSED:
         if _is_last_split(ticket_ptr + pid_n, epoch):
             _reduce_splits(part_ptr, pid_n * (N_TILES * BLOCK_N), M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om,
-                           stride_on, HAS_BIAS, N_TILES * BLOCK_N, REDUCE_BLOCK)
+                           stride_on, HAS_BIAS, N_TILES * BLOCK_N, REDUCE_BLOCK, REDUCE_UNROLL)
 
 
 @triton.jit(do_not_specialize=["epoch"])
@@ -747,6 +761,7 @@ def _w8a16_splitk_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     K_PER_SPLIT,  # a multiple of BLOCK_K: splits start on K-tile boundaries, only the last tile of K is partial
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
+    REDUCE_BLOCK: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the interpreter (bf16 arithmetic is wrong there): an fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
 ):
@@ -781,7 +796,7 @@ def _w8a16_splitk_kernel(
     if SPLIT and FUSED:
         if _is_last_split(ticket_ptr + pid_n, epoch):
             _reduce_splits(part_ptr, pid_n * BLOCK_N, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
-                           HAS_BIAS, BLOCK_N, REDUCE_BLOCK)
+                           HAS_BIAS, BLOCK_N, REDUCE_BLOCK, REDUCE_UNROLL)
 
 
 @triton.jit
@@ -861,8 +876,9 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
     args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1), w.stride(0),
             w.stride(1), out.stride(0), out.stride(1))
+    block, unroll = reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], split_k, launch.get("num_warps", 4))
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
-                 DOT_FP32=dot_fp32)
+                 DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1)
     if path == "gemv":
         _w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)
     else:
