@@ -26,7 +26,19 @@ MODES = ("w8a16", "w8a8")
 # rows for Hopper wgmma) is mostly padding and the per-token quantization is one more launch, while both paths
 # read the same int8 weight bytes, which is all a decode step costs. Prefill (M >= 17) takes the int8 tensor cores.
 W8A8_MIN_M = 17
+# The int8 weight's row length must be a multiple of this many bytes: the CUDA kernels then load 16-byte vectors
+# along K (Triton specializes on 16-divisible strides and sizes). A 4099-byte row would fall back to byte loads, about
+# 4x slower, silently: such layers are refused here (and quantize() keeps them in float), never run slow.
+WEIGHT_ALIGN = 16
 FORMAT = "arkernels-int8"  # safetensors metadata "format"; "int8_layers" holds {module name: mode} as JSON
+
+
+def unaligned_reason(in_features: int) -> str | None:
+    """Why an int8 weight of ``in_features`` columns cannot take the kernels' aligned path, or None."""
+    if in_features % WEIGHT_ALIGN:
+        return (f"in_features={in_features} is not a multiple of {WEIGHT_ALIGN}: its int8 weight rows would not be "
+                f"{WEIGHT_ALIGN}-byte aligned and the CUDA kernels would fall back to byte loads (~4x slower)")
+    return None
 
 
 def _check_mode(mode: str) -> str:
@@ -45,12 +57,17 @@ class Int8Linear(nn.Module):
     ``forward(x)``: ``x [..., in_features]`` float32/float16/bfloat16 -> ``[..., out_features]`` in x's dtype, the
     ``nn.Linear`` contract. The layer is inference-only (no gradients flow to the int8 weight). The kernel follows
     the number of rows M (a shape, so no host sync, and a guard rather than a graph break under torch.compile):
-    see :meth:`path`.
+    see :meth:`path`. ``in_features`` must be a multiple of WEIGHT_ALIGN (16): otherwise construction raises
+    ValueError, as the CUDA kernels would read the unaligned weight rows byte by byte (~4x slower).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "w8a16",
                  device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        reason = unaligned_reason(in_features)
+        if reason is not None:
+            raise ValueError(f"Int8Linear: {reason}; keep this layer in float (quantize() does so itself) or pad "
+                             f"in_features to a multiple of {WEIGHT_ALIGN}")
         self.in_features, self.out_features, self.mode = in_features, out_features, _check_mode(mode)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
@@ -101,15 +118,19 @@ class QuantizeReport:
 
     mode: str
     layers_replaced: int
-    layers_skipped: list[str]
+    layers_skipped: list[str]  # by the skip patterns, then the unaligned ones
     bytes_before: int
     bytes_after: int
+    layers_unaligned: list[str] = dataclasses.field(default_factory=list)  # kept in float: see unaligned_reason
 
     def __str__(self) -> str:
         mib = 1 << 20
+        unaligned = (f"; {len(self.layers_unaligned)} of them for in_features not a multiple of {WEIGHT_ALIGN}"
+                     if self.layers_unaligned else "")
         return (f"quantize({self.mode}): {self.layers_replaced} Linear layers replaced, "
                 f"{len(self.layers_skipped)} skipped ({', '.join(self.layers_skipped[:4])}"
-                f"{', ...' if len(self.layers_skipped) > 4 else ''}); "
+                f"{', ...' if len(self.layers_skipped) > 4 else ''}"
+                f"{unaligned}); "
                 f"{self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB "
                 f"({self.bytes_before / max(self.bytes_after, 1):.2f}x smaller)")
 
@@ -158,7 +179,8 @@ def quantize(model: nn.Module, mode: str = "w8a16", skip: Iterable[str] = ("lm_h
             prefill-heavy use).
         skip: module names to keep in float: a full name (``"model.layers.0.mlp"``), a trailing name
             (``"lm_head"``), or an fnmatch pattern (``"*.gate_proj"``). The default keeps the output head, whose
-            error feeds the logits directly (and whose weight is often tied to the embedding).
+            error feeds the logits directly (and whose weight is often tied to the embedding). Layers whose
+            in_features is not a multiple of WEIGHT_ALIGN stay in float too (listed in ``layers_unaligned``).
         progress: a progress bar (tqdm) over the layers; None: only for 64+ layers on a terminal.
 
     Returns:
@@ -178,13 +200,18 @@ def quantize(model: nn.Module, mode: str = "w8a16", skip: Iterable[str] = ("lm_h
                 "int8 layers would drop its collectives. Quantize a model loaded without tp_plan, or run tensor "
                 "parallelism in float")
     before = _model_bytes(model)
-    targets, skipped = [], []
+    targets, skipped, unaligned = [], [], []
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
-            (skipped if _skipped(name, skip) else targets).append(name)
+            if _skipped(name, skip):
+                skipped.append(name)
+            elif unaligned_reason(module.in_features) is not None:
+                unaligned.append(name)
+            else:
+                targets.append(name)
     for name in _progress(targets, len(targets), progress, f"quantize({mode})"):
         _set_submodule(model, name, Int8Linear.from_linear(model.get_submodule(name), mode))
-    return QuantizeReport(mode, len(targets), skipped, before, _model_bytes(model))
+    return QuantizeReport(mode, len(targets), skipped + unaligned, before, _model_bytes(model), unaligned)
 
 
 def save_quantized(model: nn.Module, path: str) -> None:

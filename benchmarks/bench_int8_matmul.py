@@ -21,6 +21,13 @@ First GPU run: Triton autotune sweeps, one per (kernel, M bucket, N, K, dtype); 
 are reused across buckets, so a bucket costs its benchmark sweep (~9 configs), not its compiles. The decode paths
 never sweep. ``--shapes 14336x4096 --ms 1 16 4096`` is the short form that covers both goals.
 
+Fused vs two-launch split-K reduce (decode rows, M <= 16): ``w8a16-fused`` and ``w8a16-2launch`` call the Triton
+decode kernels directly with ``reduce="fused"`` (the last program of each tile adds the splits: one launch) and
+``reduce="launch"`` (the previous design: partial sums, then a reduce kernel); both are checked to give the same
+bits (and the reference's values) before timing. On a GPU in x's dtype (bf16); on the CPU only under
+TRITON_INTERPRET=1, forcing the decode paths with fp32 x (the interpreter's dots run in fp32 anyway), where the
+times only show the rows work.
+
 GPU goals (issue 15, H200): w8a16 at M <= 16 >= 80% of copy bandwidth and >= 1.8x bf16 F.linear; w8a8 at
 M = 4096 >= 1.7x bf16. On the CPU (``--quick``, CI) the ops run their CPU implementations in fp32; the figures
 there only show the benchmark works.
@@ -39,6 +46,7 @@ from _common import device_name, parser, print_table, timeit, write_results  # n
 
 import arkernels  # noqa: E402
 from arkernels.reference.int8_matmul import int8_matmul_ref, w8a16_matmul_ref  # noqa: E402
+from arkernels.triton import int8_matmul as tk  # noqa: E402
 
 LLAMA_8B = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (N, K) = (out_features, in_features)
 MS_DECODE = [1, 2, 4, 8, 16]
@@ -46,6 +54,7 @@ MS_PREFILL = [512, 1024, 2048, 4096, 8192]
 QUICK_SHAPES = [(1024, 512), (512, 1024)]
 MS_QUICK = [1, 16, 128]
 ROTATE_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
+DECODE_REDUCE_ROWS = ("w8a16-fused", "w8a16-2launch")  # the Triton decode kernels, reduce="fused" / "launch"
 
 
 def _check_rows(M):
@@ -78,6 +87,22 @@ def check(x, w_q, w_s, x_q, x_s, dtype, torch_wo):
     got = arkernels.int8_matmul(x_q, w_q, x_s, w_s, out_dtype=dtype)[rows]
     _assert_close(got, int8_matmul_ref(xqr, wq, xsr, ws), dtype,
                   int8_matmul_ref(xqr.double().abs(), wq.double().abs(), xsr, ws), "int8_matmul (scaled)")
+
+
+def decode_reduce_impls(x, w_q, w_s, dtype, nbytes):
+    """The fused and two-launch split-K reduce rows (see the module docstring), checked against each other (same
+    bits) and against the reference before they are timed."""
+    path = tk.w8a16_path(x.shape[0], torch.bfloat16)  # fp32 x (CPU interpreter) forced onto the same decode path
+    fns = {name: (lambda ws, r=reduce: tk.w8a16_matmul_triton(x, ws[1], ws[2], path=path, reduce=r))
+           for name, reduce in zip(DECODE_REDUCE_ROWS, ("fused", "launch"))}
+    ws = (None, w_q, w_s)
+    fused, two = fns["w8a16-fused"](ws), fns["w8a16-2launch"](ws)
+    assert torch.equal(fused, two), "w8a16: the fused and the two-launch reduce differ"
+    rows = _check_rows(x.shape[0])
+    xr, wq, wsc = x[rows].cpu(), w_q.cpu(), w_s.cpu()
+    _assert_close(fused[rows], w8a16_matmul_ref(xr, wq, wsc), dtype,
+                  w8a16_matmul_ref(xr.double().abs(), wq.double().abs(), wsc), "w8a16 fused reduce")
+    return {name: (fn, nbytes) for name, fn in fns.items()}
 
 
 def copy_bandwidth(device) -> float:
@@ -123,7 +148,12 @@ def bench_shape(M, N, K, dtype, device, torch_wo, copy_gbps):
     }
     if device != "cuda" or M > 16:  # cuBLAS int8 (torch._int_mm) needs M > 16 on CUDA
         impls["torch._int_mm"] = (lambda ws: torch._int_mm(x_q, ws[1].t()), M * K + N * K + 4 * M * N)
-    times = {name: timeit(lambda fn=fn: fn(pick()), device=device) for name, (fn, _) in impls.items()}
+    if M <= tk.DECODE_MAX_M and (device == "cuda" or tk.interpreting()):
+        impls.update(decode_reduce_impls(x, w_q, w_s, dtype, e * M * K + N * K + 4 * N + e * M * N))
+    # the interpreter's decode rows: one timed call each (a call is ~0.5 s there; --quick stays quick)
+    slow = dict(warmup=0, iters=1) if device != "cuda" else {}
+    times = {name: timeit(lambda fn=fn: fn(pick()), device=device, **(slow if name in DECODE_REDUCE_ROWS else {}))
+             for name, (fn, _) in impls.items()}
     rows = []
     for name, (_, nbytes) in impls.items():
         t = times[name]

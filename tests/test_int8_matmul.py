@@ -321,7 +321,8 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
 
 @pytest.mark.parametrize("path", ["gemv", "splitk"])
 def test_w8a16_decode_deterministic_and_default_config(path):
-    """The same call twice gives the same bits (fixed split order, no atomics), with the shape-derived config."""
+    """The same call twice gives the same bits (fixed split order: the ticket only decides which program adds),
+    with the shape-derived config."""
     gen = torch.Generator().manual_seed(21)
     M = 3 if path == "gemv" else 11
     x, w, w_scale, bias = _w8a16_case(M, 2000, 40, torch.bfloat16, gen)
@@ -360,20 +361,293 @@ def test_w8a16_path_follows_m(monkeypatch):
     assert taken == ["gemv", "gemv", "splitk", "splitk", "tiled"]
 
 
-@pytest.mark.parametrize("N,K", [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (971, 34)])
-def test_w8a16_decode_config_fills_the_gpu(N, K):
-    """On 132 SMs (H200) the Llama-8B decode shapes get at least PROGRAMS_PER_SM programs per SM, splits start on
-    K-tile boundaries, and the split-K workspace stays under 10% of the weight bytes (it is written and read once)."""
-    for M in (1, 4, 8, 16):
-        path = tk.w8a16_path(M)
-        cfg = tk.w8a16_decode_config(path, M, N, K, 132)
-        assert cfg["K_PER_SPLIT"] % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= M
-        splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
-        programs = triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]) * splits
-        if N * K >= 4096 * 4096:
-            assert 2 * splits * M * N * 4 <= 0.1 * N * K, (M, path, cfg)
-            workspace_bound = path == "splitk" and splits == K // (80 * M)
-            assert programs >= tk.PROGRAMS_PER_SM[path] * 132 or workspace_bound, (M, path, cfg, programs)
+LLAMA_8B_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
+
+
+def _plan(M, N, K, num_sms):
+    path = tk.w8a16_path(M)
+    cfg = tk.w8a16_decode_config(path, M, N, K, num_sms)
+    splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+    return path, cfg, splits, triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]) * splits
+
+
+@pytest.mark.parametrize("N,K", LLAMA_8B_NK + [(971, 34), (152064, 3584)])
+def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
+    """The plan is a pure function of (shape, SM count): no device query (any would raise here), equal inputs give
+    equal plans. On 132 SMs (H100 / H200) the GEMV grids of the Llama-8B shapes are >= 0.95 busy over whole waves
+    of PROGRAMS_PER_SM x 132 (the old plan's 896 programs at 4096x14336 were 1.7 waves, 0.85); every plan is
+    within WAVE_SLACK of the best split count the workspace bound allows (brute force here, from K_PER_SPLIT
+    alone); splits start on K-tile boundaries; the workspace stays under 10% of the weight bytes."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the plan queried a device"))
+    for num_sms in (132, 114, 78):
+        for M in (1, 4, 5, 8, 16):
+            path, cfg, splits, programs = _plan(M, N, K, num_sms)
+            assert (path, cfg, splits, programs) == _plan(M, N, K, num_sms)
+            assert cfg["K_PER_SPLIT"] % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= M
+            wave = tk.PROGRAMS_PER_SM[path] * num_sms
+            eff = tk.wave_efficiency(programs, wave)
+            if N * K >= 4096 * 4096:
+                assert 2 * splits * M * N * 4 <= 0.1 * N * K, (M, path, cfg)
+            if path == "gemv":
+                options = [triton.cdiv(triton.cdiv(N, cfg["BLOCK_N"]), t) * splits for t in (1, 2, 4, 8, 16)]
+                if (N, K) in LLAMA_8B_NK and num_sms == 132:
+                    assert eff >= 0.95, (M, N, K, cfg, programs)
+            else:
+                k_blocks = triton.cdiv(K, cfg["BLOCK_K"])
+                options = [triton.cdiv(N, 64) * triton.cdiv(K, triton.cdiv(k_blocks, s) * cfg["BLOCK_K"])
+                           for s in range(1, max(1, min(k_blocks, K // (80 * M))) + 1)]
+            assert eff >= max(tk.wave_efficiency(p, wave) for p in options) - tk.WAVE_SLACK, (M, N, K, cfg)
+    assert _plan(1, 4096, 14336, 132)[3] == 3584  # 28 splits x 128 column tiles: 6.8 waves of 528, 0.97 busy
+    assert tk.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
+
+
+def test_w8a16_tickets_epochs_and_growth():
+    """Each fused launch takes the next epoch (EPOCH_MAX wraps to 1, never 0: the reset value's tag); a grid with
+    more tiles than the tickets hold gets a larger, zeroed tensor."""
+    t = tk._Tickets()
+    first, e1 = t.take(torch.device("cpu"), 5)
+    assert e1 == 1 and first.numel() >= 5 and not first.any()
+    assert t.take(torch.device("cpu"), 5) == (first, 2)
+    t.epoch = tk.EPOCH_MAX
+    assert t.take(torch.device("cpu"), 5)[1] == 1
+    first[0] = 7
+    grown, _ = t.take(torch.device("cpu"), first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any()
+    assert len(t.retired) == 1 and t.retired[0] is first  # kept alive: a graph captured with it still writes there
+
+
+def _decode_inputs(M, K, N, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, w, w_scale, bias = _w8a16_case(M, K, N, torch.bfloat16, gen)
+    return [t.to(TRITON_DEVICE) for t in (x, w, w_scale, bias)]
+
+
+def _tickets_state():
+    t = tk._TICKETS.get((torch.device(TRITON_DEVICE), 0))
+    return None if t is None else (t.tensor.clone(), t.epoch)
+
+
+FUSED_CASES = [("gemv", 1, GEMV_CFG), ("gemv", 4, GEMV_CFG), ("splitk", 5, SPLITK_CFG), ("splitk", 16, SPLITK_CFG)]
+
+
+@pytest.mark.parametrize("path,M,cfg", FUSED_CASES)
+def test_w8a16_fused_reduce_same_bits(path, M, cfg):
+    """The fused reduce (the last program of each tile adds the splits in split order) gives the two-launch
+    path's bits, the same bits on every run, and the reference's values; it leaves every ticket at 0 and takes a
+    new epoch per launch. K = 600 over splits of 256 / 192: 3 / 4 splits, the last one partial."""
+    x, w, w_scale, bias = _decode_inputs(M, 600, 130, seed=M)
+    runs = [tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path) for _ in range(2)]
+    before = _tickets_state()
+    two_launch = tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path, reduce="launch")
+    assert _tickets_state()[1] == before[1]  # the two-launch path takes no ticket
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], two_launch)
+    assert not _tickets_state()[0].any()
+    _check_w8a16(runs[0].cpu(), x.cpu(), w.cpu(), w_scale.cpu(), bias.cpu())
+    with pytest.raises(ValueError, match="w8a16_matmul: reduce must be one of"):
+        tk.w8a16_matmul_triton(x, w, w_scale, bias, path=path, reduce="atomic")
+
+
+def test_w8a16_decode_same_bits_across_m_in_the_gemv_class():
+    """A row's output does not depend on the other rows of its GEMV batch (M = 1..4: one plan, rows padded to the
+    same 16-row dot): row r of an M = 4 call has the bits of the M = 1 call on row r alone. The split-K class (5..16)
+    is deterministic per M (test above); its split count follows M (the workspace bound), so its bits may not."""
+    x, w, w_scale, bias = _decode_inputs(4, 1100, 70, seed=3)
+    full = tk.w8a16_matmul_triton(x, w, w_scale, bias, path="gemv")
+    assert triton.cdiv(1100, tk.w8a16_decode_config("gemv", 4, 70, 1100, 1)["K_PER_SPLIT"]) == 3  # 3 splits
+    for m in range(4):
+        assert torch.equal(tk.w8a16_matmul_triton(x[m:m + 1], w, w_scale, bias, path="gemv")[0], full[m])
+    assert torch.equal(tk.w8a16_matmul_triton(x[1:3], w, w_scale, bias, path="gemv"), full[1:3])
+
+
+@pytest.mark.parametrize("path,M,cfg", FUSED_CASES[1:3])
+def test_w8a16_tickets_survive_an_aborted_launch(path, M, cfg):
+    """What an aborted launch leaves (some of its programs never arrived, so its last never reset the tickets:
+    counts 1..S-1 under its epoch), or any garbage, does not change the next launch's bits, and that launch
+    leaves the tickets at 0 again. Sensitivity: the same stale counts under the *next* launch's own epoch (what
+    the tag exists to tell apart) do mis-combine: the ticket logic really runs (also under the interpreter)."""
+    x, w, w_scale, bias = _decode_inputs(M, 600, 130, seed=7 + M)
+    good = tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path)
+    tickets, epoch = _tickets_state()
+    n = 3  # column tiles of N = 130: 130 / (32 x 2) (gemv) or 130 / 64 (split-K)
+    splits = triton.cdiv(600, cfg["K_PER_SPLIT"])
+    live = tk._TICKETS[(torch.device(TRITON_DEVICE), 0)].tensor
+    assert splits > 1
+    stale = [(epoch << 32) | (1 + i % (splits - 1)) for i in range(n)]  # epoch's launch aborted after k < S arrivals
+    garbage = [-1, (123 << 32) | 77, 1 << 40]
+    for poison in (stale, garbage, [0xFFFFFFFF] * n):
+        live[:n] = torch.tensor(poison[:n], dtype=torch.int64)
+        assert torch.equal(tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path), good)
+        assert not live.any()
+    # the negative control: the next epoch's tag with a count of 1 makes its second-to-last program the "last"
+    x2, w2, w_scale2, bias2 = _decode_inputs(M, 600, 130, seed=99 + M)
+    want = tk.w8a16_matmul_triton(x2, w2, w_scale2, bias2, config=cfg, path=path)
+    nxt = tk._TICKETS[(torch.device(TRITON_DEVICE), 0)].epoch % tk.EPOCH_MAX + 1
+    live[:n] = (nxt << 32) | 1
+    early = tk.w8a16_matmul_triton(x2.clone(), w2, w_scale2, bias2, config=cfg, path=path)
+    assert not torch.equal(early, want)
+    live.zero_()
+
+
+def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
+    """Offline compile of a decode kernel for sm_90 (no GPU needed: triton's own ptxas), in a subprocess without
+    TRITON_INTERPRET (under it the kernels are interpreted functions, which do not compile) -> (PTX, SASS,
+    resource-usage match). ``aligned``: the divisibility-by-16 facts Triton's launcher specializes an aligned
+    weight on."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(bin_dir, "cuobjdump")):
+        pytest.skip("triton's wheel ships no cuobjdump here")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    job = json.dumps([kernel_name, consts, num_warps, num_stages, aligned])
+    done = subprocess.run([sys.executable, __file__, job], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    return got["ptx"], got["sass"], re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", got["res"])
+
+
+def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
+    """The subprocess side of :func:`_compile_sm90`: prints {ptx, sass, res} as one JSON line."""
+    import inspect
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(tk, kernel_name)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    names = list(inspect.signature(kernel.fn).parameters)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*i8", w_scale_ptr="*fp32", bias_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
+                ticket_ptr="*i64")
+    consts = dict(consts, stride_xk=1, stride_wk=1, stride_on=1)  # unit strides: specialized as constants
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    hinted = {n for n in ptrs} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "K_PER_SPLIT"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and n in hinted and (aligned or n not in ("w_ptr", "stride_wn", "K"))}
+    k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 64),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        run = lambda *a: subprocess.run([os.path.join(bin_dir, "cuobjdump"), *a, f.name], capture_output=True,  # noqa
+                                        text=True, check=True).stdout
+        print(json.dumps(dict(ptx=k.asm["ptx"], sass=run("-sass"), res=run("-res-usage"))))
+
+
+# 16-byte loads from global memory (PTX): cp.async of 0x10 bytes, or a 4 x 32-bit vector load
+WIDE_GLOBAL_LOAD = r"cp\.async\.\w+\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;]|ld\.global[.\w]*\.v4\."
+
+
+@pytest.mark.parametrize("path,M,N,K", [("gemv", 1, 4096, 14336), ("splitk", 8, 4096, 14336)])
+def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
+    """The fused decode kernels compile offline for sm_90 with the planned config: no local memory (no spills,
+    STL/LDL), the ticket's atomics and the partials' L2 (.cg) loads present, the weight read by 16-byte vector
+    loads when aligned (GEMV: 8 ld.global.v4 per tile; split-K: cp.async of 16 bytes), and byte loads without the
+    divisibility facts (GEMV: 128 ld.global.b8; the silent 4x the op now warns about and Int8Linear refuses).
+    ~30-40 s of compiles per case on 2 cores."""
+    import re
+
+    cfg = tk.w8a16_decode_config(path, M, N, K, 132)
+    consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
+    if path == "splitk":
+        consts.pop("K_HALVES", None)
+    assert triton.cdiv(K, cfg["K_PER_SPLIT"]) > 1
+    splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+    block, unroll = tk.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
+    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
+                  REDUCE_BLOCK=block, REDUCE_UNROLL=unroll)
+    kernel = "_w8a16_gemv_kernel" if path == "gemv" else "_w8a16_splitk_kernel"
+    ptx, sass, res = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
+    assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
+    assert not re.search(r"\b(?:STL|LDL)\b", sass)
+    assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
+    # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
+    # trip, not one (masked loads were serialised on predicate registers: one load per addition)
+    ins = [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
+    first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
+    ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
+    assert sum("LDG.E.STRONG.GPU" in x for x in ins[first:first + ahead]) >= min(unroll, 8), ins[first:first + ahead]
+    wide = len(re.findall(WIDE_GLOBAL_LOAD, ptx))
+    ptx_unaligned, _, _ = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)
+    wide_unaligned = len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
+    assert wide > wide_unaligned, (wide, wide_unaligned)
+    assert "ld.global.b8" not in ptx and "ld.global.b8" in ptx_unaligned  # aligned: no byte loads at all
+
+
+class _FakeConfig:
+    def __init__(self, **kw):
+        self.kwargs, self.num_warps, self.num_stages = kw, 8, 3
+
+
+class _Recorder:
+    """Stands in for a Triton kernel / autotuner: records how it was launched, never compiles anything."""
+
+    def __init__(self, best=None):
+        self.calls, self.best_config = [], best
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(kw)
+
+
+def test_no_autotuning_during_graph_capture(monkeypatch):
+    """A launch while the stream captures a CUDA graph never runs the autotuner (its benchmark launches and syncs
+    would break the capture): it takes the config the same shape settled on before the capture (tuned ahead by
+    the warm-up), else the bucket's first config. Outside a capture the autotuner runs. Mocked: no GPU here."""
+    monkeypatch.setattr(tk, "autotuning", lambda: True)
+    monkeypatch.setattr(tk, "interpreting", lambda: False)  # as on a GPU
+    capturing = [False]
+    monkeypatch.setattr(tk, "_capturing", lambda: capturing[0])
+    tuned, kernel = _Recorder(best=_FakeConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, GROUP_M=1)), _Recorder()
+    a = torch.zeros(8, 64, dtype=torch.int8)
+    args = (a, a, a, a, a, a, 8, 8, 64, 64, 1, 64, 1, 8, 1)
+    flags = dict(HAS_A_SCALE=True, HAS_B_SCALE=True, HAS_BIAS=False, EPILOGUE=True)
+    monkeypatch.setattr(tk, "_TUNED", {})
+    for M in (1, 8):  # w8a8 at M <= 16: buckets 1 and 16
+        capturing[0] = True  # a capture before any tuning of this shape: the bucket's first config, no sweep
+        tk._launch(tuned, kernel, M, 8, 64, args, flags, None)
+        first = tk.configs_for(tk.tune_bucket(M))[0]
+        assert not tuned.calls and kernel.calls[-1]["BLOCK_N"] == first.kwargs["BLOCK_N"]
+        assert kernel.calls[-1]["num_warps"] == first.num_warps
+        capturing[0] = False  # the warm-up outside the capture tunes
+        tk._launch(tuned, kernel, M, 8, 64, args, flags, None)
+        assert len(tuned.calls) == 1
+        capturing[0] = True  # the capture replays the tuned choice, still without a sweep
+        tk._launch(tuned, kernel, M, 8, 64, args, flags, None)
+        assert len(tuned.calls) == 1 and kernel.calls[-1]["BLOCK_N"] == 128 and kernel.calls[-1]["num_stages"] == 3
+        tuned.calls.clear()
+    capturing[0] = True  # another K: not tuned, back to the first config
+    tk._launch(tuned, kernel, 1, 8, 128, args, flags, None)
+    assert not tuned.calls and kernel.calls[-1]["BLOCK_N"] == tk.configs_for(1)[0].kwargs["BLOCK_N"]
+
+
+def test_w8a16_unaligned_weight_reason_and_warning():
+    """The aligned fast path's conditions (Triton's 16-divisibility and unit-stride specializations) are named for
+    any weight view that misses them; on CUDA the op warns once per view shape (never a silent 4x slowdown)."""
+    from arkernels.ops import int8_matmul as ops_mod
+
+    w = torch.zeros(64, 2 * 4096, dtype=torch.int8)
+    assert tk.weight_unaligned_reason(w[:, :4096]) is None  # a padded view: rows 16-byte aligned
+    assert "not multiples of 16" in tk.weight_unaligned_reason(torch.zeros(64, 4099, dtype=torch.int8))
+    assert "not multiples of 16" in tk.weight_unaligned_reason(w[:, :4099])
+    assert "not K-contiguous" in tk.weight_unaligned_reason(torch.zeros(4096, 64, dtype=torch.int8).t())
+    shifted = torch.zeros(64 * 4096 + 16, dtype=torch.int8)[3:3 + 64 * 4096].view(64, 4096)
+    assert shifted.data_ptr() % 16 and "past a 16-byte boundary" in tk.weight_unaligned_reason(shifted)
+    ops_mod._UNALIGNED_SEEN.clear()
+    odd = torch.zeros(8, 4099, dtype=torch.int8)
+    with pytest.warns(UserWarning, match=r"w8a16_matmul: the int8 weight \(8, 4099\) is rows of 4099 bytes"):
+        ops_mod._warn_unaligned(odd)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops_mod._warn_unaligned(odd)  # once per view shape
+        ops_mod._warn_unaligned(torch.zeros(8, 4096, dtype=torch.int8))  # aligned: silent
 
 
 def test_autotune_buckets_follow_m():
@@ -583,3 +857,10 @@ def test_autotune_switch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("ARKERNELS_AUTOTUNE", "1")
     assert not tk.autotuning()
+
+
+if __name__ == "__main__":  # the offline sm_90 compile's subprocess (see _compile_sm90)
+    import json
+    import sys
+
+    _compile_sm90_here(*json.loads(sys.argv[1]))

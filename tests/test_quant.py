@@ -116,6 +116,25 @@ def test_quantize_tiny_llama(mode):
     assert sqnr_db(want, _logits(model, ids)) > SQNR_MIN_DB[mode] - 5  # through two layers and the head
 
 
+def test_int8_linear_refuses_unaligned_in_features():
+    """A weight whose rows are not a multiple of 16 bytes would run the CUDA kernels on byte loads (~4x slower):
+    Int8Linear refuses it by name, whatever the device; quantize() keeps such layers in float and reports them."""
+    for k in (4099, 34, 8):
+        with pytest.raises(ValueError, match=rf"Int8Linear: in_features={k} is not a multiple of 16"):
+            Int8Linear(k, 32)
+        with pytest.raises(ValueError, match="Int8Linear: in_features"):
+            Int8Linear.from_linear(nn.Linear(k, 32))
+    Int8Linear(4096, 8)
+    model = nn.Sequential(nn.Linear(96, 34), nn.ReLU(), nn.Linear(34, 16))
+    x = torch.randn(3, 96)
+    want = model(x)
+    report = arkernels.quantize(model, skip=())
+    assert type(model[0]) is Int8Linear and type(model[2]) is nn.Linear  # in_features 34: kept in float
+    assert report.layers_replaced == 1 and report.layers_skipped == ["2"] and report.layers_unaligned == ["2"]
+    assert "1 of them for in_features not a multiple of 16" in str(report)
+    assert sqnr_db(want, model(x)) > SQNR_MIN_DB["w8a16"] - 5
+
+
 def test_quantize_skip_patterns():
     model = tiny_llama(0)
     report = arkernels.quantize(model, skip=("lm_head", "*.mlp.*", "model.layers.0.self_attn.q_proj"))

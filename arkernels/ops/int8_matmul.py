@@ -10,6 +10,8 @@ and are tested without a GPU. The schemas live in csrc/torch_bindings.cpp; the f
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -179,7 +181,9 @@ def w8a16_matmul(
     """Weight-only int8 matmul: ``x @ (w_int8 * w_scale[:, None]).T + bias``, weights dequantised in registers
     (never materialised in memory on CUDA). On CUDA the kernel follows the row count M = prod(x.shape[:-1]) (a
     shape: no host sync): M <= 4 a GEMV (fp32 FMAs, split over K), 5..16 split-K tensor-core tiles, larger the
-    autotuned tile kernel; the split-K partial sums are added in a fixed order, so equal inputs give equal bits.
+    autotuned tile kernel; the split-K partial sums are added in a fixed order (by the last program of each tile,
+    in the same launch), so equal inputs give equal bits. A weight that is not K-contiguous with rows a multiple of
+    16 bytes (16-byte aligned) runs on CUDA at byte-load speed (~4x slower) and warns once per view shape.
 
     Args:
         x: ``[..., K]`` float16 or bfloat16 (float32 is accepted too: the CPU path serves fp32 models, the CUDA
@@ -272,8 +276,22 @@ if _tk is not None:
         with torch.cuda.device(a.device):
             return _tk.int8_matmul_triton(a, b, a_scale, b_scale, bias, None if dtype == torch.int32 else dtype)
 
+    _UNALIGNED_SEEN: set = set()
+
+    def _warn_unaligned(w):
+        """Never a silent 4x: an unaligned or odd-stride weight still runs (the op takes any view), once warned
+        per (shape, strides). Int8Linear refuses such layers at construction; this is for direct op calls."""
+        reason = _tk.weight_unaligned_reason(w)
+        key = (tuple(w.shape), tuple(w.stride()), reason)
+        if reason is not None and key not in _UNALIGNED_SEEN:
+            _UNALIGNED_SEEN.add(key)
+            warnings.warn(f"w8a16_matmul: the int8 weight {tuple(w.shape)} is {reason}; the CUDA kernels fall back "
+                          "to byte loads (~4x slower). Use a contiguous weight with in_features a multiple of 16",
+                          stacklevel=3)
+
     @torch.library.register_kernel("arkernels::w8a16_matmul", "cuda")
     def _w8a16_matmul_cuda(x, w, w_scale, bias):
         _check_w8a16_matmul(x, w, w_scale, bias)
+        _warn_unaligned(w)
         with torch.cuda.device(x.device):
             return _tk.w8a16_matmul_triton(x, w, w_scale, bias)

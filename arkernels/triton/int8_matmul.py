@@ -23,21 +23,37 @@ W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once
   x is read once per N_TILES tiles, not once per tile. The K reduction on the tensor cores matters: the sm_90
   SASS of an fp32 FMA + shuffle-reduction version of this loop had 9.7 instructions per weight at M = 1 and 21.7
   at M = 4, past the ~7.7 an SM can issue per weight byte at 4.3 TB/s (128 lanes/clk / 16.5 B/clk).
-- 5 <= M <= 16: ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of
-  K_PER_SPLIT; K is split so that about two programs per SM exist even for N = 4096 (64 N tiles of 64), unless
-  the split workspace would pass 10% of the weight bytes (K = 4096 at M = 16: 3 splits, 192 programs).
-- Split-K reduction: partial fp32 sums go to a ``[SPLIT_K, M, N]`` workspace and ``_splitk_reduce_kernel`` adds
-  them in split order (0, 1, ...), then applies scale and bias: no atomics, so the same inputs give the same bits.
-  With one split the matmul kernel applies the epilogue itself and no workspace exists. Tile sizes and split
-  counts are a pure function of (path, M, N, K, SM count) (:func:`w8a16_decode_config`), never autotuned: the
-  bits do not depend on which config a sweep picked, and decode never sweeps.
+- 5 <= M <= 16: ``_w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT.
+- Grids (:func:`w8a16_decode_config`): a pure function of (path, M, N, K, SM count), never autotuned (the bits do
+  not depend on which config a sweep picked; decode never sweeps), planned for whole waves of PROGRAMS_PER_SM
+  programs per SM (4 GEMV, 2 split-K): among the N_TILES (GEMV) or split counts (split-K) the shape allows, the
+  fewest programs within WAVE_SLACK of the best wave efficiency. M = 1 at 4096x14336 on 132 SMs: 3584 programs,
+  6.8 waves of 528, 0.97 busy (the previous 896 programs were 1.7 waves, 0.85). Split-K keeps its workspace under
+  10% of the weight bytes (K = 4096 at M = 16: 3 splits).
+- Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
+  workspace; each program then takes a ticket for its output tile (:func:`_is_last_split`: an int64 atomic tagged
+  with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
+  programs adds the partials in split order (0, 1, ...; up to 16 splits' loads in flight at once), then applies
+  scale and bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes
+  first. ``reduce="launch"`` keeps the previous two-launch path (``_splitk_reduce_kernel``, the same order, the
+  same bits) as the benchmark's baseline. With one split the matmul kernel applies the epilogue itself and no
+  workspace or ticket exists. Offline sm_90 compile (triton 3.8, ``triton.compile`` of an ``ASTSource``, then
+  ``cuobjdump``; tests/test_int8_matmul.py): GEMV fused 64 registers, 24 KB shared, split-K fused 69 registers,
+  36 KB, no local memory; 13 of the GEMV reduce's 16 partial loads issue before its first addition.
+- Alignment: Triton specializes pointers and integer arguments divisible by 16 and strides equal to 1; an
+  aligned, K-contiguous weight with rows a multiple of 16 bytes gets 16-byte loads with no hint written here,
+  anything else byte loads (~4x slower). :func:`weight_unaligned_reason` names the cases; the op warns on CUDA and
+  ``Int8Linear`` refuses such layers.
 - int8 -> float: no per-element I2F (a quarter-rate unit on sm_90), :func:`_int8_to`. Triton 3.6 already lowers
   ``w.to(bf16)`` of an int8 tile to the byte-permute / magic-number sequence, two lanes per instruction (sm_90
   offline compile: 64 weights per thread -> 32 HADD2 + ~33 PRMT, 2 I2F in the whole kernel), but ``w.to(fp16)`` to
   one I2F per weight (64 I2F for the same tile): fp16 takes the magic number by hand (0 I2F, 32 HADD2).
 
+Autotuning (prefill, and int8_matmul at any M) never runs during a CUDA-graph capture (:func:`_launch`).
+
 Interpreter (TRITON_INTERPRET=1, CPU tensors): autotuning is skipped (one fixed config per class, or the caller's),
-and the W8A16 dots run in fp32 because the interpreter computes bf16 arithmetic wrongly (its int8 -> bf16 cast
+the tickets' atomics and compare-and-swap loop run as written (programs one after another), and the W8A16 dots
+run in fp32 because the interpreter computes bf16 arithmetic wrongly (its int8 -> bf16 cast
 gives NaN too).
 """
 from __future__ import annotations
@@ -319,18 +335,40 @@ def _grid(M, N):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
 
-def _launch(tuned, kernel, M, N, args, flags, config):
+# The config each autotuned shape settled on, keyed as the autotuner keys it (M bucket, N, K, the tensors' dtypes)
+# plus the kernel and its flags: what a launch during a CUDA-graph capture runs.
+_TUNED: dict = {}
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _config_dict(config) -> dict:
+    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _launch(tuned, kernel, M, N, K, args, flags, config):
+    """Launch ``kernel`` for an ``[M, N]`` output: with ``config``, or the autotuner's choice. Never a sweep
+    during a CUDA-graph capture: its benchmarking launches and synchronisations would invalidate the capture, so
+    a capture runs the config the same shape settled on outside it (tune ahead by running the shape once first,
+    as a warm-up before capture does), else the bucket's first config, as ``ARKERNELS_AUTOTUNE=0`` would."""
     bucket = tune_bucket(M)
+    key = (id(tuned), bucket, N, K, tuple(str(a.dtype) for a in args if hasattr(a, "dtype")),
+           tuple(sorted(flags.items())))
     if config is None and autotuning():
-        tuned[_grid(M, N)](*args, bucket, **flags)
-        return
+        if not _capturing():
+            tuned[_grid(M, N)](*args, bucket, **flags)
+            _TUNED[key] = tuned.best_config
+            return
+        config = _TUNED.get(key)
+        config = None if config is None else _config_dict(config)
     if config is not None:
         cfg = dict(config)
     elif interpreting():
         cfg = dict(INTERPRET_CONFIGS[m_class(M)])
-    else:  # ARKERNELS_AUTOTUNE=0 on a GPU: the bucket's first config, as the autotuner would have pruned them
-        first = configs_for(bucket, flags.get("DOT_FP32", False))[0]
-        cfg = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    else:  # ARKERNELS_AUTOTUNE=0 or an untuned shape under capture: the bucket's first config, as the autotuner
+        cfg = _config_dict(configs_for(bucket, flags.get("DOT_FP32", False))[0])  # would have pruned them
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
     kernel[_grid(M, N)(cfg)](*args, bucket, **flags, **cfg, **launch)
 
@@ -352,7 +390,7 @@ def int8_matmul_triton(a, b, a_scale=None, b_scale=None, bias=None, out_dtype=No
     # None -> c, never read: the HAS_* flags compile those loads out.
     vecs = [c if t is None else t.contiguous() for t in (a_scale, b_scale, bias)]
     args = (a, b, c, *vecs, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    _launch(_int8_matmul_tuned, _int8_matmul_kernel, M, N, args, flags, config)
+    _launch(_int8_matmul_tuned, _int8_matmul_kernel, M, N, K, args, flags, config)
     return c
 
 
@@ -401,12 +439,16 @@ _w8a16_matmul_tuned = triton.autotune(configs=_ALL_CONFIGS + _FP32_SMALL_M + _FP
                                       prune_configs_by={"early_config_prune": _prune_by_class})(_w8a16_matmul_kernel)
 
 
-def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
+def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused"):
     """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]``, w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
     -> ``[M, N]`` in x's dtype. The kernel follows M (:func:`w8a16_path`); ``path`` forces one of "gemv",
     "splitk", "tiled". ``config``: a decode kernel's sizes (:func:`w8a16_decode_config`'s keys) with
     ``path="gemv"`` / ``"splitk"``; without a path, the tiled kernel's tile sizes as for
-    :func:`int8_matmul_triton` (that kernel at any M)."""
+    :func:`int8_matmul_triton` (that kernel at any M). ``reduce``: how a decode path adds its K splits,
+    ``"fused"`` (the last program of each tile, one launch) or ``"launch"`` (a second kernel; the benchmark's
+    baseline); both add in split order and give the same bits."""
+    if reduce not in REDUCES:
+        raise ValueError(f"w8a16_matmul: reduce must be one of {REDUCES}, got {reduce!r}")
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -418,12 +460,12 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
         path = "tiled" if config is not None else w8a16_path(M, x.dtype)
     dot_fp32 = x.dtype == torch.float32 or interpreting()
     if path != "tiled":
-        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config)
+        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce)
         return out
     args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
             w.stride(0), w.stride(1), out.stride(0), out.stride(1))
     flags = dict(HAS_BIAS=bias is not None, DOT_FP32=dot_fp32)
-    _launch(_w8a16_matmul_tuned, _w8a16_matmul_kernel, M, N, args, flags, config)
+    _launch(_w8a16_matmul_tuned, _w8a16_matmul_kernel, M, N, K, args, flags, config)
     return out
 
 
@@ -432,8 +474,30 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None):
 # ---------------------------------------------------------------------------------------------------------------
 GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
 DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
-PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}  # enough programs that every SM has loads in flight (~23 KB per SM)
-REDUCE_BLOCK_N = 1024
+# Programs per SM that a wave is planned with (enough that every SM keeps ~23 KB of loads in flight). Below the
+# occupancy limit: the offline sm_90 compile (triton 3.8) gives 24 KB / 36 KB of shared memory per GEMV / split-K
+# program, so 8 / 6 fit an SM; by that count the M = 1 4096x14336 plan is 3.4 waves. Which unit the hardware's
+# tail actually follows is for a GPU measurement to decide (one constant per path here).
+PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}
+WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
+REDUCE_BLOCK_N = 1024  # the two-launch path's reduce kernel: columns per program
+REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
+REDUCES = ("fused", "launch")  # the split-K reduction: by the last program of each tile, or a second launch
+EPOCH_MAX = (1 << 31) - 1  # ticket epochs cycle in [1, EPOCH_MAX]: an int32 kernel argument, a 64-bit ticket tag
+
+
+def weight_unaligned_reason(w: torch.Tensor) -> str | None:
+    """Why the int8 weight ``w [N, K]`` misses the kernels' 16-byte vector loads along K, or None. Triton
+    specializes pointers and integer arguments on divisibility by 16 and strides equal to 1: an aligned,
+    K-contiguous weight whose rows are a multiple of 16 bytes gets those hints (and 16-byte loads) with nothing
+    more; any other view compiles to byte loads, about 4x slower for a memory-bound decode."""
+    if w.shape[0] > 1 and w.stride(1) != 1:
+        return f"not K-contiguous (strides {tuple(w.stride())})"
+    if w.stride(0) % 16 or w.shape[1] % 16:
+        return f"rows of {w.shape[1]} bytes at a stride of {w.stride(0)}: not multiples of 16"
+    if w.data_ptr() % 16:
+        return f"its data starts {w.data_ptr() % 16} bytes past a 16-byte boundary"
+    return None
 
 
 def w8a16_path(M: int, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -452,39 +516,73 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def reduce_shape(M: int, cols: int, split_k: int, num_warps: int = 4) -> tuple[int, int]:
+    """(BLOCK, UNROLL) of the fused reduce over ``M x cols`` outputs and ``split_k`` splits: as many splits per
+    trip as exist (up to 16, a power of two), then as many outputs per step as keep REDUCE_LOADS_PER_THREAD loads
+    in flight per thread. M = 1, 28 splits of 32 columns: (32, 16), 2 trips; M = 16, 4 splits of 64: (1024, 4)."""
+    unroll = min(16, triton.next_power_of_2(max(split_k, 1)))
+    threads = 32 * num_warps
+    block = min(triton.next_power_of_2(M * cols), max(threads, threads * REDUCE_LOADS_PER_THREAD // unroll))
+    return block, unroll
+
+
+def wave_efficiency(programs: int, wave: int) -> float:
+    """Busy fraction of the program slots over the waves a grid occupies: ``programs / (waves * wave)``; 1.0 when
+    the grid is a whole number of waves (896 programs on a wave of 528: 0.85, the second wave 70% idle)."""
+    return programs / (triton.cdiv(programs, wave) * wave)
+
+
+def _fewest_programs_near_best(candidates: list[tuple[int, dict]], wave: int) -> dict:
+    """``candidates``: (programs, config). The config with the fewest programs among those whose wave efficiency
+    is within WAVE_SLACK of the best (fewer programs: more x reuse, fewer partial sums, fewer tickets)."""
+    best = max(wave_efficiency(p, wave) for p, _ in candidates)
+    near = [(p, i) for i, (p, _) in enumerate(candidates) if wave_efficiency(p, wave) >= best - WAVE_SLACK]
+    return candidates[min(near)[1]][1]
+
+
 def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict:
-    """Tile sizes and split of a decode kernel, from the shape alone (no autotuning: same bits every run).
+    """Tile sizes and split of a decode kernel, a pure function of (path, M, N, K, SM count): no autotuning and
+    no device query, so the bits do not depend on a sweep and the plan is testable without a GPU.
 
     gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512);
-    N_TILES (weight tiles per program, sharing its x slice) as large as keeps PROGRAMS_PER_SM programs per SM.
-    BLOCK_M 16 (the dot's smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274
-    instead of 539 sm_90 loop instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272).
-    Llama-8B on 132 SMs: 4096x14336 -> 28 splits x 32 programs, 14336x4096 -> 8 x 112, 4096x4096 -> 8 x 128;
-    the workspace is 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
-    splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K so that N tiles x splits ~ 2 programs per SM
-    (4096x14336: 64 N tiles x 5 splits of 23 K blocks) unless the workspace would pass 10% of the weight bytes.
+    N_TILES (weight tiles per program, sharing its x slice) is the power of two up to 16 whose grid fills whole
+    waves of PROGRAMS_PER_SM x SMs best (within WAVE_SLACK, then the fewest programs). BLOCK_M 16 (the dot's
+    smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274 instead of 539 sm_90 loop
+    instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272). Llama-8B on 132 SMs (waves of 528):
+    4096x14336 (N x K) -> 28 splits x 128 programs = 3584 (6.8 waves, 0.97 busy; the old N_TILES 4 gave 896 =
+    1.7 waves, 0.85), 14336x4096 -> 8 x 448 = 3584, 4096x4096 -> 8 x 64 = 512 (0.97). The workspace is 1.6%
+    (M = 1) to 6.2% (M = 4) of the weight bytes.
+    splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
+    cdiv(N, 64) x SPLIT_K fills whole waves of 2 x SMs best, unless the workspace would pass 10% of the weight
+    bytes (K = 4096 at M = 16: 3 splits, 192 programs).
     """
     if path == "gemv":
         block_k = max(32, min(256, triton.next_power_of_2(K)))
         halves = 2 if K > block_k else 1
         block_n = max(16, min(32, triton.next_power_of_2(N)))
         n_blocks = triton.cdiv(N, block_n)
-        split_k = triton.cdiv(K, halves * block_k)
-        n_tiles = 1
-        while n_tiles < 16 and n_tiles < n_blocks and \
-                triton.cdiv(n_blocks, 2 * n_tiles) * split_k >= PROGRAMS_PER_SM["gemv"] * num_sms:
-            n_tiles *= 2
+        split_k = max(1, triton.cdiv(K, halves * block_k))  # K = 0: one split of nothing
+        wave = PROGRAMS_PER_SM["gemv"] * num_sms
+        candidates = [(triton.cdiv(n_blocks, t) * split_k, t) for t in (1, 2, 4, 8, 16)
+                      if t == 1 or t < 2 * n_blocks]  # no tile group wider than twice the columns
+        n_tiles = _fewest_programs_near_best([(p, t) for p, t in candidates], wave)
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
                     K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=2)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = 64
     k_blocks = max(1, triton.cdiv(K, block_k))
-    splits = min(k_blocks, triton.cdiv(PROGRAMS_PER_SM["splitk"] * num_sms, triton.cdiv(N, block_n)))
     # the workspace (written, then read: 2 x splits x M x N x 4 B) stays under 10% of the weight bytes N x K; this
-    # binds for K = 4096 at M = 16 (3 splits: 192 programs, not 2 per SM)
-    splits = max(1, min(splits, K // (80 * M)))
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1,
-                K_PER_SPLIT=triton.cdiv(k_blocks, splits) * block_k, num_warps=4, num_stages=4)
+    # binds for K = 4096 at M = 16 (3 splits: 192 programs)
+    max_splits = max(1, min(k_blocks, K // (80 * M)))
+    n_cols = triton.cdiv(N, block_n)
+    plans = {}  # K_PER_SPLIT -> programs (several split counts round to the same K range)
+    for s in range(1, max_splits + 1):
+        k_per_split = triton.cdiv(k_blocks, s) * block_k
+        plans[k_per_split] = n_cols * triton.cdiv(K, k_per_split) if K > 0 else n_cols
+    k_per_split = _fewest_programs_near_best([(p, kps) for kps, p in plans.items()],
+                                             PROGRAMS_PER_SM["splitk"] * num_sms)
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=k_per_split, num_warps=4,
+                num_stages=4)
 
 
 @triton.jit
@@ -497,11 +595,93 @@ def _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_
         base = part_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + rm[:, None] * N + rn[None, :], acc, mask=mask)
     else:
-        out = acc * tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        if HAS_BIAS:
-            out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        o_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :].to(tl.int64) * stride_on
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        _epilogue_store(acc, rm[:, None], rn[None, :], mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om,
+                        stride_on, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                    HAS_BIAS: tl.constexpr):
+    """``out[rows, cols] = acc * w_scale[cols] + bias[cols]`` (fp32 math), masked; rows/cols broadcast to acc."""
+    out = acc * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    o_ptrs = out_ptr + rows.to(tl.int64) * stride_om + cols.to(tl.int64) * stride_on
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _is_last_split(ticket_ptr, epoch):
+    """Take this program's ticket for its output tile; True for the program that arrives last of the
+    ``num_programs(1)`` splits, which then owns the reduction. The ticket is left reset for the next launch.
+
+    A ticket is an int64 ``(tag << 32) | count``: ``count`` programs of the launch whose epoch is ``tag`` have
+    arrived. The host passes every launch a new epoch (1, 2, ..., EPOCH_MAX, then 1 again), and a program that
+    finds another tag (the reset value 0, or what an aborted launch left: some of its programs never arrived, so
+    its last program never reset the ticket) claims the ticket for its own epoch with a compare-and-swap that
+    discards the stale count. Stale state therefore never shifts a later launch's count, and no launch has to
+    succeed for the next one to be right (a plain counter reset by the kernel itself stays poisoned forever after
+    one aborted launch). The last program still resets the ticket to 0: a CUDA graph replays a captured launch
+    with its captured epoch, so the next replay must find a count of 0, not the count it left. What a reset cannot
+    cover: an aborted replay followed by a replay of the same captured launch with no other launch on the ticket
+    between them (any other w8a16 decode call of the stream in between re-tags it).
+
+    Cost: one atomic round trip (an add) for every program that finds its own tag; the first of a launch adds a
+    compare-and-swap (two on contention). Ordering: the barrier puts every thread's partial-sum stores before the
+    release of the single-thread atomic (the threadfence-reduction idiom); its acquire orders the last program's
+    loads of the other splits' partials after their releases.
+    """
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    mine = old + 1
+    claimed = (old >> 32) == epoch
+    seen = mine
+    while not claimed:  # first arrival of this epoch (or racing another first arrival): claim the tag
+        want = tl.where((seen >> 32) == epoch, seen + 1, (epoch.to(tl.int64) << 32) + 1)
+        got = tl.atomic_cas(ticket_ptr, seen, want, sem="acq_rel", scope="gpu")
+        claimed = got == seen
+        mine = want
+        seen = got
+    last = (mine & 0xFFFFFFFF) == tl.num_programs(1)
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _load_partial(p_ptrs, s, SPLIT_K, M, N):
+    """Split ``s``'s partial sums at ``p_ptrs`` (offsets into ``part [SPLIT_K, M, N]``); past the last split, the
+    last split's (a valid address, discarded by the caller)."""
+    s = tl.minimum(s, SPLIT_K - 1)
+    return tl.load(p_ptrs + tl.cast(s, tl.int64) * M * N, cache_modifier=".cg")
+
+
+@triton.jit
+def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                   HAS_BIAS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """The last program's reduction of columns ``[col0, col0 + COLS)`` of every row: ``out = (sum over s = 0,
+    1, ... of part[s]) * w_scale + bias``, the splits added one after another in split order, so the bits do not
+    depend on which split finished first (and equal the two-launch reduce's). UNROLL splits per loop trip, fully
+    unrolled into one basic block: their loads do not depend on the sums, so they are all issued before the first
+    addition (one L2 round trip per UNROLL splits: 2 for the 28 splits of K = 14336); ``.cg``: the other programs'
+    partials are read from L2, never from a line this SM's L1 might hold. BLOCK x UNROLL / threads <= 32 loads in
+    flight per thread (:func:`reduce_shape`), under the GEMV's own register use."""
+    SPLIT_K = tl.num_programs(1)
+    for r0 in range(0, M * COLS, BLOCK):
+        idx = r0 + tl.arange(0, BLOCK)
+        rows = idx // COLS  # COLS is a power of two: a shift
+        cols = col0 + idx % COLS
+        mask = (rows < M) & (cols < N)
+        # < 2^31: M <= 16 rows of N < 2^27 columns (checked on the host). Lanes past M / N read element 0 and splits
+        # past the last read the last one (both valid, then discarded): unmasked loads, because ptxas serialises
+        # masked ones on the few predicate registers (offline SASS: one load per addition, not UNROLL at once)
+        p_ptrs = part_ptr + tl.where(mask, rows * N + cols, 0)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s0 in range(0, SPLIT_K, UNROLL):
+            for u in tl.static_range(UNROLL):
+                # no + 0.0 past the last split (a -0.0 sum stays -0.0, as in the two-launch reduce)
+                acc = tl.where(s0 + u < SPLIT_K, acc + _load_partial(p_ptrs, s0 + u, SPLIT_K, M, N), acc)
+        _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
 
 
 @triton.jit
@@ -531,12 +711,15 @@ def _gemv_step(acc, x, w_k, ln, rk, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # a new value every launch: never a new specialization
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,  # as _w8a16_matmul_kernel; part fp32 [SPLIT_K, M, N]
+    ticket_ptr, epoch,  # int64 [>= grid dim 0] tickets, this launch's epoch (FUSED only: see _is_last_split)
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > K_HALVES * BLOCK_K, partial sums to part_ptr
+    FUSED: tl.constexpr,  # with SPLIT: the last program of each column group reduces (else a second launch)
+    REDUCE_BLOCK: tl.constexpr, REDUCE_UNROLL: tl.constexpr,  # the fused reduce's shape (reduce_shape)
     EVEN_K: tl.constexpr,  # K_HALVES * BLOCK_K divides K: no K masks
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (bf16 arithmetic is wrong there): the dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
@@ -565,15 +748,20 @@ def _w8a16_gemv_kernel(
             acc = _gemv_step(acc, x1, w_k1, ln, rk1, K, stride_wn, EVEN_K, DOT_FP32)
         _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                      HAS_BIAS, SPLIT)
+    if SPLIT and FUSED:
+        if _is_last_split(ticket_ptr + pid_n, epoch):
+            _reduce_splits(part_ptr, pid_n * (N_TILES * BLOCK_N), M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om,
+                           stride_on, HAS_BIAS, N_TILES * BLOCK_N, REDUCE_BLOCK, REDUCE_UNROLL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def _w8a16_splitk_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr, epoch,  # as _w8a16_gemv_kernel
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     K_PER_SPLIT,  # a multiple of BLOCK_K: splits start on K-tile boundaries, only the last tile of K is partial
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
+    REDUCE_BLOCK: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the interpreter (bf16 arithmetic is wrong there): an fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
 ):
@@ -605,6 +793,10 @@ def _w8a16_splitk_kernel(
         w_ptrs += BLOCK_K * stride_wk
     _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                  HAS_BIAS, SPLIT)
+    if SPLIT and FUSED:
+        if _is_last_split(ticket_ptr + pid_n, epoch):
+            _reduce_splits(part_ptr, pid_n * BLOCK_N, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
+                           HAS_BIAS, BLOCK_N, REDUCE_BLOCK, REDUCE_UNROLL)
 
 
 @triton.jit
@@ -630,7 +822,39 @@ def _splitk_reduce_kernel(
              mask=mask)
 
 
-def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config):
+
+
+class _Tickets:
+    """The fused reduce's tickets of one (device, stream): an int64 tensor, 0 between launches, and the epoch of
+    the next launch. Per stream: launches on one stream run one after another, so they can share tickets (two
+    streams could run two launches at once). Grown (a new zeroed tensor) when a grid needs more tiles. A CUDA graph
+    keeps the tickets of the stream it was captured on (torch.cuda.graph's default capture stream is one for all
+    graphs): graphs captured on one stream must not be replayed concurrently on two streams. Created during a
+    capture, the tensor comes from the graph's pool and its zero-fill becomes a node of the graph (harmless: it
+    runs before the graph's launches, which find the reset value anyway)."""
+
+    def __init__(self):
+        self.tensor, self.epoch, self.retired = None, 0, []
+
+    def take(self, device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
+        if self.tensor is None or self.tensor.numel() < tiles:
+            if self.tensor is not None:  # a captured CUDA graph may hold its address: never freed
+                self.retired.append(self.tensor)
+            self.tensor = torch.zeros(max(tiles, 1 << 14), dtype=torch.int64, device=device)  # 128 KB
+        self.epoch = self.epoch % EPOCH_MAX + 1
+        return self.tensor, self.epoch
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
+    """(tickets, epoch) for a fused launch of ``tiles`` output tiles on ``device``'s current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _TICKETS.setdefault((device, stream), _Tickets()).take(device, tiles)
+
+
+def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fused"):
     M, K = x.shape
     N = w.shape[0]
     cfg = dict(config) if config is not None else w8a16_decode_config(path, M, N, K, _num_sms(x.device))
@@ -638,21 +862,28 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config):
     k_per_split = cfg.pop("K_PER_SPLIT", cfg["BLOCK_K"])
     if path == "gemv":
         assert k_per_split == cfg["BLOCK_K"] * cfg["K_HALVES"], "gemv: one x slice of K_HALVES * BLOCK_K per program"
+    else:
+        cfg.pop("K_HALVES", None)
+    if M * N >= 1 << 31:  # the partial sums' in-split offsets are int32
+        raise ValueError(f"w8a16_matmul: M x N = {M} x {N} outputs is too many for a decode path (< 2^31)")
     split_k = triton.cdiv(K, k_per_split) if K > 0 else 1
     # K == 0: one split of nothing (zeros, then scale and bias), not an empty grid that leaves out unwritten
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    grid = (triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]), split_k)
+    split = split_k > 1
+    fused = split and reduce == "fused"
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
+    tickets, epoch = _tickets(x.device, grid[0]) if fused else (part, 0)  # never read without FUSED
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
-    args = (x, w, w_scale, bias_arg, out, part, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1))
-    flags = dict(HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=K > 0 and K % k_per_split == 0)
+    args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1), w.stride(0),
+            w.stride(1), out.stride(0), out.stride(1))
+    block, unroll = reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], split_k, launch.get("num_warps", 4))
+    flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
+                 DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1)
     if path == "gemv":
-        grid = (triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]), split_k)
-        _w8a16_gemv_kernel[grid](*args, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
+        _w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)
     else:
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
-        cfg.pop("K_HALVES", None)
-        _w8a16_splitk_kernel[grid](*args, k_per_split, **flags, DOT_FP32=dot_fp32, **cfg, **launch)
-    if split_k > 1:
+        _w8a16_splitk_kernel[grid](*args, k_per_split, **flags, **cfg, **launch)
+    if split and not fused:
         _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK_N))](
             part, w_scale, bias_arg, out, M, N, split_k, out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
             BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
