@@ -1,0 +1,279 @@
+"""Token rules in the fused sampler (logit bias, repetition / frequency / presence penalties, bans, min_new_tokens)
+against transformers' own logits processors on the same logits (processed logits equal, kept sets exact), against
+vLLM's documented frequency / presence rule (arkernels.reference.token_rules_ref, written from the rule), and the
+Triton kernels (interpreter, conftest) against the CPU kernel token for token."""
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import arkernels
+from arkernels.ops.sampling import COUNT_MAX, _rules
+from arkernels.reference.sampling import sampling_probs_ref, token_rules_ref
+from arkernels.triton.sampling import sample_triton, sampling_probs_triton, sampling_rules_triton
+
+VOCABS = [111, 5003]  # odd sizes; 5003 spans several 1024-wide chunks and programs per row
+IMPLS = ["op", "triton"]
+EOS = [3, 7]
+
+
+def _case(batch, vocab, seed, scale=3.0):
+    """Logits, ragged prompts and generated tokens, per-row rule values and the resulting token_state."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, vocab, generator=gen) * scale
+    x[:, 5] = 0.0  # a zero logit in every row's history: repetition must keep it 0 (no sign case)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+               + [5] for _ in range(batch)]
+    generated = [torch.randint(0, min(vocab, 40), (int(torch.randint(0, 25, (1,), generator=gen)),),
+                               generator=gen).tolist() for _ in range(batch)]
+    generated[0] = []  # a row with no new token yet: min_new_tokens masks its EOS
+    rules = dict(
+        repetition_penalty=[1.0, 1.3, 0.7, 2.0][:batch],
+        frequency_penalty=[0.0, 0.5, -0.25, 1.5][:batch],
+        presence_penalty=[0.0, 0.3, 1.0, -0.5][:batch],
+        min_new_tokens=[2, 0, 100, 1][:batch],
+    )
+    banned = [[10, 11], [], [4], [10, 12, 13]][:batch]
+    bias = [{20: 5.0, 21: -3.5}, {}, {22: 100.0, 1: -math.inf}, {20: 0.25}][:batch]
+    st = arkernels.token_state(prompts, vocab, banned=banned, eos_token_id=EOS)
+    for b, g in enumerate(generated):
+        for t in g:
+            arkernels.update_token_state(st, torch.tensor([t]), torch.tensor([b]))
+    kw = dict(token_state=st, new_tokens=torch.tensor([len(g) for g in generated]),
+              min_new_tokens=torch.tensor(rules["min_new_tokens"]),
+              repetition_penalty=torch.tensor(rules["repetition_penalty"]),
+              frequency_penalty=torch.tensor(rules["frequency_penalty"]),
+              presence_penalty=torch.tensor(rules["presence_penalty"]),
+              logit_bias=arkernels.logit_bias_table(bias, vocab))
+    ref = token_rules_ref(x, prompts, generated, logit_bias=bias, banned=banned, eos_token_id=EOS, **rules)
+    return x, prompts, generated, rules, banned, bias, kw, ref
+
+
+def _op_args(x, kw):
+    """The op-level tensors of the keyword form (what the Triton launchers take)."""
+    return _rules("test", x, kw["token_state"], kw.get("history_rows"), kw.get("new_tokens", 0),
+                  kw.get("min_new_tokens", 0), kw.get("repetition_penalty", 1.0), kw.get("frequency_penalty", 0.0),
+                  kw.get("presence_penalty", 0.0), kw.get("logit_bias"))
+
+
+def _rules_impl(impl, x, kw):
+    if impl == "triton":
+        return sampling_rules_triton(x, *_op_args(x, kw))
+    return arkernels.sampling_rules(x, **kw)
+
+
+def _hf_processed(x, prompts, generated, rules, banned, bias, b):
+    """Row ``b`` through transformers' own processors, in its order (bias, repetition, bad words, min new tokens), on fp32 scores as generate hands them."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                        NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                        SequenceBiasLogitsProcessor, SuppressTokensLogitsProcessor)
+
+    ids = torch.tensor([prompts[b] + generated[b]])
+    procs = LogitsProcessorList()
+    if bias[b]:
+        procs.append(SequenceBiasLogitsProcessor({(t,): v for t, v in bias[b].items()}))
+    if rules["repetition_penalty"][b] != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(float(rules["repetition_penalty"][b])))
+    bad = [[t] for t in banned[b] if t not in EOS]
+    if bad:
+        procs.append(NoBadWordsLogitsProcessor(bad, EOS))
+    if rules["min_new_tokens"][b] > 0:
+        procs.append(MinNewTokensLengthLogitsProcessor(len(prompts[b]), rules["min_new_tokens"][b], EOS))
+    return procs(ids, x[b:b + 1].clone())[0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_processed_logits_equal_transformers_and_reference(impl, vocab):
+    x, prompts, generated, rules, banned, bias, kw, ref = _case(4, vocab, seed=vocab)
+    got = _rules_impl(impl, x, kw)
+    assert torch.equal(got, ref)  # every rule, frequency / presence included (vLLM's rule, in the reference)
+    for b in range(4):
+        if rules["frequency_penalty"][b] or rules["presence_penalty"][b]:
+            continue  # not transformers processors: the reference alone checks them
+        assert torch.equal(got[b], _hf_processed(x, prompts, generated, rules, banned, bias, b)), b
+    # the row whose rules include frequency / presence: transformers' processors first, then vLLM's two lines
+    b = 1
+    hf = _hf_processed(x, prompts, generated, dict(rules, frequency_penalty=[0] * 4), banned, bias, b)
+    counts = torch.bincount(torch.tensor(generated[b], dtype=torch.int64), minlength=vocab).float()
+    vllm = hf - torch.tensor(rules["frequency_penalty"][b]) * counts
+    vllm = vllm - torch.tensor(rules["presence_penalty"][b]) * (counts > 0).float()
+    assert torch.equal(got[b], vllm)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_suppress_tokens_and_min_new_tokens_release(impl):
+    """suppress_tokens are bans; EOS is masked while new_tokens < min_new_tokens (row 0: 4 < 5) and comes back once
+    the row reaches it (row 1: 5)."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor
+
+    x = torch.randn(2, 111, generator=torch.Generator().manual_seed(3))
+    st = arkernels.token_state([[1], [2]], 111, banned=[8, 9, 50], eos_token_id=EOS)
+    got = _rules_impl(impl, x, dict(token_state=st, new_tokens=torch.tensor([4, 5]), min_new_tokens=5))
+    suppressed = SuppressTokensLogitsProcessor([8, 9, 50])(None, x.clone())
+    masked = MinNewTokensLengthLogitsProcessor(1, 5, EOS)(torch.zeros(1, 5, dtype=torch.long), suppressed[:1])
+    assert torch.equal(got[0], masked[0]) and torch.equal(got[1], suppressed[1])
+    assert torch.isneginf(got[0, EOS]).all() and torch.isfinite(got[1, EOS]).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kept_sets_exact_with_rules(impl):
+    x, prompts, generated, rules, banned, bias, kw, ref = _case(4, 111, seed=9)
+    T = torch.tensor([1.0, 0.8, 0.0, 1.2])
+    k = torch.tensor([0, 7, 0, 30], dtype=torch.int32)
+    p = torch.tensor([0.9, 1.0, 1.0, 0.75])
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.05])
+    want = sampling_probs_ref(ref, T, k, p, mp)
+    if impl == "triton":
+        got = sampling_probs_triton(x, T, k, p, mp, *_op_args(x, kw))
+    else:
+        got = arkernels.sampling_probs(x, temperature=T, top_k=k, top_p=p, min_p=mp, **kw)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)  # fp32 softmax vs fp64
+
+
+def test_triton_draws_the_cpu_tokens_fast_path_and_fallback():
+    """Same token from the CPU op, the Triton fast path and the full-row fallback (cap 1 forces it), rules on."""
+    x, *_, kw, ref = _case(4, 5003, seed=4)
+    args = _op_args(x, kw)
+    T = torch.tensor([1.0, 0.7, 0.0, 1.5])
+    k = torch.tensor([0, 20, 0, 0], dtype=torch.int32)
+    p = torch.tensor([0.95, 1.0, 1.0, 1.0])
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.02])
+    for step in range(3):
+        seed, st = torch.arange(4) * 7 + 1, torch.full((4,), step)
+        want = arkernels.sample(x, temperature=T, top_k=k, top_p=p, min_p=mp, seed=seed, step=st, **kw)
+        fast, _, (ncand, _) = sample_triton(x, T, k, p, mp, seed, st, *args, debug=True)
+        slow, _, (ncand1, _) = sample_triton(x, T, k, p, mp, seed, st, *args, cap=1, debug=True)
+        assert torch.equal(fast, want) and torch.equal(slow, want)
+        assert (ncand[[0, 1, 3]] > 0).all() and (ncand1[[0, 1, 3]] < 0).all()  # both paths really ran
+    assert want[2] == ref[2].argmax()  # greedy row: argmax of the processed logits
+
+
+def test_draws_follow_processed_distribution_chi_square():
+    """Row 1 of the case (repetition, frequency and presence penalties, bias-free) drawn 4000 times with distinct
+    seeds, every draw reading table row 1: the frequencies follow the reference's processed distribution."""
+    x, *_, kw, ref = _case(4, 111, seed=5, scale=1.0)
+    one = {n: (v[1].item() if isinstance(v, torch.Tensor) and v.dim() == 1 else v) for n, v in kw.items()}
+    q = sampling_probs_ref(ref[1:2], [0.9], [0], [1.0], [0.0])[0]
+    n = 4000
+    ids = arkernels.sample(x[1:2].expand(n, -1), temperature=0.9, seed=torch.arange(n),
+                           history_rows=torch.ones(n, dtype=torch.int64), **one)
+    obs = torch.bincount(ids, minlength=111).double()
+    assert obs[q == 0].sum() == 0  # nothing outside the kept set (banned, masked EOS)
+    exp = q * n
+    big = exp >= 5
+    o = torch.cat([obs[big], obs[~big].sum()[None]])
+    e = torch.cat([exp[big], exp[~big].sum()[None]])
+    assert stats.chisquare(o, e).pvalue > 1e-3
+
+
+def test_update_token_state_counts_saturates_and_skips_padding():
+    st = arkernels.token_state([[1, 2], [3]], 10, banned=[9], eos_token_id=0)
+    before = st.clone()
+    arkernels.update_token_state(st, torch.tensor([2, -1]))  # row 1's id is padding
+    arkernels.update_token_state(st, torch.tensor([5, 10]), torch.tensor([0, 1]))  # 10 is outside the vocab
+    arkernels.update_token_state(st, torch.tensor([4]), torch.tensor([7]))  # row 7 does not exist
+    want = before.clone()
+    want[0, 2] += 1
+    want[0, 5] += 1
+    assert torch.equal(st, want)
+    st[1, 4] |= COUNT_MAX  # a full count stays full, the flag bits untouched
+    flags = st[1, 4] & ~COUNT_MAX
+    arkernels.update_token_state(st, torch.tensor([4]), torch.tensor([1]))
+    assert int(st[1, 4] & COUNT_MAX) == COUNT_MAX and int(st[1, 4] & ~COUNT_MAX) == int(flags)
+    forked = st[torch.tensor([0, 0, 1])]  # beams / num_return_sequences: fork by indexing
+    assert torch.equal(forked[1], st[0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rows_without_rules_and_out_of_range_history(impl):
+    """history_rows outside the table (or a row with neutral values) apply nothing: the logits pass unchanged."""
+    x, *_, kw, _ = _case(4, 111, seed=6)
+    kw = dict(kw, history_rows=torch.tensor([-1, 4, 1000, 1]))
+    got = _rules_impl(impl, x, kw)
+    plain = arkernels.sampling_rules(x)
+    assert torch.equal(got[:3], plain[:3]) and not torch.equal(got[3], plain[3])
+    # logits rows sharing a table row (and the same per-row values) see the same rules
+    kw2 = {n: (v[1].item() if isinstance(v, torch.Tensor) and v.dim() == 1 else v) for n, v in kw.items()}
+    kw2["history_rows"] = torch.tensor([1, 1, 1, 1])
+    got2 = _rules_impl(impl, x[[1, 1, 1, 1]], kw2)
+    assert torch.equal(got2[0], got2[3])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_inf_rows_with_rules(impl):
+    x = torch.randn(3, 111)
+    x[0] = float("nan")
+    x[1, 4] = float("inf")
+    x[2, :] = float("-inf")
+    x[2, 6] = 1.0
+    st = arkernels.token_state([[4], [4], [6]], 111, banned=[6])
+    kw = dict(token_state=st, repetition_penalty=2.0, logit_bias=arkernels.logit_bias_table([{}, {4: 1e38}, {}], 111))
+    got = _rules_impl(impl, x, kw)
+    assert torch.isneginf(got[0]).all() and not torch.isnan(got).any()
+    # +inf -> the largest float; + 1e38 overflows to inf (as in transformers' fp32 scores), stays inf through the
+    # penalty, and is clamped once more at the end
+    assert got[1, 4] == torch.finfo(torch.float32).max
+    ids, valid = arkernels.sample(x, temperature=1.0, seed=1, return_valid=True, **kw)
+    assert valid.tolist() == [False, True, False] and ids[1] == 4 and ids[0] == 0 and ids[2] == 0
+
+
+BAD = [
+    (dict(repetition_penalty=1.2), "repetition_penalty need token_state"),
+    (dict(token_state="st", repetition_penalty=0.0), "repetition_penalty must be a number > 0"),
+    (dict(token_state="st", frequency_penalty=float("nan")), "frequency_penalty must be a number finite"),
+    (dict(token_state="st", repetition_penalty=torch.tensor([1.0, -1.0])), r"repetition_penalty must be > 0"),
+    (dict(token_state="st", min_new_tokens=-1), "min_new_tokens must be >= 0"),
+    (dict(token_state=torch.zeros(2, 10, dtype=torch.int64)), "token_state must be torch.int32"),
+    (dict(token_state=torch.zeros(2, 9, dtype=torch.int32)), r"token_state must be \[rows, vocab=10\]"),
+    (dict(token_state=torch.zeros(3, 10, dtype=torch.int32)), "without history_rows the tables need one row"),
+    (dict(token_state="st", history_rows=torch.tensor([0.0, 1.0])), "history_rows must be an integer tensor"),
+    (dict(token_state="st", logit_bias=torch.zeros(3, 10)), "same rows"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_rules_bad_inputs(case):
+    kw, match = BAD[case]
+    kw = {n: (arkernels.token_state([[1], [2]], 10) if isinstance(v, str) else v) for n, v in kw.items()}
+    with pytest.raises(ValueError, match="sample: .*" + match):
+        arkernels.sample(torch.zeros(2, 10), **kw)
+    with pytest.raises(ValueError, match=r"token_state: prompt holds token id 10, outside \[0, 10\)"):
+        arkernels.token_state([[10]], 10)
+    with pytest.raises(ValueError, match=r"logit_bias_table: row 0: bias of token 1 must be finite or -inf"):
+        arkernels.logit_bias_table([{1: math.inf}], 10)
+
+
+def test_rules_op_level_checks_and_opcheck():
+    ops, x = torch.ops.arkernels, torch.zeros(2, 10)
+    st = torch.zeros(2, 10, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="sampling_rules: history is required with token_state"):
+        ops.sampling_rules(x, st, None, None, None)
+    with pytest.raises(RuntimeError, match=r"sampling_rules: history must be \[batch=2, 3\]"):
+        ops.sampling_rules(x, st, torch.zeros(2, 2, dtype=torch.int64), None, None)
+    x, *_, kw, _ = _case(4, 111, seed=7)
+    a = _op_args(x, kw)
+    torch.library.opcheck(torch.ops.arkernels.sampling_rules.default, (x, *a))
+    T, k = torch.tensor([1.0, 0.0, 0.5, 1.0]), torch.tensor([0, 4, 10, 0], dtype=torch.int32)
+    p, mp = torch.tensor([0.9, 1.0, 0.8, 1.0]), torch.zeros(4)
+    torch.library.opcheck(torch.ops.arkernels.sampling_probs.default, (x, T, k, p, mp, *a))
+    torch.library.opcheck(torch.ops.arkernels.sample.default, (x, T, k, p, mp, torch.arange(4), torch.zeros(4, dtype=torch.int64), *a))
+
+
+def test_rules_compile_fullgraph():
+    x, *_, kw, _ = _case(4, 111, seed=8)
+
+    def step_fn(logits, seed, step):
+        ids = arkernels.sample(logits, temperature=0.7, top_k=20, seed=seed, step=step, **kw)
+        arkernels.update_token_state(kw["token_state"], ids)
+        return ids
+
+    st0 = kw["token_state"].clone()
+    compiled = torch.compile(step_fn, fullgraph=True, backend="aot_eager")
+    got = compiled(x, torch.arange(4), torch.zeros(4, dtype=torch.int64))
+    st1 = kw["token_state"].clone()
+    kw["token_state"].copy_(st0)
+    want = step_fn(x, torch.arange(4), torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(got, want) and torch.equal(st1, kw["token_state"])
