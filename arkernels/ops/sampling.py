@@ -560,3 +560,35 @@ torch.library.register_kernel("arkernels::sample", "cpu", _sample_cpu)
 torch.library.register_kernel("arkernels::sampling_probs", "cpu", _sampling_probs_cpu)
 torch.library.register_kernel("arkernels::sampling_rules", "cuda", _sampling_rules_cuda)
 torch.library.register_kernel("arkernels::sampling_rules", "cpu", _sampling_rules_cpu)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logprobs (vLLM's two meanings): from the raw logits or from the distribution the row draws from
+# ---------------------------------------------------------------------------------------------------------
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` of the sanitised logits (NaN -> -inf, +inf -> the largest float), fp32 ``[batch, vocab]``;
+    a row with no finite logit is all -inf (never NaN). One extra pass over the logits (not fused)."""
+    x = logits.float()
+    x = torch.where(torch.isnan(x), float("-inf"), x).clamp(max=_FLT_MAX)
+    lp = torch.log_softmax(x, dim=-1)
+    return torch.where(torch.isnan(lp), float("-inf"), lp)
+
+
+def top_logprobs(lp: torch.Tensor, ids: torch.Tensor, n: int):
+    """Per row: the chosen token's logprob and rank, and the top ``n`` (id, logprob), from fp32 logprobs ``[batch,
+    vocab]`` (no full sort: one ``topk`` over an exact int64 key).
+
+    Returns ``(chosen fp32 [batch], rank int64 [batch], top_ids int64 [batch, n], top_lp fp32 [batch, n])``.
+    ``rank`` is vLLM's: the number of tokens whose logprob is >= the chosen one's (1 for the most likely; ties count
+    against it). Top-n entry ``j`` has rank ``j + 1``; equal logprobs are ordered by the lowest token id first (the
+    key is the order-preserving int32 image of the fp32 logprob, then ``vocab - 1 - id``: unique, so ``topk`` is
+    exact whatever its own tie order)."""
+    batch, vocab = lp.shape
+    ids = ids.reshape(-1, 1).to(torch.int64)
+    chosen = lp.gather(1, ids)
+    rank = (lp >= chosen).sum(dim=1)
+    b = lp.contiguous().view(torch.int32).to(torch.int64)
+    key = torch.where(b >= 0, b, b ^ 0x7FFFFFFF) * (1 << 32) + (vocab - 1 - torch.arange(vocab, device=lp.device))
+    n = min(n, vocab)
+    top_ids = torch.topk(key, n, dim=1).indices if n > 0 else ids.new_empty(batch, 0)
+    return chosen[:, 0], rank, top_ids, lp.gather(1, top_ids)
