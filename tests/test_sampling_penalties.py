@@ -277,3 +277,174 @@ def test_rules_compile_fullgraph():
     kw["token_state"].copy_(st0)
     want = step_fn(x, torch.arange(4), torch.zeros(4, dtype=torch.int64))
     assert torch.equal(got, want) and torch.equal(st1, kw["token_state"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logprobs
+# ---------------------------------------------------------------------------------------------------------
+def test_top_logprobs_exact_ids_ranks_and_ties():
+    from arkernels.ops.sampling import raw_logprobs, top_logprobs
+
+    x = torch.round(torch.randn(3, 111, generator=torch.Generator().manual_seed(2)) * 2) / 2  # many ties
+    x[1] = float("nan")  # no finite logit: all -inf, never NaN
+    x[2, 17] = float("inf")
+    lp = raw_logprobs(x)
+    want = torch.log_softmax(torch.where(torch.isnan(x), float("-inf"), x).clamp(max=3.4028234663852886e38), -1)
+    assert torch.equal(lp[[0, 2]], want[[0, 2]]) and torch.isneginf(lp[1]).all()
+    ids = torch.tensor([5, 0, 17])
+    chosen, rank, top_ids, top_lp = top_logprobs(lp, ids, 6)
+    assert torch.equal(chosen, lp[torch.arange(3), ids])
+    for b in range(3):
+        # the documented order: logprob descending, equal logprobs by lowest id first (a stable sort of the ids)
+        order = sorted(range(111), key=lambda i: (-float(lp[b, i]), i))[:6]
+        assert top_ids[b].tolist() == order and torch.equal(top_lp[b], lp[b, order])
+        assert int(rank[b]) == int((lp[b] >= lp[b, ids[b]]).sum())  # vLLM's rank: ties count against the token
+    assert rank[2] == 1 and rank[1] == 111
+
+
+def test_generate_logprobs_raw_and_processed():
+    from arkernels.hf.tiny import tiny_model
+
+    model = tiny_model("llama")
+    prompts = [[1, 5, 9], [2, 7, 7, 3]]
+    kw = dict(max_new_tokens=4, temperature=0.8, top_k=12, seed=[1, 2], eos_token_id=None, repetition_penalty=1.3)
+    raw = arkernels.generate(model, prompts, logprobs=3, **kw)
+    proc = arkernels.generate(model, prompts, logprobs=3, logprobs_mode="processed", **kw)
+    plain = arkernels.generate(model, prompts, **kw)
+    assert raw.tokens == proc.tokens == plain.tokens  # logprobs never change the draw
+    # recompute the first token's logits with stock (prefill of the prompt) and compare
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            logits = model(torch.tensor([p])).logits[:, -1].float()
+        first = raw.logprobs[b][0]
+        assert first.token == raw.tokens[b][0] and len(first.top) == 3
+        lp = torch.log_softmax(logits, -1)[0]
+        assert abs(first.logprob - float(lp[first.token])) < 1e-5
+        assert [t for t, _, _ in first.top] == torch.topk(lp, 3).indices.tolist()
+        st = arkernels.token_state([p], logits.shape[1])
+        q = arkernels.sampling_probs(logits, temperature=0.8, top_k=12, token_state=st, repetition_penalty=1.3)[0]
+        pf = proc.logprobs[b][0]
+        assert abs(pf.logprob - math.log(float(q[pf.token]))) < 1e-5
+        assert sum(1 for _, v, _ in pf.top if v > -math.inf) == min(3, int((q > 0).sum()))
+    with pytest.raises(ValueError, match="generate: logprobs must be None or an int >= 0"):
+        arkernels.generate(model, prompts, logprobs=-1)
+    with pytest.raises(ValueError, match="generate: logprobs_mode must be 'raw' or 'processed'"):
+        arkernels.generate(model, prompts, logprobs=1, logprobs_mode="raw_logits")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# arkernels.generate and patched model.generate with the rules
+# ---------------------------------------------------------------------------------------------------------
+IDS = torch.tensor([[0, 0, 5, 9, 5, 11], [1, 2, 7, 7, 3, 7]])
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+RULE_CASES = {
+    "repetition": dict(repetition_penalty=1.5),
+    "repetition<1": dict(repetition_penalty=0.7),
+    "all": dict(repetition_penalty=1.2, min_new_tokens=4, bad_words_ids=[[140], [101]], suppress_tokens=[192],
+                sequence_bias={(3,): 2.5, (50,): -1.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from arkernels.hf.tiny import tiny_model
+
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("case", list(RULE_CASES))
+def test_patched_greedy_with_rules_gives_stock_tokens_and_fuses(case, llama):
+    from arkernels.hf.patch import ArkernelsSampler
+
+    cfg = dict(RULE_CASES[case], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=101)
+    stock = llama.generate(input_ids=IDS, attention_mask=MASK, **cfg)
+    with arkernels.patch(llama):
+        before = ArkernelsSampler.calls
+        got = llama.generate(input_ids=IDS, attention_mask=MASK, **cfg)
+        ran = ArkernelsSampler.calls - before
+    assert torch.equal(got, stock)
+    assert ran == got.shape[1] - IDS.shape[1]  # the fused draw made every token (no stock processor ran)
+    if case == "all":
+        assert not (got[:, IDS.shape[1]:IDS.shape[1] + 4] == 101).any()  # min_new_tokens: no EOS before 4 tokens
+
+
+def test_patched_sampling_with_rules_matches_processed_distribution(llama):
+    """Sampled: the fused draw keeps transformers' kept set on the processed logits of the prompt, and over many
+    seeded one-token calls its frequencies follow that distribution (chi-square)."""
+    from transformers import GenerationConfig
+
+    from arkernels.hf.patch import ArkernelsSampler
+
+    cfg = dict(do_sample=True, temperature=0.9, top_k=30, repetition_penalty=1.4, bad_words_ids=[[7]],
+               pad_token_id=0, eos_token_id=None)
+    ids = IDS[1:]
+    with torch.no_grad():
+        logits = llama(ids).logits[:, -1].float()
+    config = GenerationConfig(**cfg)
+    config._eos_token_tensor = None  # what generate sets before it builds the processors
+    stock = llama._get_logits_processor(config, input_ids_seq_length=ids.shape[1], device="cpu")
+    q = torch.softmax(stock(ids, logits.clone()), -1)[0].double()
+    n = 300
+    with arkernels.patch(llama):
+        before = ArkernelsSampler.calls
+        torch.manual_seed(0)
+        draws = [int(llama.generate(input_ids=ids, max_new_tokens=1, **cfg)[0, -1]) for _ in range(n)]
+        assert ArkernelsSampler.calls - before == n
+    obs = torch.bincount(torch.tensor(draws), minlength=q.numel()).double()
+    assert obs[q == 0].sum() == 0  # banned token 7 and everything top-k drops: never drawn
+    exp = q * n
+    big = exp >= 5
+    small = ~big & (exp > 0)  # pooled into one bin (when any)
+    o, e = obs[big], exp[big]
+    if small.any():
+        o, e = torch.cat([o, obs[small].sum()[None]]), torch.cat([e, exp[small].sum()[None]])
+    assert stats.chisquare(o, e * (o.sum() / e.sum())).pvalue > 1e-3
+
+
+def test_patched_unfusable_rules_stay_stock(llama):
+    from transformers import GenerationConfig
+
+    from arkernels.hf.patch import ArkernelsSampler
+
+    config = GenerationConfig(do_sample=False, bad_words_ids=[[5, 6]])
+    config._eos_token_tensor = None
+    with arkernels.patch(llama):
+        multi = llama._get_logits_processor(config, input_ids_seq_length=3, device="cpu")
+        ngram = llama._get_logits_processor(GenerationConfig(do_sample=True, top_k=5, repetition_penalty=1.2,
+                                                             no_repeat_ngram_size=2), input_ids_seq_length=3,
+                                            device="cpu")
+    assert not any(isinstance(p, ArkernelsSampler) for p in multi)  # greedy with a multi-token bad word: stock
+    assert type(ngram[-1]) is ArkernelsSampler and ngram[-1].rules is None  # stock processors, then our draw
+    assert any(type(p).__name__ == "RepetitionPenaltyLogitsProcessor" for p in ngram)
+
+
+def test_generate_greedy_with_rules_matches_stock(llama):
+    for case in ("repetition", "all"):
+        cfg = dict(RULE_CASES[case])
+        sb = cfg.pop("sequence_bias", None)
+        for b in range(2):
+            p = IDS[b][MASK[b].bool()].tolist()
+            stock = llama.generate(input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                   eos_token_id=101, sequence_bias=sb, **cfg)[0, len(p):].tolist()
+            got = arkernels.generate(llama, [p], max_new_tokens=8, eos_token_id=101,
+                                     logit_bias={k[0]: v for k, v in (sb or {}).items()}, **cfg).tokens[0]
+            assert got == stock, (case, b)
+
+
+def test_generate_rules_static_step_and_forks(llama):
+    """cuda_graphs=True (the padded static step, eager on the CPU) draws the eager path's tokens with the rules, and
+    num_return_sequences forks each prompt's history (sample 0 = the single-sequence call)."""
+    kw = dict(max_new_tokens=6, temperature=0.9, top_k=20, seed=[4, 5], eos_token_id=None, frequency_penalty=0.7,
+              presence_penalty=0.3, repetition_penalty=1.1, logit_bias=[{3: 3.0}, {}], min_new_tokens=[2, 0])
+    prompts = [[1, 5, 9, 5], [2, 7]]
+    eager = arkernels.generate(llama, prompts, num_return_sequences=2, **kw)
+    static = arkernels.generate(llama, prompts, num_return_sequences=2, cuda_graphs=True, **kw)
+    single = arkernels.generate(llama, prompts, **kw)
+    assert eager.tokens == static.tokens
+    assert [eager.tokens[0], eager.tokens[2]] == single.tokens
+    with pytest.raises(ValueError, match="generate: bad_words_ids takes single tokens only"):
+        arkernels.generate(llama, prompts, bad_words_ids=[[1, 2]])
+    with pytest.raises(ValueError, match="generate: repetition_penalty must be > 0"):
+        arkernels.generate(llama, prompts, repetition_penalty=0.0)
+    with pytest.raises(ValueError, match=r"generate: min_new_tokens must be an int or one per prompt \(2\)"):
+        arkernels.generate(llama, prompts, min_new_tokens=[1, 2, 3])
