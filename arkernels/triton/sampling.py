@@ -168,7 +168,7 @@ def _row_rules(row, hist_ptr, pen_ptr, NH, STATE: tl.constexpr, BIAS: tl.constex
     rv = tl.zeros((), tl.int1)
     rp = tl.full((), 1.0, tl.float32)
     fq = tl.zeros((), tl.float32)
-    pr = tl.zeros((), tl.float32)
+    ps = tl.zeros((), tl.float32)
     eos_on = tl.zeros((), tl.int1)
     if STATE or BIAS:
         h = tl.load(hist_ptr + row * 3)
@@ -177,13 +177,13 @@ def _row_rules(row, hist_ptr, pen_ptr, NH, STATE: tl.constexpr, BIAS: tl.constex
     if STATE:
         rp = tl.load(pen_ptr + row * 3)
         fq = tl.load(pen_ptr + row * 3 + 1)
-        pr = tl.load(pen_ptr + row * 3 + 2)
+        ps = tl.load(pen_ptr + row * 3 + 2)
         eos_on = tl.load(hist_ptr + row * 3 + 1) < tl.load(hist_ptr + row * 3 + 2)
-    return hr, rv, rp, fq, pr, eos_on
+    return hr, rv, rp, fq, ps, eos_on
 
 
 @triton.jit
-def _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr):
+def _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr):
     """``_load_row`` followed by the token rules at vocabulary columns ``offs`` (``sb``, ``bb``: the row's
     token_state / logit_bias rows): bias added; repetition (transformers: negative logits multiplied, the others
     divided) where the token is in the prompt or was generated; ``- frequency * count - presence * (count > 0)``
@@ -198,7 +198,7 @@ def _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE: tl.constexp
             cnt = w & COUNT_MASK
             x = tl.where((w & SEEN_MASK) != 0, tl.where(x < 0, x * rp, tl.math.div_rn(x, rp)), x)
             x = x - fq * cnt.to(tl.float32)
-            x = x - tl.where(cnt > 0, pr, 0.0)
+            x = x - tl.where(cnt > 0, ps, 0.0)
             ban = ((w & BAN_BIT) != 0) | (((w & EOS_BIT) != 0) & eos_on)
             x = tl.where(ban, float("-inf"), x)
         x = tl.where(x != x, float("-inf"), x)
@@ -222,8 +222,10 @@ def _unkey(k):
 
 @triton.jit
 def _bucket(x):
-    """fp32 -> histogram bucket in [0, NB): the key's top 12 bits, monotone in x."""
-    return (_key(x) >> BUCKET_SHIFT) + NB // 2
+    """fp32 -> histogram bucket in [0, NB): the key's top 12 bits, monotone in x. Any int32 key already lands in
+    [0, NB) (an arithmetic shift by 20 gives [-2048, 2047]); the clamp keeps ``tl.histogram``'s shared-memory
+    atomics in range if BUCKET_SHIFT or NB is ever edited apart (two instructions per element)."""
+    return tl.minimum(tl.maximum((_key(x) >> BUCKET_SHIFT) + NB // 2, 0), NB - 1)
 
 
 @triton.jit
@@ -233,7 +235,7 @@ def _bucket_lo(b):
 
 
 @triton.jit
-def _threshold(base, V, lo, cand, target, m, T, tk, Z, off, sb, bb, rv, rp, fq, pr, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr,
+def _threshold(base, V, lo, cand, target, m, T, tk, Z, off, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr,
                BELOW: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
     """The largest row value ``t`` that passes, found by a pivot search over ``base[:V]``.
 
@@ -254,7 +256,7 @@ def _threshold(base, V, lo, cand, target, m, T, tk, Z, off, sb, bb, rv, rp, fq, 
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < V
-            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
             if BELOW:
                 v = tl.math.div_rn(x - m, T)
                 w = tl.math.div_rn(tl.exp(v), Z)
@@ -284,7 +286,7 @@ def _threshold(base, V, lo, cand, target, m, T, tk, Z, off, sb, bb, rv, rp, fq, 
 
 
 @triton.jit
-def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z, sb, bb, rv, rp, fq, pr, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr,
+def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr,
              BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
     """top-k then top-p thresholds over ``base[:n]`` (the whole row, or a superset of the kept set).
     ``lo_k``: a value <= every element (or -inf). ``USE_ROW_Z`` (runtime; only without top-k): take the
@@ -293,7 +295,7 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z, sb, bb, rv
     npass = 0
     tk = tl.full((), float("-inf"), tl.float32)
     if (k > 0) & (k < V):
-        tk, it = _threshold(base, n, lo_k, m, k.to(tl.float32), m, T, tk, 1.0, 0.0, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS,
+        tk, it = _threshold(base, n, lo_k, m, k.to(tl.float32), m, T, tk, 1.0, 0.0, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
                             False, SEARCH_BLOCK, P, MAX_PASSES)
         npass += it
     tp = tl.full((), float("-inf"), tl.float32)
@@ -306,19 +308,19 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z, sb, bb, rv
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
-                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
                 Z += tl.sum(tl.where(mask & (x >= tk), tl.exp(tl.math.div_rn(x - m, T)), 0.0), axis=0)
             npass += 1
             off = tl.zeros((), tl.float32)
         Z = tl.where(Z > 0, Z, 1.0)  # 0 only on rows with nothing to search (greedy: n = 0)
         tp, it = _threshold(base, n, tp, tl.zeros((), tl.float32), 1.0 - p, m, T, tk, Z, tl.math.div_rn(off, Z),
-                            sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS, True, SEARCH_BLOCK, P, MAX_PASSES)
+                            sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, True, SEARCH_BLOCK, P, MAX_PASSES)
         npass += it
     return tk, tp, npass
 
 
 @triton.jit
-def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq, pr, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr, USE_IDX: tl.constexpr,
+def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr, USE_IDX: tl.constexpr,
           BLOCK: tl.constexpr):
     """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab
     column)`` (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend
@@ -328,7 +330,7 @@ def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq,
     for start in range(first, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         if USE_IDX:
             cols = tl.load(idx_ptr + offs, mask=mask, other=0)
         else:
@@ -376,7 +378,7 @@ def sampling_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
-    hr, rv, rp, fq, pr, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
@@ -385,7 +387,7 @@ def sampling_stats_kernel(
     for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < V
-        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         bm = tl.max(x, axis=0)
         bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
         e = tl.exp(tl.math.div_rn(x - tl.where(bm > float("-inf"), bm, 0.0), T))  # all -inf: all 0
@@ -460,7 +462,7 @@ def sampling_compact_kernel(
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
-    hr, rv, rp, fq, pr, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
@@ -491,7 +493,7 @@ def sampling_compact_kernel(
             ninf = tl.full((), float("-inf"), tl.float32)
             first = s * CPS * BLOCK
             sc, col = _race(base, base, first, tl.minimum(first + CPS * BLOCK, V), m, Tg, ninf, ninf, min_p,
-                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS, False, BLOCK)
+                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, False, BLOCK)
             tl.store(rbest_ptr + row * S + s, sc)
             tl.store(rcol_ptr + row * S + s, col)
             if DEBUG:
@@ -502,7 +504,7 @@ def sampling_compact_kernel(
             for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
                 offs = c * BLOCK + tl.arange(0, BLOCK)
                 mask = offs < V
-                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
                 keep = (mask & (_bucket(x) >= cut)).to(tl.int32)
                 dest = pos + tl.cumsum(keep, axis=0) - keep
                 tl.store(cval_ptr + row * CAP + dest, x, mask=keep != 0)
@@ -531,7 +533,7 @@ def sampling_draw_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
-    hr, rv, rp, fq, pr, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
@@ -558,9 +560,9 @@ def sampling_draw_kernel(
                 cmin = tl.minimum(cmin, tl.min(tl.where(mask, x, float("inf")), axis=0))
                 Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, Tg)), 0.0), axis=0)
             # the candidates hold processed logits already: no rules on them
-            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, rv, rp, fq, pr, eos_on, False, False,
+            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, rv, rp, fq, ps, eos_on, False, False,
                                      BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, cb, cb, rv, rp, fq, pr, eos_on, False, False, True, BLOCK)
+            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, cb, cb, rv, rp, fq, ps, eos_on, False, False, True, BLOCK)
         elif n == -2:  # raced by the compaction programs: the best score, ties to the first program
             j = tl.arange(0, SP)
             sc = tl.load(rbest_ptr + row * S + j, mask=j < S, other=float("-inf"))
@@ -568,9 +570,9 @@ def sampling_draw_kernel(
             best_i = tl.min(tl.where((j < S) & (sc == tl.max(sc, axis=0)), col, 2147483647), axis=0)
         else:
             ninf = tl.full((), float("-inf"), tl.float32)
-            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS,
+            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
                                      BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS, False, BLOCK)
+            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, False, BLOCK)
             if DEBUG:
                 tl.store(passes_ptr + row, tl.load(passes_ptr + row) + npass + 1)
     tl.store(ids_ptr + row, best_i.to(tl.int64))
@@ -591,7 +593,7 @@ def sampling_probs_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
-    hr, rv, rp, fq, pr, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
@@ -606,7 +608,7 @@ def sampling_probs_kernel(
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
-        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         bm = tl.max(x, axis=0)
         bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
         arg = tl.where(bm > m, bi, arg)
@@ -616,14 +618,14 @@ def sampling_probs_kernel(
     sampled = valid & (T > 0)
     T = tl.where(sampled, T, 1.0)
     Vs = tl.where(sampled, V, 0)  # greedy and invalid rows skip every further pass
-    tk, tp, npass = _filters(base, Vs, mn, m, T, k, p, V, 1.0, 0.0, False, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS,
+    tk, tp, npass = _filters(base, Vs, mn, m, T, k, p, V, 1.0, 0.0, False, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
                              BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
 
     total = tl.zeros((), tl.float32)
     for start in range(0, Vs, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
-        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         z = tl.math.div_rn(x - m, T)
         e = tl.exp(z)
         total += tl.sum(tl.where(mask & (x >= tk) & (z >= tp) & (e >= min_p), e, 0.0), axis=0)
@@ -632,7 +634,7 @@ def sampling_probs_kernel(
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
         if sampled:
-            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
             z = tl.math.div_rn(x - m, T)
             e = tl.exp(z)
             pr = tl.where((x >= tk) & (z >= tp) & (e >= min_p), e / total, 0.0)
@@ -653,12 +655,12 @@ def sampling_rules_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
-    hr, rv, rp, fq, pr, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
-    x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, pr, eos_on, STATE, BIAS)
+    x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
     tl.store(out_ptr + row * V + offs, x, mask=mask)
 
 
