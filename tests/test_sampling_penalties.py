@@ -346,6 +346,7 @@ MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
 RULE_CASES = {
     "repetition": dict(repetition_penalty=1.5),
     "repetition<1": dict(repetition_penalty=0.7),
+    "bans": dict(bad_words_ids=[[140]], suppress_tokens=[192], min_new_tokens=3),
     "all": dict(repetition_penalty=1.2, min_new_tokens=4, bad_words_ids=[[140], [101]], suppress_tokens=[192],
                 sequence_bias={(3,): 2.5, (50,): -1.0}),
 }

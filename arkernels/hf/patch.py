@@ -471,7 +471,8 @@ class _HFRules:
             for j in range(self.seen, input_ids.shape[1]):  # normally one column: the last step's tokens
                 update_token_state(self.state, input_ids[:, j])
         self.seen = input_ids.shape[1]
-        return dict(token_state=self.state, logit_bias=self.table, repetition_penalty=self.repetition,
+        return dict(token_state=self.state, logit_bias=self.table,
+                    repetition_penalty=1.0 if self.repetition is None else self.repetition,
                     new_tokens=input_ids.shape[1], min_new_tokens=self.min_len)
 
 
