@@ -505,3 +505,16 @@ def test_triton_kernels_compile_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(built) == 15 and all(size > 0 for *_, size in built)
+
+
+def test_patched_num_return_sequences_draw_distinct_samples(llama):
+    """Each returned sequence has its own stream (row r: seed + r * stride); row 0 is the one-sequence call."""
+    cfg = dict(max_new_tokens=6, do_sample=True, temperature=1.5, eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor([[1, 5, 9]])
+    with arkernels.patch(llama):
+        torch.manual_seed(0)
+        many = llama.generate(input_ids=ids, num_return_sequences=3, **cfg)
+        torch.manual_seed(0)
+        one = llama.generate(input_ids=ids, **cfg)
+    assert len({tuple(r) for r in many[:, 3:].tolist()}) == 3  # 256 tokens at T 1.5: equal rows = a shared stream
+    assert torch.equal(many[0], one[0])

@@ -364,13 +364,22 @@ class ArkernelsSampler:
     def __init__(self, temperature: float, top_k: int, top_p: float, min_p: float, seed: int, rules=None):
         self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
         self.seed, self.step, self.rules = seed, 0, rules
+        self.seeds = None  # per-row seeds, built at the first call
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         from arkernels.ops.sampling import sample
 
         kw = self.rules.kwargs(input_ids, scores) if self.rules is not None else {}
+        batch = scores.shape[0]
+        if self.seeds is None or self.seeds.shape[0] != batch or self.seeds.device != scores.device:
+            # row r draws with seed + r * stride (arkernels.generate's stream per sample): the rows of
+            # num_return_sequences share their logits, and one seed for all would make them identical samples
+            from arkernels.generate import _SEED_STRIDE, _wrap64
+
+            self.seeds = torch.tensor([_wrap64(self.seed + r * _SEED_STRIDE) for r in range(batch)],
+                                      dtype=torch.int64, device=scores.device)
         ids = sample(scores, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                     seed=self.seed, step=self.step, **kw)
+                     seed=self.seeds, step=self.step, **kw)
         self.step += 1
         ArkernelsSampler.calls += 1
         out = torch.full_like(scores, float("-inf"))
