@@ -9,7 +9,8 @@ from arkernels._library import cuda_kernels_built, kernels_report
 from arkernels.kv_cache import BlockAllocator, OutOfBlocksError, PagedKVCache
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
-from arkernels.ops.sampling import sample, sampling_probs
+from arkernels.ops.sampling import (logit_bias_table, sample, sampling_probs, sampling_rules, token_state,
+                                    update_token_state)
 from arkernels.ops.window_attention import window_attention, window_attention_dense
 from arkernels.quant import Int8Linear, load_quantized, quantize, save_quantized
 from arkernels.hf.patch import patch
@@ -21,6 +22,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockAllocator", "Int8Linear", "OutOfBlocksError", "PagedKVCache", "cuda_kernels_built", "fuse_projections",
     "generate", "int8_matmul", "kernels_report", "load_quantized", "paged_kv_append", "paged_kv_gather", "patch",
-    "quantize", "quantize_per_channel", "quantize_per_token", "sample", "sampling_probs", "save_quantized",
+    "quantize", "quantize_per_channel", "quantize_per_token", "sample", "sampling_probs", "sampling_rules", "token_state", "update_token_state", "logit_bias_table", "save_quantized",
     "w8a16_matmul", "window_attention", "window_attention_dense", "__version__",
 ]

@@ -14,6 +14,7 @@ filled by one copy before the step; on a GPU the step is captured in a CUDA grap
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import time
 import warnings
@@ -39,10 +40,23 @@ class GenerateResult:
     decode_tokens: int = 0
     finished_by_eos: list[bool] = field(default_factory=list)
     cache_blocks_in_use: dict[int, int] = field(default_factory=dict)  # per cache group after the call: all 0
+    logprobs: list[list["TokenLogprobs"]] | None = None  # with generate(logprobs=n): one per token of tokens[b]
 
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+@dataclass
+class TokenLogprobs:
+    """One generated token's logprobs (``generate(logprobs=n)``): the chosen ``token``, its ``logprob`` and vLLM's
+    ``rank`` (how many tokens have a logprob >= its own), and ``top``: the ``n`` most likely ``(id, logprob, rank)``,
+    rank ``j + 1`` for entry ``j``, equal logprobs ordered by lowest id first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float, int]]
 
 
 def _is_int(v) -> bool:
@@ -190,6 +204,71 @@ def _refuse_unmasked_padding(ids: torch.Tensor, pad_id: int | None, bos_id: int 
                          "output: generate(model, **tokenizer(prompts, return_tensors='pt', padding=True)))")
 
 
+def _per_prompt(name, v, n: int, kind) -> list:
+    """A number or one per prompt -> a list of ``n`` values of ``kind`` (int or float; bools refused)."""
+    values = list(v) if isinstance(v, (list, tuple)) else [v]
+    ok = (lambda x: _is_int(x)) if kind is int else (lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool))
+    if not values or not all(ok(x) for x in values) or len(values) not in (1, n):
+        raise ValueError(f"generate: {name} must be {'an int' if kind is int else 'a number'} or one per prompt ({n}), "
+                         f"got {v!r}")
+    return [kind(x) for x in values] * (n if len(values) == 1 else 1)
+
+
+def _token_rules(model, prompts, n_seq, eos, device, *, repetition_penalty, frequency_penalty, presence_penalty,
+                 min_new_tokens, logit_bias, bad_words_ids, suppress_tokens):
+    """The token rules of a generate call: None when every rule is off, else the keyword arguments of
+    ``arkernels.sample`` for all ``len(prompts) * n_seq`` rows (history row ``b * n_seq + j``: each returned
+    sequence forks its prompt's table row), plus the per-row value tensors ``generate`` gathers each step."""
+    from arkernels.ops.sampling import logit_bias_table, token_state
+
+    P = len(prompts)
+    rp = _per_prompt("repetition_penalty", repetition_penalty, P, float)
+    fq = _per_prompt("frequency_penalty", frequency_penalty, P, float)
+    pr = _per_prompt("presence_penalty", presence_penalty, P, float)
+    mn = _per_prompt("min_new_tokens", min_new_tokens, P, int)
+    if any(not (v > 0 and math.isfinite(v)) for v in rp):
+        raise ValueError(f"generate: repetition_penalty must be > 0 and finite, got {repetition_penalty!r}")
+    if any(not math.isfinite(v) for v in fq + pr):
+        raise ValueError("generate: frequency_penalty and presence_penalty must be finite")
+    if any(v < 0 for v in mn):
+        raise ValueError(f"generate: min_new_tokens must be >= 0, got {min_new_tokens!r}")
+    banned = []
+    if bad_words_ids is not None:
+        if not isinstance(bad_words_ids, (list, tuple)) or not all(
+                isinstance(w, (list, tuple)) and len(w) >= 1 and all(_is_int(t) for t in w) for w in bad_words_ids):
+            raise ValueError(f"generate: bad_words_ids must be a list of token-id lists, got {bad_words_ids!r}")
+        long = [w for w in bad_words_ids if len(w) > 1]
+        if long:
+            raise ValueError(f"generate: bad_words_ids takes single tokens only (got {list(long[0])}); multi-token "
+                             "bad words run in patched model.generate, with transformers' processor")
+        banned += [int(w[0]) for w in bad_words_ids if int(w[0]) not in eos]  # transformers never bans an EOS id
+    if suppress_tokens is not None:
+        if not isinstance(suppress_tokens, (list, tuple)) or not all(_is_int(t) for t in suppress_tokens):
+            raise ValueError(f"generate: suppress_tokens must be a list of token ids, got {suppress_tokens!r}")
+        banned += [int(t) for t in suppress_tokens]
+    biases = None
+    if logit_bias is not None:
+        biases = [logit_bias] * P if isinstance(logit_bias, Mapping) else list(logit_bias)
+        if len(biases) != P or not all(b is None or isinstance(b, Mapping) for b in biases):
+            raise ValueError(f"generate: logit_bias must be a {{token_id: bias}} dict or one per prompt ({P})")
+    if (all(v == 1.0 for v in rp) and not any(fq) and not any(pr) and not any(mn) and not banned
+            and not any(biases or [])):
+        return None
+    vocab = _vocab_size(model)
+    rows = [p for p in prompts for _ in range(n_seq)]
+    state = token_state(rows, vocab, banned=banned or None,
+                        eos_token_id=sorted(eos) if eos and any(mn) else None).to(device)
+    bias = None
+    if biases is not None and any(biases):
+        try:
+            bias = logit_bias_table([b for b in biases for _ in range(n_seq)], vocab).to(device)
+        except ValueError as e:
+            raise ValueError(f"generate: logit_bias: {e}") from None
+    rep_n = lambda v: torch.tensor(v, device=device).repeat_interleave(n_seq)  # noqa: E731
+    return dict(token_state=state, logit_bias=bias, repetition_penalty=rep_n(rp), frequency_penalty=rep_n(fq),
+                presence_penalty=rep_n(pr), min_new_tokens=rep_n(mn))
+
+
 def _check_args(*, max_new_tokens, num_return_sequences, block_size, temperature, top_k, top_p, min_p, stream):
     """Every scalar argument of ``generate`` checked before any model work (one ValueError naming the argument)."""
     from arkernels.ops.sampling import _params
@@ -258,7 +337,11 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
              stream: Callable[[int, int], None] | None = None, cuda_graphs: bool = False,
              block_size: int = 16, num_return_sequences: int = 1, compile: bool = False,
              kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | Sequence[float] | None = None,
-             v_scale: float | Sequence[float] | None = None) -> GenerateResult:
+             v_scale: float | Sequence[float] | None = None, repetition_penalty: float | Sequence[float] = 1.0,
+             frequency_penalty: float | Sequence[float] = 0.0, presence_penalty: float | Sequence[float] = 0.0,
+             min_new_tokens: int | Sequence[int] = 0, logit_bias: Mapping[int, float] | Sequence | None = None,
+             bad_words_ids: Sequence[Sequence[int]] | None = None, suppress_tokens: Sequence[int] | None = None,
+             logprobs: int | None = None, logprobs_mode: str = "raw") -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -296,6 +379,21 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
         kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn K/V, a K and a V scale per layer).
         k_scale, v_scale: fp8 only: a float, one per layer, or None: calibrated per layer on the prefill
             (K: ``max(absmax / 200, 1e-6)``, V: ``/ 100``, vLLM's defaults; see ``arkernels.hf.cache.PagedCache``).
+        repetition_penalty, frequency_penalty, presence_penalty, min_new_tokens: a number or one per prompt; the
+            token rules of ``arkernels.sample`` (transformers' repetition rule over prompt + generated tokens;
+            vLLM's frequency / presence rule over generated tokens; EOS masked until the row has
+            ``min_new_tokens`` new tokens), run inside the fused sampler's passes from a device-side token history
+            (int32, 4 * vocab bytes per row), updated on the device after each draw (no host sync); the samples of
+            ``num_return_sequences`` fork their prompt's history. They apply to greedy rows too.
+        logit_bias: ``{token_id: bias}`` for every prompt or one dict per prompt (``-inf`` bans); a table of
+            4 * vocab bytes per row.
+        bad_words_ids: transformers' form, single tokens only (``[[id], ...]``; an EOS id is never banned, as in
+            transformers); suppress_tokens: ids banned in every row.
+        logprobs: None (off) or ``n >= 0``: ``result.logprobs[b][i]`` is a ``TokenLogprobs`` for token ``i`` of row
+            ``b``: its logprob, rank and the top ``n``. ``logprobs_mode`` (vLLM's meanings): "raw" (log_softmax of
+            the model's logits, before any rule), or "processed" (the log of the distribution the row draws from:
+            rules, temperature, top-k / top-p / min-p; a greedy row's is one-hot). An extra full-vocabulary pass per
+            step (not fused into the sampler), on the eager decode path only (``cuda_graphs=False``).
 
     Every argument is checked before the prefill runs (a ValueError naming it; TypeError for a model dtype the
     kernels do not take). A prompt + ``max_new_tokens`` past ``max_position_embeddings`` warns, as stock does.
@@ -327,6 +425,16 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     eos = _eos_ids(model, tokenizer, eos_token_id)
     seeds = _seeds(seed, P)
     _warn_past_max_positions(model, max(len(p) for p in prompts) + max_new_tokens)
+    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+        raise ValueError(f"generate: logprobs must be None or an int >= 0, got {logprobs!r}")
+    if logprobs_mode not in ("raw", "processed"):
+        raise ValueError(f"generate: logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+    if logprobs is not None and cuda_graphs:
+        raise ValueError("generate: logprobs= runs on the eager decode path (cuda_graphs=False, compile=False)")
+    rules = _token_rules(model, prompts, n_seq, eos, device, repetition_penalty=repetition_penalty,
+                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                         min_new_tokens=min_new_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
+                         suppress_tokens=suppress_tokens)
     if n_seq > 1:  # sample j of prompt b: its own stream (a golden-ratio stride; sample 0 keeps the prompt's seed)
         stride = torch.tensor([_wrap64(j * _SEED_STRIDE) for j in range(n_seq)], dtype=torch.int64)
         seeds = seeds.repeat_interleave(n_seq) + stride.repeat(P)  # int64 addition wraps: seeds stay any int64
@@ -334,6 +442,8 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     seeds = seeds.to(device)
     prompt_lens = [len(p) for p in prompts for _ in range(n_seq)]
     result = GenerateResult([[] for _ in range(B)], None, prompt_lens, finished_by_eos=[False] * B)
+    if logprobs is not None:
+        result.logprobs = [[] for _ in range(B)]
     if max_new_tokens == 0:
         return _finish(result, tokenizer)
 
@@ -346,10 +456,16 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     cache.set_rows(B)
     steps = torch.zeros(B, dtype=torch.int64, device=device)
     try:
-        draw = lambda lg, sd, st: _draw(sample, lg, None, sd, st, temperature, top_k, top_p, min_p, ...)  # noqa: E731
+        aux: dict = {}  # the last draw's logprobs (eager path)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+        def draw(lg, sd, st, hr):
+            return _draw(sample, lg, None, sd, st, **sampling, idx=..., rules=rules, rows=hr, logprobs=logprobs,
+                         logprobs_mode=logprobs_mode, aux=aux)
+
         kind = _StaticDecode if cuda_graphs else _DecodeStep
         dec = kind(model, cache, cache_kw, B, seed_list, draw, capture=cuda_graphs and device.type == "cuda",
-                   compile=compile)
+                   compile=compile, token_state=None if rules is None else rules["token_state"])
         # ---- prefill: all prompts packed in one row --------------------------------------------------------
         t0 = time.perf_counter()
         rows = list(range(B))
@@ -366,10 +482,15 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
                 for j in range(1, n_seq):
                     cache.fork_row(h, h + j)
             logits = logits.repeat_interleave(n_seq, dim=0)
-        new = _draw(sample, logits, rows, seeds, steps, temperature, top_k, top_p, min_p)
+        new = _draw(sample, logits, rows, seeds, steps, **sampling, rules=rules, logprobs=logprobs,
+                    logprobs_mode=logprobs_mode, aux=aux)
+        if rules is not None:
+            from arkernels.ops.sampling import update_token_state
+
+            update_token_state(rules["token_state"], new)
         if compile:  # the static step passes no mask: a name without a mask function skips mask building
             model.set_attn_implementation(_register_static())
-        inflight = deque([(rows, dec.fetch(new))])  # steps launched whose tokens the host has not read yet
+        inflight = deque([(rows, dec.fetch(new), aux.pop("lp", None))])  # launched, tokens not read yet
         result.prefill_s = time.perf_counter() - t0
         # ---- decode: the host plans and launches step t+1, then reads step t's tokens -----------------------
         # Token ids never leave the device on their way to the next step (``dec.step`` gathers them there); the
@@ -390,12 +511,17 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
                 for r in go:
                     lengths[r] += 1
                     issued[r] += 1
-                inflight.append((go, dec.fetch(out)))
-            got, handle = inflight.popleft()
-            for r, tok in zip(got, dec.read(handle)):
+                inflight.append((go, dec.fetch(out), aux.pop("lp", None)))
+            got, handle, lp = inflight.popleft()
+            toks = dec.read(handle)
+            lp = None if lp is None else [t.tolist() for t in lp]
+            for i, (r, tok) in enumerate(zip(got, toks)):
                 if done[r]:  # the step after its EOS: dropped
                     continue
                 result.tokens[r].append(tok)
+                if lp is not None:
+                    top = [(t, v, j + 1) for j, (t, v) in enumerate(zip(lp[2][i], lp[3][i]))]
+                    result.logprobs[r].append(TokenLogprobs(tok, lp[0][i], lp[1][i], top))
                 if stream is not None:
                     stream(r, tok)
                 if len(result.tokens[r]) > 1:
@@ -424,16 +550,38 @@ def _wrap64(x: int) -> int:
     return x - 2**64 if x >= 2**63 else x
 
 
-def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx=None):
-    """Greedy argmax or the fused sampler; ``idx=...`` (Ellipsis): ``seeds``/``steps`` are already per row."""
-    if isinstance(temperature, (int, float)) and temperature == 0:
+def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx=None, rules=None, rows=None,
+          logprobs=None, logprobs_mode="raw", aux=None):
+    """Greedy argmax or the fused sampler; ``idx=...`` (Ellipsis): ``seeds``/``steps`` are already per row and
+    ``rows`` holds each row's cache (= history) row, -1 for padding. ``rules``: ``_token_rules``' keywords (the
+    per-row values gathered by row here); with ``logprobs``, ``aux["lp"]`` receives ``top_logprobs``' tensors."""
+    lp_mode = logprobs is not None
+    if rules is None and not lp_mode and isinstance(temperature, (int, float)) and temperature == 0:
         # greedy: the sampler's rule (lowest index among the max logits) is torch.argmax's; skipping the sampler's
         # parameter set-up saves ~1 ms per step on the CPU
         return torch.argmax(logits, dim=-1)
     if idx is None:
         idx = torch.tensor(active, device=logits.device)
-    return sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds[idx],
-                  step=steps[idx])
+    if rows is None:
+        rows = idx if idx is not ... else torch.arange(logits.shape[0], device=logits.device)
+    seed, step = seeds[idx], steps[idx]
+    kw = {}
+    if rules is not None:
+        safe = rows.clamp(min=0)  # padding columns read row 0's values; their history row -1 applies no rule
+        kw = dict(token_state=rules["token_state"], logit_bias=rules["logit_bias"], history_rows=rows,
+                  new_tokens=step, **{n: rules[n][safe] for n in ("repetition_penalty", "frequency_penalty",
+                                                                   "presence_penalty", "min_new_tokens")})
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    ids = sample(logits, **sampling, seed=seed, step=step, **kw)
+    if lp_mode:
+        from arkernels.ops.sampling import raw_logprobs, sampling_probs, top_logprobs
+
+        if logprobs_mode == "raw":
+            lp = raw_logprobs(logits)
+        else:
+            lp = torch.log(sampling_probs(logits, **sampling, **kw))
+        aux["lp"] = top_logprobs(lp, ids, logprobs)
+    return ids
 
 
 def _bucket(n: int, batch: int) -> int:
@@ -465,7 +613,7 @@ class _DecodeStep:
     ahead = 64  # tokens of block reservation ahead (full-attention groups): most steps write no table entry
 
     def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], draw, capture: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, token_state: torch.Tensor | None = None):
         self.model, self.cache, self.cache_kw = model, cache, cache_kw
         self.batch, self.seeds, self.draw, self.capture = batch, np.asarray(seeds, dtype=np.int64), draw, capture
         # the step as run and captured: eager, or compiled once per bucket (``b`` is a Python int: dynamo
@@ -486,6 +634,9 @@ class _DecodeStep:
         self.pool = None  # one CUDA graph memory pool shared by every bucket (captured largest first)
         self.generation = cache.generation
         self.prev: torch.Tensor | None = None  # the last step's token ids on the device
+        # the token rules' history, counted after each step outside the captured / compiled region: warm-up runs and
+        # replays of a freshly captured graph recompute a step, and must not count its token twice
+        self.token_state = token_state
 
     def step(self, rows: list[int], src: list[int], positions: list[int], steps: list[int]) -> torch.Tensor:
         """One token for each of ``rows`` (cache rows) at ``positions``, fed the ids at ``src`` of the last fetched
@@ -515,6 +666,10 @@ class _DecodeStep:
         buf.copy_(plan, non_blocking=True)
         torch.index_select(self.prev, 0, buf[6], out=buf[0])  # outside any graph: the previous output moves
         out = self._replay(b) if self.capture else self.run(b)
+        if self.token_state is not None:
+            from arkernels.ops.sampling import update_token_state
+
+            update_token_state(self.token_state, out[:n], buf[3][:n])
         return out[:n]
 
     def fetch(self, out: torch.Tensor):
@@ -543,7 +698,8 @@ class _DecodeStep:
         self.cache.set_static_step(buf[3], buf[2].to(torch.int32), [buf[7 + i] for i in range(self.num_groups)])
         logits = self.model(input_ids=buf[0][:, None], position_ids=buf[1][:, None], use_cache=True,
                             **{self.cache_kw: self.cache}).logits[:, -1]
-        return self.draw(logits, buf[4], buf[5])
+        # padding columns (seq_len 0) get history row -1: no rule, and they are never counted
+        return self.draw(logits, buf[4], buf[5], torch.where(buf[2] > 0, buf[3], -1))
 
     def _replay(self, b: int) -> torch.Tensor:
         if self.cache.generation != self.generation:  # a table or pool moved: every captured graph is stale

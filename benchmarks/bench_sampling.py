@@ -17,6 +17,13 @@ On the CPU, ``arkernels.sample`` runs its CPU kernel (torch), so CPU timings say
 Each (setting, vocab)'s kept set is checked against the float64 reference (two rows, smallest batch) before timing.
 GPU goals (issue 13, H200): vocab 128k batch 1 top-k + top-p <= 25 us; batch 256 >= 5x the sort path and
 >= 50% of HBM bandwidth (4.3 TB/s) for one read of the logits.
+
+Penalties case (``bench_sampling_penalties``): vocab 128256, batch 1 and 256, a 4096-token history per row (prompt
+3072 + 1024 generated), T 0.8 + top-k 50 + top-p 0.9 with repetition 1.1, frequency 0.2, presence 0.1, against
+``hf+torch`` (transformers' RepetitionPenaltyLogitsProcessor over the 4096 input ids, vLLM's frequency / presence
+lines in torch over a bincount, then ``hf``'s warpers and multinomial) and ``no_rules`` (the same kernels without
+penalties). ``arkernels`` times the draw plus the history update (``update_token_state``), what a decode step runs.
+GB/s counts the logits and the int32 token_state once. ``--quick``: vocab 32000, batch 1 and 8.
 """
 from __future__ import annotations
 
@@ -117,6 +124,74 @@ def _logits(batch, vocab, dev):
     return (torch.randn(batch, vocab, generator=gen) * 4).to(dev)  # peaked, as LM logits are
 
 
+PEN = dict(temperature=T0, top_k=50, top_p=0.9)
+PEN_RULES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
+PEN_SHAPES, QUICK_PEN_SHAPES = [(128256, 1), (128256, 256)], [(32000, 1), (32000, 8)]
+PEN_PROMPT, PEN_GENERATED = 3072, 1024
+
+
+def hf_penalized_logits(logits, input_ids, generated):
+    """What users run today: transformers' repetition processor + vLLM's frequency / presence lines, in torch."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    scores = RepetitionPenaltyLogitsProcessor(PEN_RULES["repetition_penalty"])(input_ids, logits.float())
+    counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+    scores = scores - PEN_RULES["frequency_penalty"] * counts
+    return scores - PEN_RULES["presence_penalty"] * (counts > 0).to(scores.dtype)
+
+
+def bench_penalties(args, dev, iters):
+    rows = []
+    for vocab, batch in (QUICK_PEN_SHAPES if args.quick else PEN_SHAPES):
+        gen = torch.Generator().manual_seed(vocab)
+        logits = _logits(batch, vocab, dev)
+        prompt = torch.randint(0, vocab, (batch, PEN_PROMPT), generator=gen).to(dev)
+        generated = torch.randint(0, vocab, (batch, PEN_GENERATED), generator=gen).to(dev)
+        state = arkernels.token_state(prompt.cpu(), vocab, device=dev)
+        for j in range(PEN_GENERATED):
+            arkernels.update_token_state(state, generated[:, j])
+        input_ids = torch.cat([prompt, generated], dim=1)
+        # check before timing: the fused rules give the torch baseline's processed logits exactly (one row), and the
+        # draw lies in the reference's kept set
+        want = hf_penalized_logits(logits[:1], input_ids[:1], generated[:1])
+        got = arkernels.sampling_rules(logits[:1], token_state=state[:1], **PEN_RULES)
+        assert torch.equal(got, want), "sampling_rules: processed logits differ from transformers + vLLM's rule"
+        q = sampling_probs_ref(want.cpu(), [T0], [50], [0.9], [0.0])
+        ids = arkernels.sample(logits[:1], **PEN, seed=0, token_state=state[:1], **PEN_RULES)
+        assert float(q[0, int(ids[0])]) > 0, "sample: a token outside the kept set"
+        seed, step = torch.arange(batch, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)
+        st = state.clone()
+
+        def ours():
+            out = arkernels.sample(logits, **PEN, seed=seed, step=step, token_state=st, **PEN_RULES)
+            arkernels.update_token_state(st, out)
+            return out
+
+        def hf():
+            return hf_sample(hf_penalized_logits(logits, input_ids, generated), *PEN.values(), 0.0)
+
+        extra = {}
+        if dev != "cpu" or (os.environ.get("TRITON_INTERPRET") == "1" and batch == 1):
+            # the Triton kernels' own pass counter with the rules on: they add no full-row pass
+            from arkernels.ops.sampling import _rules
+
+            f = lambda v, dt=torch.float32: torch.full((batch,), v, dtype=dt, device=dev)  # noqa: E731
+            r = _rules("bench", logits, st, None, 0, 0, *PEN_RULES.values(), None)
+            _, _, (ncand, npass) = sample_triton(logits, f(T0), f(50, torch.int32), f(0.9), f(0.0), seed, step, *r,
+                                                 debug=True)
+            extra = dict(passes=int(npass.max()), fast_share=float((ncand >= 0).float().mean()))
+        times = {"arkernels": timeit(ours, iters=iters, device=dev), "hf+torch": timeit(hf, iters=iters, device=dev),
+                 "no_rules": timeit(lambda: arkernels.sample(logits, **PEN, seed=seed, step=step), iters=iters,
+                                    device=dev)}
+        nbytes = logits.numel() * (logits.element_size() + 4)
+        for impl, t in times.items():
+            rows.append(dict(setting="penalties", vocab=vocab, batch=batch, history=PEN_PROMPT + PEN_GENERATED,
+                             impl=impl, us=t * 1e6, gbps=nbytes / t / 1e9, speedup_vs_hf=times["hf+torch"] / t,
+                             cost_vs_no_rules=t / times["no_rules"], device=device_name(dev),
+                             **(extra if impl == "arkernels" else {})))
+    return rows
+
+
 def main():
     args = parser(__doc__.splitlines()[0]).parse_args()
     dev = args.device
@@ -153,12 +228,17 @@ def main():
                                      gbps=nbytes / t / 1e9, speedup_vs_sort=times["sort"] / t,
                                      speedup_vs_hf=times["hf"] / t, device=device_name(dev),
                                      **(extra if impl == "arkernels" else {})))
+    pen_rows = bench_penalties(args, dev, iters)
+    write_results(pen_rows, args.out, "bench_sampling_penalties")
     write_results(rows, args.out, "bench_sampling", plot=("batch", "us", "impl"),
                   title=f"sampling, all settings ({device_name(dev)})")
     if pass_rows:
         write_results(pass_rows, args.out, "bench_sampling_passes")
     print_table(rows, ["setting", "vocab", "batch", "impl", "us", "gbps", "speedup_vs_sort", "speedup_vs_hf"]
                 + (["passes", "fast_share"] if rows and "passes" in rows[0] else []))
+    print("penalties (4096-token history)")
+    print_table(pen_rows, ["vocab", "batch", "impl", "us", "gbps", "speedup_vs_hf", "cost_vs_no_rules", "passes",
+                           "fast_share"])
     if pass_rows:
         print("full-row passes of the Triton kernels (debug counter" +
               (", Triton interpreter)" if dev == "cpu" else ")"))

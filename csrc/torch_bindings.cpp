@@ -34,13 +34,23 @@ TORCH_LIBRARY(arkernels, m) {
         "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None, int chunk_size=0) -> (Tensor, Tensor)");
 
   // ---- sampling: temperature -> top-k -> top-p -> min-p -> draw, from logits, no full sort ----
-  // logits [batch, vocab] fp32|fp16|bf16 (rows may be strided); temperature fp32 [batch] (0: greedy),
+  // Token rules, applied to the logits before temperature, in the same passes (all None: off):
+  // logit_bias fp32 [N, vocab]? added first (-inf: banned); token_state int32 [N, vocab]? one word per (history row,
+  // token): bits 0-23 the count of generated occurrences, bit 24 in the prompt, bit 25 banned, bit 26 an EOS id
+  // (masked while the row has fewer than min_new_tokens new tokens); history int64 [batch, 3]: (the row's history
+  // row, < 0 or >= N: no rules; new tokens so far; min_new_tokens), required with logit_bias or token_state;
+  // penalties fp32 [batch, 3]?: (repetition, 1: off; frequency, presence, 0: off). Order: bias, repetition
+  // (prompt + generated), frequency, presence (generated), bans and EOS masks.
+  m.def("sampling_rules(Tensor logits, Tensor? token_state, Tensor? history, Tensor? penalties, Tensor? logit_bias) -> Tensor");
+  // sampling_probs / sample: logits [batch, vocab] fp32|fp16|bf16 (rows may be strided); temperature fp32 [batch] (0: greedy),
   // top_k int32 [batch] (0: off), top_p fp32 [batch] (1: off), min_p fp32 [batch] (0: off)
   // -> filtered, renormalised fp32 probabilities [batch, vocab].
-  m.def("sampling_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor");
+  m.def("sampling_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+        "Tensor? token_state=None, Tensor? history=None, Tensor? penalties=None, Tensor? logit_bias=None) -> Tensor");
   // seed, step int64 [batch]: each row's random stream is keyed on (seed, step, vocab column), never on the
   // row's index -> (ids int64 [batch] in [0, vocab), valid bool [batch]: False for a row with no finite logit).
-  m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seed, Tensor step) -> (Tensor, Tensor)");
+  m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seed, Tensor step, "
+        "Tensor? token_state=None, Tensor? history=None, Tensor? penalties=None, Tensor? logit_bias=None) -> (Tensor, Tensor)");
 
   // ---- int8_matmul: symmetric int8 quantization and matmul (F.linear convention: a @ b.T) ----
   // x [M, K] fp32|fp16|bf16 -> (x_int8 [M, K], scale fp32 [M]); per row (per token, or per output channel of a weight).

@@ -94,3 +94,49 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seed, step) -> tuple[to
                 best, best_i = score, i
         ids[b] = best_i
     return ids, valid
+
+
+def token_rules_ref(logits, prompts, generated, *, repetition_penalty=None, frequency_penalty=None,
+                    presence_penalty=None, logit_bias=None, banned=None, eos_token_id=(), min_new_tokens=None):
+    """The token rules, one row and one token at a time, from their published definitions (not from the kernels'
+    state table): float32 ``[batch, vocab]``.
+
+    Per row ``b`` (every per-row argument a list, None: off): logits sanitised (NaN -> -inf, +inf -> the largest
+    float); ``logit_bias[b]`` ({token: bias}) added (transformers' SequenceBiasLogitsProcessor); every token of
+    ``prompts[b] + generated[b]`` penalised once by transformers' RepetitionPenaltyLogitsProcessor rule (negative
+    scores times the penalty, the others divided by it); vLLM's ``apply_penalties`` over ``generated[b]``:
+    ``logits -= frequency * count`` then ``logits -= presence * (count > 0)``; ``banned[b]`` ids and, while
+    ``len(generated[b]) < min_new_tokens[b]``, the ``eos_token_id`` ids set to -inf. All arithmetic in fp32, as
+    transformers and vLLM do it on fp32 scores."""
+    f32 = torch.float32
+    batch, vocab = logits.shape
+    out = torch.empty(batch, vocab, dtype=f32)
+    big = torch.tensor(torch.finfo(f32).max, dtype=f32)
+    for b in range(batch):
+        row = [torch.tensor(float(v), dtype=f32) for v in logits[b].float().tolist()]
+        row = [torch.tensor(-math.inf, dtype=f32) if torch.isnan(v) else torch.minimum(v, big) for v in row]
+        for t, v in ((logit_bias[b] if logit_bias else None) or {}).items():
+            row[t] = row[t] + torch.tensor(v, dtype=f32)
+        if repetition_penalty is not None:
+            r = torch.tensor(repetition_penalty[b], dtype=f32)
+            for t in set(list(prompts[b]) + list(generated[b])):
+                row[t] = row[t] * r if row[t] < 0 else row[t] / r
+        counts = {}
+        for t in generated[b]:
+            counts[t] = counts.get(t, 0) + 1
+        if frequency_penalty is not None:
+            f = torch.tensor(frequency_penalty[b], dtype=f32)
+            for t, c in counts.items():
+                row[t] = row[t] - f * torch.tensor(float(c), dtype=f32)
+        if presence_penalty is not None:
+            p = torch.tensor(presence_penalty[b], dtype=f32)
+            for t in counts:
+                row[t] = row[t] - p
+        for t in (banned[b] if banned else None) or ():
+            row[t] = torch.tensor(-math.inf, dtype=f32)
+        if min_new_tokens is not None and len(generated[b]) < min_new_tokens[b]:
+            for t in eos_token_id:
+                row[t] = torch.tensor(-math.inf, dtype=f32)
+        row = [torch.tensor(-math.inf, dtype=f32) if torch.isnan(v) else torch.minimum(v, big) for v in row]
+        out[b] = torch.stack(row)
+    return out

@@ -153,6 +153,60 @@ def _load_row(base, offs, mask):
     return tl.minimum(x, FLT_MAX)
 
 
+# token_state word (one int32 per history row and vocabulary column), see arkernels/ops/sampling.py
+COUNT_MASK = tl.constexpr(0xFFFFFF)  # bits 0-23: generated occurrences (exact in fp32: frequency * count is exact)
+SEEN_MASK = tl.constexpr(0x1FFFFFF)  # count or bit 24 (in the prompt): the repetition penalty applies
+BAN_BIT = tl.constexpr(1 << 25)  # banned (bad_words_ids of one token, suppress_tokens)
+EOS_BIT = tl.constexpr(1 << 26)  # an EOS id: masked while the row has fewer than min_new_tokens new tokens
+
+
+@triton.jit
+def _row_rules(row, hist_ptr, pen_ptr, NH, STATE: tl.constexpr, BIAS: tl.constexpr):
+    """A row's token-rule parameters: ``(history row (clamped), in range, repetition, frequency, presence, EOS
+    masked)``. A history row outside ``[0, NH)`` applies no rule (its loads are masked off): never out of bounds."""
+    hr = tl.zeros((), tl.int64)
+    rv = tl.zeros((), tl.int1)
+    rp = tl.full((), 1.0, tl.float32)
+    fq = tl.zeros((), tl.float32)
+    ps = tl.zeros((), tl.float32)
+    eos_on = tl.zeros((), tl.int1)
+    if STATE or BIAS:
+        h = tl.load(hist_ptr + row * 3)
+        rv = (h >= 0) & (h < NH)
+        hr = tl.where(rv, h, 0)
+    if STATE:
+        rp = tl.load(pen_ptr + row * 3)
+        fq = tl.load(pen_ptr + row * 3 + 1)
+        ps = tl.load(pen_ptr + row * 3 + 2)
+        eos_on = tl.load(hist_ptr + row * 3 + 1) < tl.load(hist_ptr + row * 3 + 2)
+    return hr, rv, rp, fq, ps, eos_on
+
+
+@triton.jit
+def _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr):
+    """``_load_row`` followed by the token rules at vocabulary columns ``offs`` (``sb``, ``bb``: the row's
+    token_state / logit_bias rows): bias added; repetition (transformers: negative logits multiplied, the others
+    divided) where the token is in the prompt or was generated; ``- frequency * count - presence * (count > 0)``
+    (vLLM / OpenAI); banned and masked EOS ids to -inf. Then sanitised as ``_load_row`` does (a bias can overflow)."""
+    x = _load_row(base, offs, mask)
+    if STATE or BIAS:
+        m2 = mask & rv
+        if BIAS:
+            x = x + tl.load(bb + offs, mask=m2, other=0.0)
+        if STATE:
+            w = tl.load(sb + offs, mask=m2, other=0)
+            cnt = w & COUNT_MASK
+            x = tl.where((w & SEEN_MASK) != 0, tl.where(x < 0, x * rp, tl.math.div_rn(x, rp)), x)
+            x = x - fq * cnt.to(tl.float32)
+            x = x - tl.where(cnt > 0, ps, 0.0)
+            ban = ((w & BAN_BIT) != 0) | (((w & EOS_BIT) != 0) & eos_on)
+            x = tl.where(ban, float("-inf"), x)
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.where(x == 0.0, 0.0, x)
+        x = tl.minimum(x, FLT_MAX)
+    return x
+
+
 @triton.jit
 def _key(v):
     # order-preserving fp32 -> int32 map (an involution: the same formula maps back)
@@ -168,8 +222,10 @@ def _unkey(k):
 
 @triton.jit
 def _bucket(x):
-    """fp32 -> histogram bucket in [0, NB): the key's top 12 bits, monotone in x."""
-    return (_key(x) >> BUCKET_SHIFT) + NB // 2
+    """fp32 -> histogram bucket in [0, NB): the key's top 12 bits, monotone in x. Any int32 key already lands in
+    [0, NB) (an arithmetic shift by 20 gives [-2048, 2047]); the clamp keeps ``tl.histogram``'s shared-memory
+    atomics in range if BUCKET_SHIFT or NB is ever edited apart (two instructions per element)."""
+    return tl.minimum(tl.maximum((_key(x) >> BUCKET_SHIFT) + NB // 2, 0), NB - 1)
 
 
 @triton.jit
@@ -179,7 +235,7 @@ def _bucket_lo(b):
 
 
 @triton.jit
-def _threshold(base, V, lo, cand, target, m, T, tk, Z, off,
+def _threshold(base, V, lo, cand, target, m, T, tk, Z, off, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr,
                BELOW: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
     """The largest row value ``t`` that passes, found by a pivot search over ``base[:V]``.
 
@@ -200,7 +256,7 @@ def _threshold(base, V, lo, cand, target, m, T, tk, Z, off,
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < V
-            x = _load_row(base, offs, mask)
+            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
             if BELOW:
                 v = tl.math.div_rn(x - m, T)
                 w = tl.math.div_rn(tl.exp(v), Z)
@@ -230,7 +286,7 @@ def _threshold(base, V, lo, cand, target, m, T, tk, Z, off,
 
 
 @triton.jit
-def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z,
+def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr,
              BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr):
     """top-k then top-p thresholds over ``base[:n]`` (the whole row, or a superset of the kept set).
     ``lo_k``: a value <= every element (or -inf). ``USE_ROW_Z`` (runtime; only without top-k): take the
@@ -239,7 +295,7 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z,
     npass = 0
     tk = tl.full((), float("-inf"), tl.float32)
     if (k > 0) & (k < V):
-        tk, it = _threshold(base, n, lo_k, m, k.to(tl.float32), m, T, tk, 1.0, 0.0,
+        tk, it = _threshold(base, n, lo_k, m, k.to(tl.float32), m, T, tk, 1.0, 0.0, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
                             False, SEARCH_BLOCK, P, MAX_PASSES)
         npass += it
     tp = tl.full((), float("-inf"), tl.float32)
@@ -252,19 +308,20 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z,
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < n
-                x = _load_row(base, offs, mask)
+                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
                 Z += tl.sum(tl.where(mask & (x >= tk), tl.exp(tl.math.div_rn(x - m, T)), 0.0), axis=0)
             npass += 1
             off = tl.zeros((), tl.float32)
         Z = tl.where(Z > 0, Z, 1.0)  # 0 only on rows with nothing to search (greedy: n = 0)
         tp, it = _threshold(base, n, tp, tl.zeros((), tl.float32), 1.0 - p, m, T, tk, Z, tl.math.div_rn(off, Z),
-                            True, SEARCH_BLOCK, P, MAX_PASSES)
+                            sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, True, SEARCH_BLOCK, P, MAX_PASSES)
         npass += it
     return tk, tp, npass
 
 
 @triton.jit
-def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, USE_IDX: tl.constexpr, BLOCK: tl.constexpr):
+def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr, USE_IDX: tl.constexpr,
+          BLOCK: tl.constexpr):
     """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab
     column)`` (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend
     along ``base``)."""
@@ -273,7 +330,7 @@ def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, USE_IDX: tl.constex
     for start in range(first, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        x = _load_row(base, offs, mask)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         if USE_IDX:
             cols = tl.load(idx_ptr + offs, mask=mask, other=0)
         else:
@@ -314,19 +371,23 @@ def sampling_stats_kernel(
     cmax_ptr, carg_ptr, csum_ptr,  # [batch, NCHUNK] fp32, int32, fp32: per-chunk max, argmax, sum exp((x - max) / T)
     hist_ptr,  # [batch, S, NB] int32: per-program bucket counts
     passes_ptr,  # [batch] int32 (DEBUG only): full-row passes
+    state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S,  # chunks per row, chunks per program, programs per row
-    BLOCK: tl.constexpr, DEBUG: tl.constexpr,
+    BLOCK: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    sb = state_ptr + hr * V
+    bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
     T = tl.where(T > 0, T, 1.0)  # greedy rows: Z is unused
     hist = tl.zeros([NB], tl.int32)
     for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < V
-        x = _load_row(base, offs, mask)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         bm = tl.max(x, axis=0)
         bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
         e = tl.exp(tl.math.div_rn(x - tl.where(bm > float("-inf"), bm, 0.0), T))  # all -inf: all 0
@@ -394,12 +455,16 @@ def sampling_compact_kernel(
     seed_ptr, step_ptr,  # [batch] int64
     rbest_ptr, rcol_ptr,  # [batch, S] fp32, int32: each program's race winner (score, column) when ncand is -2
     passes_ptr,
+    state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S, CAP,
-    BLOCK: tl.constexpr, NCP: tl.constexpr, DEBUG: tl.constexpr,
+    BLOCK: tl.constexpr, NCP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    sb = state_ptr + hr * V
+    bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
     k = tl.load(topk_ptr + row)
     p = tl.load(topp_ptr + row)
@@ -428,7 +493,7 @@ def sampling_compact_kernel(
             ninf = tl.full((), float("-inf"), tl.float32)
             first = s * CPS * BLOCK
             sc, col = _race(base, base, first, tl.minimum(first + CPS * BLOCK, V), m, Tg, ninf, ninf, min_p,
-                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), False, BLOCK)
+                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, False, BLOCK)
             tl.store(rbest_ptr + row * S + s, sc)
             tl.store(rcol_ptr + row * S + s, col)
             if DEBUG:
@@ -439,7 +504,7 @@ def sampling_compact_kernel(
             for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
                 offs = c * BLOCK + tl.arange(0, BLOCK)
                 mask = offs < V
-                x = _load_row(base, offs, mask)
+                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
                 keep = (mask & (_bucket(x) >= cut)).to(tl.int32)
                 dest = pos + tl.cumsum(keep, axis=0) - keep
                 tl.store(cval_ptr + row * CAP + dest, x, mask=keep != 0)
@@ -461,12 +526,16 @@ def sampling_draw_kernel(
     cmax_ptr, carg_ptr, csum_ptr, cval_ptr, cidx_ptr, ncand_ptr, rbest_ptr, rcol_ptr,  # from the kernels above
     ids_ptr, valid_ptr,  # [batch] int64, bool
     passes_ptr,
+    state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CAP, S,
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr,
-    NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
+    NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    sb = state_ptr + hr * V
+    bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
     k = tl.load(topk_ptr + row)
     p = tl.load(topp_ptr + row)
@@ -490,9 +559,10 @@ def sampling_draw_kernel(
                 x = _load_row(cb, offs, mask)
                 cmin = tl.minimum(cmin, tl.min(tl.where(mask, x, float("inf")), axis=0))
                 Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, Tg)), 0.0), axis=0)
-            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z,
+            # the candidates hold processed logits already: no rules on them
+            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, rv, rp, fq, ps, eos_on, False, False,
                                      BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, True, BLOCK)
+            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, cb, cb, rv, rp, fq, ps, eos_on, False, False, True, BLOCK)
         elif n == -2:  # raced by the compaction programs: the best score, ties to the first program
             j = tl.arange(0, SP)
             sc = tl.load(rbest_ptr + row * S + j, mask=j < S, other=float("-inf"))
@@ -500,9 +570,9 @@ def sampling_draw_kernel(
             best_i = tl.min(tl.where((j < S) & (sc == tl.max(sc, axis=0)), col, 2147483647), axis=0)
         else:
             ninf = tl.full((), float("-inf"), tl.float32)
-            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z,
+            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
                                      BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, False, BLOCK)
+            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, False, BLOCK)
             if DEBUG:
                 tl.store(passes_ptr + row, tl.load(passes_ptr + row) + npass + 1)
     tl.store(ids_ptr + row, best_i.to(tl.int64))
@@ -517,10 +587,15 @@ def sampling_probs_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,
     probs_ptr, stride_probs,  # [batch, V] fp32
+    state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr,
+    STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    sb = state_ptr + hr * V
+    bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
     k = tl.load(topk_ptr + row)
     p = tl.load(topp_ptr + row)
@@ -533,7 +608,7 @@ def sampling_probs_kernel(
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
-        x = _load_row(base, offs, mask)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         bm = tl.max(x, axis=0)
         bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
         arg = tl.where(bm > m, bi, arg)
@@ -543,13 +618,14 @@ def sampling_probs_kernel(
     sampled = valid & (T > 0)
     T = tl.where(sampled, T, 1.0)
     Vs = tl.where(sampled, V, 0)  # greedy and invalid rows skip every further pass
-    tk, tp, npass = _filters(base, Vs, mn, m, T, k, p, V, 1.0, 0.0, False, BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
+    tk, tp, npass = _filters(base, Vs, mn, m, T, k, p, V, 1.0, 0.0, False, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
+                             BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
 
     total = tl.zeros((), tl.float32)
     for start in range(0, Vs, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
-        x = _load_row(base, offs, mask)
+        x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
         z = tl.math.div_rn(x - m, T)
         e = tl.exp(z)
         total += tl.sum(tl.where(mask & (x >= tk) & (z >= tp) & (e >= min_p), e, 0.0), axis=0)
@@ -558,13 +634,34 @@ def sampling_probs_kernel(
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
         if sampled:
-            x = _load_row(base, offs, mask)
+            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
             z = tl.math.div_rn(x - m, T)
             e = tl.exp(z)
             pr = tl.where((x >= tk) & (z >= tp) & (e >= min_p), e / total, 0.0)
         else:  # greedy: one-hot at the argmax; no finite logit: all zeros
             pr = tl.where(offs == arg, 1.0, 0.0) * valid.to(tl.float32)
         tl.store(out + offs, pr, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sampling_rules: the processed logits the passes above see (one streaming pass; tests, logprobs, scores)
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def sampling_rules_kernel(
+    logits_ptr, stride_row, V,
+    out_ptr,  # [batch, V] fp32
+    state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,
+    BLOCK: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
+    sb = state_ptr + hr * V
+    bb = bias_ptr + hr * V
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
+    tl.store(out_ptr + row * V + offs, x, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -582,6 +679,19 @@ def _on(dev):
     return torch.cuda.device(dev) if dev.type == "cuda" else _null()
 
 
+def _rule_args(logits, token_state, history, penalties, logit_bias):
+    """The token-rule kernel arguments: ``(state, history, penalties, bias, history rows, STATE, BIAS)``, with
+    one-element stand-ins for what is off (the kernels never read them then)."""
+    dev = logits.device
+    state = token_state if token_state is not None else torch.zeros(1, dtype=torch.int32, device=dev)
+    bias = logit_bias if logit_bias is not None else torch.zeros(1, dtype=torch.float32, device=dev)
+    hist = history if history is not None else torch.zeros(3, dtype=torch.int64, device=dev)
+    if penalties is None:
+        penalties = torch.tensor([1.0, 0.0, 0.0], device=dev).repeat(max(logits.shape[0], 1), 1)
+    nh = (token_state if token_state is not None else logit_bias).shape[0] if history is not None else 0
+    return state, hist, penalties, bias, nh, token_state is not None, logit_bias is not None
+
+
 def sampling_splits(batch: int, vocab: int) -> int:
     """Programs per row: enough for ~TARGET_PROGRAMS in all at small batch, at most MAX_SPLITS, whole chunks."""
     nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
@@ -589,9 +699,11 @@ def sampling_splits(batch: int, vocab: int) -> int:
     return triton.cdiv(nchunk, triton.cdiv(nchunk, s))
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, *, cap: int = CAND_CAP,
-                  splits: int | None = None, debug: bool = False):
-    """The ``arkernels::sample`` kernels: ``(ids int64 [batch], valid bool [batch])``.
+def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_state=None, history=None,
+                  penalties=None, logit_bias=None, *, cap: int = CAND_CAP, splits: int | None = None,
+                  debug: bool = False):
+    """The ``arkernels::sample`` kernels: ``(ids int64 [batch], valid bool [batch])``; token rules as in the
+    schema (contiguous tensors; ``history`` required with ``token_state`` / ``logit_bias``).
 
     ``cap``: candidates per row on the fast path; ``splits``: programs per row (default
     ``sampling_splits``); both change no token. ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
@@ -613,33 +725,52 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, *, cap: 
     rbest, rcol = torch.empty(batch, S, **f32), torch.empty(batch, S, **i32)
     passes = torch.zeros(batch if debug else 1, **i32)
     ncp = triton.next_power_of_2(nchunk)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    rules = dict(STATE=STATE, BIAS=BIAS)
     if batch > 0 and vocab > 0:
         with _on(dev):
             sampling_stats_kernel[(batch, S)](
-                logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes,
-                nchunk, cps, S, BLOCK=STATS_BLOCK, DEBUG=debug, num_warps=16)  # see STATS_BLOCK
+                logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes, st, hs, pn, bs, nh,
+                nchunk, cps, S, BLOCK=STATS_BLOCK, DEBUG=debug, **rules, num_warps=16)  # see STATS_BLOCK
             sampling_compact_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist,
-                cval, cidx, ncand, seed, step, rbest, rcol, passes, nchunk, cps, S, cap, BLOCK=STATS_BLOCK,
-                NCP=ncp, DEBUG=debug, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 4 B spilled)
+                cval, cidx, ncand, seed, step, rbest, rcol, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
+                BLOCK=STATS_BLOCK, NCP=ncp, DEBUG=debug, **rules, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 4 B spilled)
             sampling_draw_kernel[(batch,)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
-                cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, nchunk, cap, S,
+                cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, st, hs, pn, bs, nh,
+                nchunk, cap, S,
                 BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp,
                 SP=triton.next_power_of_2(S),
-                DEBUG=debug, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 128, 8 B spilled)
+                DEBUG=debug, **rules, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 128, 8 B spilled)
     if debug:
         return ids, valid, (ncand, passes)
     return ids, valid
 
 
-def sampling_probs_triton(logits, temperature, top_k, top_p, min_p):
+def sampling_probs_triton(logits, temperature, top_k, top_p, min_p, token_state=None, history=None,
+                          penalties=None, logit_bias=None):
     """The ``arkernels::sampling_probs`` kernel: fp32 ``[batch, vocab]``."""
     batch, vocab = logits.shape
     probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
     if batch > 0:
         with _on(logits.device):
             sampling_probs_kernel[(batch,)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, probs, probs.stride(0),
-                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, num_warps=8)
+                st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES,
+                STATE=STATE, BIAS=BIAS, num_warps=8)
     return probs
+
+
+def sampling_rules_triton(logits, token_state=None, history=None, penalties=None, logit_bias=None):
+    """The ``arkernels::sampling_rules`` kernel: the processed fp32 logits ``[batch, vocab]``."""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    if batch > 0 and vocab > 0:
+        with _on(logits.device):
+            sampling_rules_kernel[(batch, triton.cdiv(vocab, DRAW_BLOCK))](
+                logits, logits.stride(0), vocab, out, st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, STATE=STATE, BIAS=BIAS,
+                num_warps=8)
+    return out
