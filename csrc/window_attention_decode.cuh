@@ -25,8 +25,9 @@
 //   num_splits comes from shapes only (batch, heads, table width, window, SM count and the planned CTAs per SM):
 //   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
 //   own sum, and the last split CTA of each (sequence, KV head, head chunk) to finish merges them (combine_if_last:
-//   an atomic counter per column, reset by that CTA, so the combine costs no second launch; ~num_splits x 16 x D x 4
-//   bytes of partials, L2-resident, against the K/V bytes of the split).
+//   an epoch-stamped atomic counter per column (decode_arrive), so the combine costs no second launch and a launch
+//   that aborted leaves nothing a later one could mis-count; ~num_splits x 16 x D x 4 bytes of partials,
+//   L2-resident, against the K/V bytes of the split).
 // Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
 //   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.4 KB) + offsets = 110 KB,
 //   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
@@ -155,10 +156,28 @@ __device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w
   return total;
 }
 
+// Split-KV completion counters that no failed launch can poison. A launch with epoch e (window_attention_launch.h:
+// one more than the last launch on these counters; epochs only grow) owns the counter values
+// [e * kMaxSplits, e * kMaxSplits + num_splits]: each split CTA of a column first lifts the column's counter to
+// e * kMaxSplits (atomic max: a no-op once the first CTA of the launch did it), then adds 1; the CTA that sees
+// e * kMaxSplits + num_splits - 1 before its add is the last. Whatever an earlier launch left -- num_splits arrivals
+// after a good launch, fewer after one that aborted (a trap, an illegal address, a cancelled graph: some CTAs never
+// arrived) -- is at most (e - 1) * kMaxSplits + kMaxSplits = e * kMaxSplits, so the max erases it and no later launch
+// depends on an earlier one having finished. Nothing resets the counters (no second kernel, no memset per call);
+// the max and the add are one thread's atomics on one address, which the memory model keeps in program order.
+// (The issue's form, counts compared against (epoch + 1) * num_splits - 1 on counters that are never lifted, would
+// let the arrivals an aborted launch left behind count for the next one.) CUDA graphs: a captured launch's epoch is
+// frozen, so a capture allocates its own counters, zeroed by a memset node at every replay (split_counters): each
+// replay starts clean whatever the previous replay did.
+__device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long long* counter) {
+  const unsigned long long base = p.epoch * kMaxSplits;
+  dev::atomic_max(counter, base);
+  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;
+}
+
 // Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
-// counter after publishing their partials; the last one merges them -- lse = log2 (sum_s 2^lse_s + 2^sink), out =
-// sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without) -- and resets the
-// counter to 0 for the next launch (no second kernel, no memset per call).
+// counter after publishing their partials (decode_arrive); the last one merges them -- lse = log2 (sum_s 2^lse_s +
+// 2^sink), out = sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without).
 // Each split's weight is computed once per head (one warp per head, lanes over splits) into shared memory; the
 // partials of other CTAs are read through L2 (ld.global.cg: L1 is not coherent across SMs). smem: the CTA's dynamic
 // shared memory, free again (every warp passed the merge's reads).
@@ -170,12 +189,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
   dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
-  if (tid == 0) {
-    int32_t* counter = p.counters + b * gridDim.y + blockIdx.y;
-    const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;
-    if (last) dev::atomic_add(counter, -p.num_splits);  // every split has counted: back to 0 for the next launch
-    *last_s = last;
-  }
+  if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
   __syncthreads();
   if (!*last_s) return;
   dev::threadfence();  // order this CTA's reads of the partials after the count that saw them all published

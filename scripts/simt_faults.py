@@ -171,6 +171,34 @@ _SINK_FAULTS = [
                  "  if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);\n", "", _CHUNK),
 ]
 
+# The decode tail (issue 26): epoch-stamped split counters, the combine's batched partial loads, one-wave planning;
+# caught by tests/test_window_attention_decode_tail.py (and the split-KV cases of tests/test_window_attention.py).
+_TAIL_TESTS = ("test_window_attention_decode_tail.py", "test_window_attention.py")
+_TAIL = "aborted_launch or combine_reads or one_wave or split_combine and 0-simt or decode_traffic and True-24-heads1"
+_LAUNCH = "window_attention_launch.h"
+_ARRIVE = ("  dev::atomic_max(counter, base);\n  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;\n")
+
+
+def _tail_fault(what: str, file: str, find: str, replace: str) -> Fault:
+    return Fault(f"decode tail: {what}", file, find, replace, build=KERNEL_BUILD,
+                 run=_kernel_run(_TAIL, tests=_TAIL_TESTS))
+
+
+_TAIL_FAULTS = [
+    _tail_fault("epoch off by one (a launch's base is the previous launch's)", _DECODE_FILE,
+                "const unsigned long long base = p.epoch * kMaxSplits;",
+                "const unsigned long long base = (p.epoch - 1) * kMaxSplits;"),
+    _tail_fault("epoch not advanced per launch", _LAUNCH, "out.epoch = ++e.epoch;", "out.epoch = e.epoch + 1;"),
+    # the protocol before epochs: plain counts from 0, reset by the last CTA; only an aborted launch shows it
+    _tail_fault("counters reset by their last CTA instead of an epoch (an aborted launch poisons the next)",
+                _DECODE_FILE, _ARRIVE,
+                "  (void)base;\n  const bool last = dev::atomic_add(counter, 1ull) == p.num_splits - 1;\n"
+                "  if (last) dev::atomic_add(counter, 0ull - p.num_splits);\n  return last;\n"),
+    _tail_fault("epoch stride below num_splits (a good launch's count reaches the next base)", _DECODE_FILE,
+                "const unsigned long long base = p.epoch * kMaxSplits;",
+                "const unsigned long long base = p.epoch * (p.num_splits - 1);"),
+]
+
 FAULTS += [
     _decode_fault("cp.async wait for the K tile removed", _K_WAIT, ""),
     Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, _K_SYNC, "",
@@ -198,11 +226,10 @@ FAULTS += [
     _decode_fault("fp8 V: O columns not put back in place",
                   "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? "
                   "fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;", "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
-    _decode_fault("split-KV counter not reset by the last CTA",
-                  "    if (last) dev::atomic_add(counter, -p.num_splits);", ""),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
-                  "const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;",
-                  "const bool last = (dev::atomic_add(counter, 1), int(blockIdx.x) == p.num_splits - 1);"),
+                  "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
+                  "  return (dev::atomic_add(counter, 1ull), int(blockIdx.x) == p.num_splits - 1);"),
+    *_TAIL_FAULTS,
     Fault("prefill: window off by one (W + 1 keys)", _MASK, _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
           run=_kernel_run(_PREFILL)),
     _prefill_fault("ldmatrix .trans dropped (V)", "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +"),
