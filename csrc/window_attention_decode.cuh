@@ -56,8 +56,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs as stored (rows padded by 16 bytes: 16-bit
 // rows of D + 8 elements, fp8 rows of D + 16 bytes), the query tile, per-stage K offsets (their sign is the key's
-// validity) and the V offsets of the tile being issued; at least what the final merge of the 4 warps reuses it for
-// ([4][16][D] fp32 O and [2][4][16] m, l). One formula for the kernel and the plan.
+// validity) and the V offsets of the tiles resolved but not yet issued (decode_voff_sets: the prologue resolves all its
+// tiles at once); at least what the final merge of
+// the 4 warps reuses it for ([4][16][D + 8] fp32 O and [2][4][16] m, l). One formula for the kernel and the plan.
+// V offsets are kept for the tiles resolved but not yet issued: the prologue's stages - 1 at most (1 with 1 stage).
+__host__ __device__ constexpr int decode_voff_sets(int stages) { return stages > 1 ? stages - 1 : 1; }
+template <int D>
+constexpr int kDecodeMergeLd = D + 8;  // fp32 row stride of the warps' merge buffer (padded: conflict-free stores)
 struct DecodeLayout {
   int ld;                 // row stride of the 16-bit Q tile, elements: D + 8
   int stage_ld;           // row stride of a stage's K and V tiles, cache elements: D + 8 (16-bit) or D + 16 (fp8):
@@ -70,8 +75,8 @@ __host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages, bool
   l.off_q = size_t(stages) * l.stage;
   l.off_koff = l.off_q + size_t(kDecodeRows) * l.ld * 2;      // Q tile [16][ld]
   l.off_voff = l.off_koff + size_t(stages) * kDecodeTileKeys * 8;
-  const size_t merge = size_t(kDecodeWarps) * kDecodeRows * (d + 2) * 4;
-  l.smem = l.off_voff + size_t(kDecodeTileKeys) * 8;
+  const size_t merge = size_t(kDecodeWarps) * kDecodeRows * (d + 8 + 2) * 4;  // [4][16][D + 8] O, [2][4][16] m, l
+  l.smem = l.off_voff + size_t(decode_voff_sets(stages)) * kDecodeTileKeys * 8;
   l.smem = l.smem < merge ? merge : l.smem;
   return l;
 }
@@ -178,30 +183,63 @@ __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long
 // Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
 // counter after publishing their partials (decode_arrive); the last one merges them -- lse = log2 (sum_s 2^lse_s +
 // 2^sink), out = sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without).
-// Each split's weight is computed once per head (one warp per head, lanes over splits) into shared memory; the
-// partials of other CTAs are read through L2 (ld.global.cg: L1 is not coherent across SMs). smem: the CTA's dynamic
-// shared memory, free again (every warp passed the merge's reads).
+// The partials of other CTAs are read through L2 (ld.global.cg / cp.async.cg: L1 is not coherent across SMs), and
+// every load is issued before any is used, so the tail costs about one L2 round trip per round, not one per split:
+// the weights first (every split's lse of this CTA's heads: <= 64 x 16 scalar loads, 8 per thread, all in flight),
+// then the outputs as 16-byte cp.async straight into shared memory (no registers held), as many splits per round as
+// the CTA's shared memory holds (smem_bytes: the CTA's dynamic shared memory, free again: every warp passed the
+// merge's reads); the weights are computed while the first round lands. Then each thread sums its 16-byte slots
+// (4 dims of one head) over the round's splits from shared memory (consecutive slots: conflict-free LDS.128).
+// B = 1, 32/8 heads, D 128, bf16 (hc = 4 rows, 2 KB of partial per split): 54 splits per round in a 110 KB CTA, so
+// up to 64 splits take 2 rounds (was 64 dependent round trips: 4 outputs per thread x 64 splits, 4 loads per trip).
+// Every byte of every partial is read exactly once (tests/test_window_attention_decode_tail.py counts them).
+constexpr size_t kCombineHeader = ((kMaxSplits * kDecodeRows + kDecodeRows + 1) * 4 + 15) / 16 * 16;
 template <typename T, int D>
-__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, int h0, int hc, unsigned char* smem) {
+__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, int h0, int hc, unsigned char* smem,
+                                                size_t smem_bytes) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16] weights 2^(lse_s - lse)
+  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16]: the splits' lse (log2), then their weights
   float* lse_s = w_s + kMaxSplits * kDecodeRows;  // [16] lse, log2 units
   int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
+  float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc][D] fp32
   dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
   if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
   __syncthreads();
   if (!*last_s) return;
   dev::threadfence();  // order this CTA's reads of the partials after the count that saw them all published
-  const int64_t stride = p.rows * p.hq;
-  for (int r = warp; r < hc; r += kDecodeWarps) {
-    const int64_t oh = b * p.hq + h0 + r;
-    float m = neg_inf();
-    for (int s = lane; s < p.num_splits; s += 32) {
-      const float ls = dev::ld_global_cg(p.part_lse + s * stride + oh);
-      w_s[s * kDecodeRows + r] = ls;
-      m = fmaxf(m, ls);
+  const int ns = p.num_splits;
+  const int64_t stride = p.rows * p.hq, oh0 = b * p.hq + h0;  // part_*[s][oh0 + r]: split s, head h0 + r
+  // Weights first: entry idx = (split idx / hc, head idx % hc), 8 per thread.
+  constexpr int kLse = kMaxSplits * kDecodeRows / kAttnThreads;
+  float lv[kLse];
+#pragma unroll
+  for (int k = 0; k < kLse; ++k) {
+    const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
+    lv[k] = s < ns ? dev::ld_global_cg(p.part_lse + s * stride + oh0 + r) : neg_inf();
+  }
+  // Then the outputs of the first round: split s's rows of this CTA's heads are hc x D contiguous fp32.
+  const int row4 = hc * D / 4;  // 16-byte chunks of one split's partial
+  const int per_round = min(ns, int((smem_bytes - kCombineHeader) / (size_t(row4) * 16)));
+  auto issue = [&](int s0) {
+    const int n = min(per_round, ns - s0) * row4;
+    for (int idx = tid; idx < n; idx += kAttnThreads) {
+      const int s = idx / row4, c = idx - s * row4;
+      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh0) * D + 4 * c, 16);
     }
+    dev::cp_async_commit();
+  };
+  issue(0);
+  // The weights, while the round lands: one warp per head, lanes over splits.
+#pragma unroll
+  for (int k = 0; k < kLse; ++k) {
+    const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
+    if (s < ns) w_s[s * kDecodeRows + r] = lv[k];
+  }
+  __syncthreads();
+  for (int r = warp; r < hc; r += kDecodeWarps) {
+    float m = neg_inf();
+    for (int s = lane; s < ns; s += 32) m = fmaxf(m, w_s[s * kDecodeRows + r]);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     // The attention sink joins the head's denominator here, once (the splits' partials leave it out): one more
@@ -210,28 +248,56 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     m = fmaxf(m, sink2);
     float sum = 0.f;
     if (m != neg_inf())
-      for (int s = lane; s < p.num_splits; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
+      for (int s = lane; s < ns; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
     if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float lse = sum > 0.f ? m + log2f(sum) : neg_inf();
-    for (int s = lane; s < p.num_splits; s += 32) {
+    for (int s = lane; s < ns; s += 32) {
       const float ls = w_s[s * kDecodeRows + r];
       w_s[s * kDecodeRows + r] = sum > 0.f && ls != neg_inf() ? exp2f(ls - lse) : 0.f;
     }
     if (lane == 0) lse_s[r] = lse;
   }
-  __syncthreads();
-  for (int idx = tid; idx < hc * D; idx += kAttnThreads) {
-    const int r = idx / D, x = idx % D;
-    const int64_t oh = b * p.hq + h0 + r;
-    float v = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = w_s[s * kDecodeRows + r];
-      if (w != 0.f) v += w * dev::ld_global_cg(p.part_out + (s * stride + oh) * D + x);
+  // Thread slots: slot = tid + k * 128 is head slot / (D / 4), dims 4 (slot % (D / 4)) .. + 3.
+  constexpr int kSlots = (kDecodeRows * D / 4 + kAttnThreads - 1) / kAttnThreads;
+  float acc[kSlots][4];
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+  for (int s0 = 0; s0 < ns; s0 += per_round) {
+    if (s0 > 0) issue(s0);
+    dev::cp_async_wait_all();
+    __syncthreads();  // the round (everyone's copies) and the weights are in shared memory
+    const int n = min(per_round, ns - s0);
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int slot = tid + k * kAttnThreads;
+      if (slot < row4) {
+        const int r = slot / (D / 4);
+        for (int s = 0; s < n; ++s) {
+          const float w = w_s[(s0 + s) * kDecodeRows + r];
+          if (w != 0.f) {  // an empty split's partial is 0 and its weight 0; skipping keeps a 0 x inf out
+            const float4 x = *reinterpret_cast<const float4*>(part_s + 4 * (s * row4 + slot));
+            acc[k][0] += w * x.x;
+            acc[k][1] += w * x.y;
+            acc[k][2] += w * x.z;
+            acc[k][3] += w * x.w;
+          }
+        }
+      }
     }
-    dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(v));
-    if (x == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
+    __syncthreads();  // the round is read before the next one overwrites it
+  }
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int slot = tid + k * kAttnThreads;
+    if (slot < row4) {
+      const int r = slot / (D / 4), c4 = slot - r * (D / 4);
+      const int64_t oh = oh0 + r;
+      const uint2 v = make_uint2(pack_pair<T>(acc[k][0], acc[k][1]), pack_pair<T>(acc[k][2], acc[k][3]));
+      dev::st_global(reinterpret_cast<uint2*>(static_cast<T*>(p.out) + oh * D + 4 * c4), v);
+      if (c4 == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
+    }
   }
 }
 
@@ -253,7 +319,8 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   AK_DYNAMIC_SHARED(unsigned char, smem);
   T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
   int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; -1: masked key
-  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [64], the tile being issued
+  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [decode_voff_sets(stages)][64]
+  const int vsets = decode_voff_sets(stages);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int split = blockIdx.x;
@@ -261,6 +328,30 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   const int64_t b = blockIdx.z;
   const int h0 = kvh * p.group + chunk * kDecodeRows;               // first query head of this CTA
   const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
+  // The query rows first: they depend on nothing the kernel loads, so their loads are in flight with seq_len's (the
+  // chain before the first K/V copy is seq_len -> block table -> cp.async, the query off it). Chunk idx of the
+  // [16][D] tile (8 elements each): row idx / (D / 8), columns 8 (idx % (D / 8)) .. + 7; zeros for the padding rows.
+  constexpr int kQChunks = kDecodeRows * D / 8, kQPer = (kQChunks + kAttnThreads - 1) / kAttnThreads;
+  uint4 qv[kQPer];
+  {
+    const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
+#pragma unroll
+    for (int k = 0; k < kQPer; ++k) {
+      const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
+      qv[k] = make_uint4(0, 0, 0, 0);
+      if (idx < kQChunks && r < hc) {
+        const T* src = q + (h0 + r) * p.s.q1 + c * 8;
+        if (p.q_vec) {
+          qv[k] = dev::ld_global(reinterpret_cast<const uint4*>(src));
+        } else {
+          T e[8];
+#pragma unroll
+          for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
+          memcpy(&qv[k], e, 16);
+        }
+      }
+    }
+  }
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
   const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b) : 0,
@@ -283,24 +374,24 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   const KV* kc = static_cast<const KV*>(p.k_cache);
   const KV* vc = static_cast<const KV*>(p.v_cache);
 
-  // Offsets of tile t's keys (thread k < 64: key s_lo + 64 t + k) into koff_s[stage] / voff_s; -1 when masked.
-  auto resolve = [&](int t) {
-    if (tid < kDecodeTileKeys) {
-      const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + tid;
-      int64_t ko = -1, vo = -1;
-      if (t < ntiles && j <= s_hi) {
-        const int32_t j32 = int32_t(j);
-        const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
-        const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
-        const int64_t blk = dev::ld_global(table + jb);
-        if (blk >= 0 && blk < p.num_blocks) {
-          ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
-          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
-        }
+  // Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[t % stages][k] / voff_s[t % vsets][k]; -1 when
+  // masked. A V slot is reused stages - 1 tiles later, after at least one barrier (the one closing the prologue, or
+  // those of a loop trip).
+  auto resolve = [&](int t, int k) {
+    const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + k;
+    int64_t ko = -1, vo = -1;
+    if (t < ntiles && j <= s_hi) {
+      const int32_t j32 = int32_t(j);
+      const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
+      const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
+      const int64_t blk = dev::ld_global(table + jb);
+      if (blk >= 0 && blk < p.num_blocks) {
+        ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
+        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
       }
-      koff_s[(t % stages) * kDecodeTileKeys + tid] = ko;
-      voff_s[tid] = vo;
     }
+    koff_s[(t % stages) * kDecodeTileKeys + k] = ko;
+    voff_s[(t % vsets) * kDecodeTileKeys + k] = vo;
   };
   // Copies of tile t into its stage: K, then V, each its own commit group (empty groups past the last tile keep the
   // group count uniform for the waits).
@@ -318,42 +409,30 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       dev::cp_async_commit();
     };
     copy(k_dst, kc, koff_s + st * kDecodeTileKeys);
-    copy(k_dst + kDecodeTileKeys * SLD, vc, voff_s);
+    copy(k_dst + kDecodeTileKeys * SLD, vc, voff_s + (t % vsets) * kDecodeTileKeys);
   };
 
-  // Query tile [16][LD]: this CTA's heads, zero rows for the padding.
-  const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
-  for (int idx = tid; idx < kDecodeRows * D / 8; idx += kAttnThreads) {
-    const int r = idx / (D / 8), c = idx % (D / 8);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < hc) {
-      const T* src = q + (h0 + r) * p.s.q1 + c * 8;
-      if (p.q_vec) {
-        v = dev::ld_global(reinterpret_cast<const uint4*>(src));
-      } else {
-        T e[8];
+  // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
+  // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
+  for (int idx = tid; idx < (stages - 1) * kDecodeTileKeys; idx += kAttnThreads)
+    resolve(idx / kDecodeTileKeys, idx % kDecodeTileKeys);
 #pragma unroll
-        for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
-        memcpy(&v, e, 16);
+  for (int k = 0; k < kQPer; ++k) {
+    const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
+    if (idx < kQChunks) {
+      if constexpr (kFp8) {  // each dim at its mma column (fp8_k_col)
+        T e[8];
+        memcpy(e, &qv[k], 16);
+#pragma unroll
+        for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
+      } else {
+        *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = qv[k];
       }
     }
-    if constexpr (kFp8) {  // each dim at its mma column (fp8_k_col)
-      T e[8];
-      memcpy(e, &v, 16);
-#pragma unroll
-      for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
-    } else {
-      *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = v;
-    }
   }
-  // Prologue: tiles 0 .. stages-2 in flight.
-  for (int t = 0; t < stages - 1; ++t) {
-    resolve(t);
-    __syncthreads();
-    issue(t);
-    __syncthreads();  // voff_s consumed before the next resolve
-  }
-  __syncthreads();  // q_s is ready
+  __syncthreads();  // the prologue's offsets and q_s are ready
+  for (int t = 0; t < stages - 1; ++t) issue(t);
+  __syncthreads();  // tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
   // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
   // addresses row l % 16 at column 8 (l / 16).
   uint32_t qf[kQInRegs ? kKSteps : 1][4];
@@ -385,7 +464,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
 
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % stages;
-    resolve(t + stages - 1);
+    if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid);
     __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
     issue(t + stages - 1);
     cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
@@ -517,16 +596,25 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
   __syncthreads();
-  float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][D]
-  float* ml_s = mo_s + kDecodeWarps * kDecodeRows * D;                        // [4][16] m, then [4][16] l
+  // Rows of MLD = D + 8 floats: a warp's 8-byte stores (lane: row g, dims 2 t4, 2 t4 + 1) fall in 32 distinct banks per
+  // half-warp (g MLD = 8 g mod 32), where rows of D floats put all 8 rows g on the same banks (8-way conflicts).
+  constexpr int MLD = kDecodeMergeLd<D>;
+  float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][MLD]
+  float* ml_s = mo_s + kDecodeWarps * kDecodeRows * MLD;                      // [4][16] m, then [4][16] l
 #pragma unroll
   for (int nb = 0; nb < 2 * kKSteps; ++nb) {
-    float* row0 = mo_s + (warp * kDecodeRows + g) * D;
-    const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;
-    row0[d0] = o[nb][0];
-    row0[d1] = o[nb][1];
-    row0[8 * D + d0] = o[nb][2];
-    row0[8 * D + d1] = o[nb][3];
+    float* row0 = mo_s + (warp * kDecodeRows + g) * MLD;
+    if constexpr (kFp8) {  // dims 2 apart (fp8_o_dim): scalar stores
+      const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);
+      row0[d0] = o[nb][0];
+      row0[d1] = o[nb][1];
+      row0[8 * MLD + d0] = o[nb][2];
+      row0[8 * MLD + d1] = o[nb][3];
+    } else {
+      const int d0 = nb * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(row0 + d0) = make_float2(o[nb][0], o[nb][1]);
+      *reinterpret_cast<float2*>(row0 + 8 * MLD + d0) = make_float2(o[nb][2], o[nb][3]);
+    }
   }
   if (t4 == 0) {
     ml_s[warp * kDecodeRows + g] = m_run[0];
@@ -549,7 +637,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       for (int w = 0; w < kDecodeWarps; ++w) {
         const float f = exp2f(mw[w] - big);
         l += ml_s[kDecodeWarps * kDecodeRows + w * kDecodeRows + r] * f;
-        acc += mo_s[(w * kDecodeRows + r) * D + x] * f;
+        acc += mo_s[(w * kDecodeRows + r) * MLD + x] * f;
       }
     }
     float lse2 = l > 0.f ? big + log2f(l) : neg_inf();  // log2 units
@@ -568,7 +656,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse2);
     }
   }
-  if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem);
+  if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem, lay.smem);
 }
 
 // Shared memory of one SM: the per-block opt-in limit plus the 1 KB the system reserves per block (sm_80: 163 + 1,

@@ -71,14 +71,15 @@ def prefill_smem(d: int, bn: int, stages: int, fp8: bool = False) -> int:
 def decode_smem(d: int, fp8: bool, spec: dict) -> int:
     """Dynamic shared memory of a decode CTA as planned on the GPU of GPU_SPECS entry `spec` (window_attention
     decode_layout + decode_stages): `stages` K/V pairs of 64-key tiles as stored (16-bit rows padded to d + 8
-    elements, fp8 rows to d + 16 bytes), the 16-row query tile, 8-byte key offsets, at least the warps' merge buffer;
-    the most stages (<= 4) that keep 2 CTAs per SM, else the most that fit one CTA. sm_90: D=64 4 stages, 76.8 KB;
-    D=128 3 stages, 108.2 KB; D=256 3 stages (1 CTA), 208.2 KB; fp8 D=128 4 stages, 78.8 KB; fp8 D=256 3 stages,
-    112.2 KB."""
+    elements, fp8 rows to d + 16 bytes), the 16-row query tile, 8-byte K offsets per stage and V offsets for
+    max(stages - 1, 1) tiles, at least the warps' merge buffer (rows of d + 8 fp32); the most stages (<= 4) that keep
+    2 CTAs per SM, else the most that fit one CTA. sm_90: D=64 4 stages, 77.8 KB; D=128 3 stages, 108.8 KB; D=256 3
+    stages (1 CTA), 208.8 KB; fp8 D=128 4 stages, 79.8 KB; fp8 D=256 3 stages, 112.8 KB."""
     def layout(stages):
         ld = d + 8
         stage = 2 * 64 * (d + 16) if fp8 else 2 * 64 * ld * 2
-        return max(stages * stage + 16 * ld * 2 + stages * 64 * 8 + 64 * 8, 4 * 16 * (d + 2) * 4)
+        return max(stages * stage + 16 * ld * 2 + (stages + max(stages - 1, 1)) * 64 * 8,
+               4 * 16 * (d + 10) * 4)
     half = spec["smem_sm"] // 2 - spec["reserved"]
     for s in (4, 3, 2):
         if layout(s) <= half:

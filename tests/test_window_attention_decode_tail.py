@@ -50,3 +50,29 @@ def test_window_attention_decode_aborted_launch_poisons_nothing(device, aborted)
     more, check_more = _decode(device, gen, [900, 700, 300], hq=4, hkv=2)
     check_more(*more())
     check(*run())
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("heads,d", [((6, 2), 64), ((32, 2), 128)])
+def test_window_attention_decode_combine_reads(device, heads, d):
+    """The fused split-KV combine reads every byte of every split's partials (fp32 out and lse) exactly once, and
+    every split writes its partials exactly once; each split CTA touches its column's counter with two atomics (the
+    epoch's max, then the count). 16 heads of D 128 (8 KB of partial per split) need several rounds of the combine's
+    shared memory; 3 heads of D 64 fit in one."""
+    import arkernels.simt
+
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(hq + d)
+    run, check = _decode(device, gen, [2000, 1300], hq=hq, hkv=hkv, d=d)
+    check(*run())
+    (splits, cols_y, batch), = [launch["grid"] for launch in arkernels.simt.launches()]
+    assert splits > 1
+    for name in ("part_out", "part_lse"):
+        reads, writes = arkernels.simt.traffic_map(name)
+        assert reads.numel() == splits * batch * hq * (d if name == "part_out" else 1) * 4
+        assert bool((reads == 1).all()), f"{name}: bytes read {reads.unique().tolist()} times, want once"
+        assert bool((writes == 1).all()), f"{name}: bytes written {writes.unique().tolist()} times, want once"
+    reads, writes = arkernels.simt.traffic_map("split_counters")
+    used = batch * cols_y * 8  # bytes of the launch's counters
+    assert bool((reads[:used] == 2 * splits).all()) and bool((writes[:used] == 2 * splits).all())
+    assert int(reads[used:].sum()) == int(writes[used:].sum()) == 0
