@@ -22,7 +22,8 @@
 //   log2(e) folded into the scale); P packed from the accumulators straight into A fragments; O += P V with V
 //   fragments from ldmatrix.trans. Each warp keeps its own (m, l, O) for its keys; the 4 warps merge through
 //   shared memory at the end (the tile ring is reused for it).
-//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the planned CTAs per SM):
+//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the CTAs per SM that the
+//   planned shared memory allows, decode_ctas_per_sm):
 //   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
 //   own sum, and the last split CTA of each (sequence, KV head, head chunk) to finish merges them (combine_if_last:
 //   an epoch-stamped atomic counter per column (decode_arrive), so the combine costs no second launch and a launch
@@ -31,7 +32,10 @@
 // Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
 //   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.4 KB) + offsets = 110 KB,
 //   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
-//   at 4.3 TB/s on 132 SMs. Splits: 8 CTAs -> ceil(4 x 132 / 8) = 66, capped at 64 -> 128 keys (2 tiles) per split.
+//   at 4.3 TB/s on 132 SMs. Splits sized to one wave: 2 CTAs per SM x 132 SMs = 264 slots / 8 columns = 33 splits
+//   of ceil(128 tiles / 33) = 4 tiles (256 keys); 32 of them hold keys: 256 CTAs, one wave (the plan of 4 per SM
+//   before gave 64 splits in 2 waves). The tail: 33 x 4 heads x 128 x 4 B = 66 KB of partials, one round of the
+//   combine (its 110 KB of shared memory hold 54 splits of 2 KB), so about one L2 round trip after the last split.
 //   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
 //   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
 //   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
@@ -674,14 +678,23 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
   return 0;
 }
 
-// Split-KV count from shapes only: enough CTAs for 4 per SM (2 waves at 2 resident), at least 2 tiles (128 keys)
-// per split.
-inline int decode_splits(int64_t ctas, int64_t max_keys, int sms) {
-  const int64_t target = 4 * static_cast<int64_t>(sms);
-  if (ctas >= target || max_keys <= 2 * kDecodeTileKeys) return 1;
-  const int64_t want = ceil_div<int64_t>(target, ctas);
+// CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
+// 1 KB the system reserves), at most kDecodeCtasPerSmMax (the register bound: the decode kernels use at most 168
+// registers per thread, `python scripts/sass_report.py`, so 3 CTAs of 128 threads fit 64K registers, 4 would not).
+constexpr int kDecodeCtasPerSmMax = 3;
+inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
+  const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_smem, kDecodeCtasPerSmMax)));
+}
+
+// Split-KV count from shapes only, sized to one wave (FlashInfer's max_grid_size = blocks per SM x SMs): the most
+// splits that keep ctas x splits <= wave, at most kMaxSplits and at least 2 tiles (128 keys) per split; 1 when the
+// columns alone fill the wave. A second wave would start its splits only as the first drains and double the tail.
+inline int decode_splits(int64_t ctas, int64_t max_keys, int64_t wave) {
+  if (ctas >= wave || max_keys <= 2 * kDecodeTileKeys) return 1;
+  const int64_t fit = wave / ctas;
   const int64_t most = ceil_div<int64_t>(max_keys, 2 * kDecodeTileKeys);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kMaxSplits}})));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({fit, most, int64_t{kMaxSplits}})));
 }
 
 struct DecodePlan {
@@ -704,9 +717,10 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
   const int64_t cap = max_blocks * block_size;
   int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
   if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);
-  plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, props.sm_count);
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;
+  const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props)) * props.sm_count;
+  plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, wave);
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   return plan;
 }

@@ -76,3 +76,51 @@ def test_window_attention_decode_combine_reads(device, heads, d):
     used = batch * cols_y * 8  # bytes of the launch's counters
     assert bool((reads[:used] == 2 * splits).all()) and bool((writes[:used] == 2 * splits).all())
     assert int(reads[used:].sum()) == int(writes[used:].sum()) == 0
+
+
+# The emulator's device table (csrc/simt/simt.h): SMs and the per-block shared-memory opt-in limit, bytes.
+GPUS = {"sm_80": (108, 166912), "sm_89": (142, 101376), "sm_90": (132, 232448)}
+# (batch, Hq, Hkv, head_dim, table capacity in keys, window): B=1 8k and 32k with a 4096 window (the issue's rows),
+# a batch that fills the wave by itself, one just below it, GQA 20 (two CTAs per KV head), a short table.
+PLANS = [(1, 32, 8, 128, 8192, 0), (1, 32, 8, 128, 32768, 4096), (32, 32, 8, 128, 8192, 0),
+         (4, 8, 8, 64, 2048, 0), (1, 20, 1, 64, 4096, 0), (2, 4, 2, 96, 4096, 0), (3, 6, 2, 64, 128, 0)]
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("gpu", list(GPUS))
+def test_window_attention_decode_one_wave(device, gpu):
+    """The split count is sized to one wave, as FlashInfer sizes its grid (blocks per SM x SMs): CTAs per SM from the
+    planned shared memory (the 1 KB per-block reservation included, at most 3: the register bound), splits =
+    min(64, wave // columns, ceil(keys / 128)), 1 when the columns fill the wave alone or the table holds <= 128 keys;
+    so columns x splits never exceeds the wave. The table capacity (not seq_lens) bounds the keys: the sequences here
+    are short, so the emulator runs the planned grid cheaply, and the output is checked too."""
+    import arkernels.simt
+
+    sms, optin = GPUS[gpu]
+    gen = torch.Generator().manual_seed(3)
+    got = {}
+    with arkernels.simt.emulate(gpu):
+        for plan in PLANS:
+            batch, hq, hkv, d, cap, window = plan
+            block_size = 16
+            lens = [5 + 7 * b for b in range(batch)]
+            k, v, table = _paged(lens, block_size, hkv, d, torch.float16, device, gen)
+            wide = torch.full((batch, cap // block_size), -1, dtype=torch.int32)
+            wide[:, :table.shape[1]] = table
+            query = torch.randn(batch, hq, d, generator=gen).half()
+            lens_t = torch.tensor(lens, dtype=torch.int32)
+            out, lse = window_attention(query, k, v, wide, lens_t, window=window, return_lse=True)
+            _check(out, lse, query, k, v, wide, lens, None, window, d ** -0.5, 0.0)
+            (splits, cols_y, cols_z), = [launch["grid"] for launch in arkernels.simt.launches()]
+            smem = arkernels.simt.launches()[0]["smem"]
+            columns = batch * hkv * -(-(hq // hkv) // 16)
+            assert cols_y * cols_z == columns
+            wave = min((optin + 1024) // (smem + 1024), 3) * sms
+            keys = min(window, cap) if window else cap
+            want = 1 if columns >= wave or keys <= 128 else min(64, wave // columns, -(-keys // 128))
+            assert splits == want, (gpu, batch, hq, hkv, d, cap, window, smem, splits, want)
+            assert splits == 1 or columns * splits <= wave
+            got[plan] = splits
+    if gpu == "sm_90":  # the issue's B=1 rows: 2 CTAs per SM (108.8 KB each) x 132 SMs / 8 KV heads = 33; the
+        # 4096 window: 32 splits of 128 keys; 256 columns of B=32 fill the wave alone
+        assert (got[PLANS[0]], got[PLANS[1]], got[PLANS[2]]) == (33, 32, 1)
