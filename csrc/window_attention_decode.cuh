@@ -679,8 +679,10 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 }
 
 // CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
-// 1 KB the system reserves), at most kDecodeCtasPerSmMax (the register bound: the decode kernels use at most 168
-// registers per thread, `python scripts/sass_report.py`, so 3 CTAs of 128 threads fit 64K registers, 4 would not).
+// 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: sm_90 SASS (`python
+// scripts/sass_report.py`) gives D <= 128 118..166 registers per thread (>= 3 CTAs of 128 threads in 64K registers;
+// 4 only below 128, fp8 D <= 80: left on the table) and D = 256 217..240 (2 CTAs), where shared memory already allows
+// at most 2 (fp8, 112.8 KB) or 1 (208.8 KB). So the planned CTAs per SM never exceed what is resident.
 constexpr int kDecodeCtasPerSmMax = 3;
 inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
   const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);

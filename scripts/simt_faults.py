@@ -174,7 +174,7 @@ _SINK_FAULTS = [
 # The decode tail (issue 26): epoch-stamped split counters, the combine's batched partial loads, one-wave planning;
 # caught by tests/test_window_attention_decode_tail.py (and the split-KV cases of tests/test_window_attention.py).
 _TAIL_TESTS = ("test_window_attention_decode_tail.py", "test_window_attention.py")
-_TAIL = "aborted_launch or combine_reads or one_wave or split_combine and 0-simt or decode_traffic and True-24-heads1"
+_TAIL = "aborted_launch and last or combine_reads and 64 or split_combine and 0-simt"
 _LAUNCH = "window_attention_launch.h"
 _ARRIVE = ("  dev::atomic_max(counter, base);\n  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;\n")
 
@@ -194,9 +194,11 @@ _TAIL_FAULTS = [
                 _DECODE_FILE, _ARRIVE,
                 "  (void)base;\n  const bool last = dev::atomic_add(counter, 1ull) == p.num_splits - 1;\n"
                 "  if (last) dev::atomic_add(counter, 0ull - p.num_splits);\n  return last;\n"),
-    _tail_fault("epoch stride below num_splits (a good launch's count reaches the next base)", _DECODE_FILE,
-                "const unsigned long long base = p.epoch * kMaxSplits;",
-                "const unsigned long long base = p.epoch * (p.num_splits - 1);"),
+    _tail_fault("combine: a split's partial skipped (the last of each round)", _DECODE_FILE,
+                "        for (int s = 0; s < n; ++s) {", "        for (int s = 0; s + 1 < n; ++s) {"),
+    _tail_fault("combine: weights of split s taken from split s + 1", _DECODE_FILE,
+                "const float w = w_s[(s0 + s) * kDecodeRows + r];",
+                "const float w = w_s[(s0 + s + 1 < ns ? s0 + s + 1 : s0 + s) * kDecodeRows + r];"),
 ]
 
 FAULTS += [
