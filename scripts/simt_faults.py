@@ -226,8 +226,8 @@ FAULTS += [
     _decode_fault("fp8 K: query columns not permuted like the K fragments",
                   "fp8_k_col((c % 2) * 8 + x)] = e[x];", "(c % 2) * 8 + x] = e[x];"),
     _decode_fault("fp8 V: O columns not put back in place",
-                  "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? "
-                  "fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;", "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
+                  "const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);",
+                  "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
                   "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
                   "  return (dev::atomic_add(counter, 1ull), int(blockIdx.x) == p.num_splits - 1);"),
@@ -305,8 +305,8 @@ FAULTS += [
                   "int64_t(dev::ld_global(p.kv_start + b)) : window_attention_first_key<int64_t>(i, p.kv_start ? "
                   "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
     _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
-                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
-                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n          vo = int32_t(blk * "
+                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
+                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n        vo = int32_t(blk * "
                   "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
     _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
                   "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n", "",
