@@ -14,14 +14,17 @@
 //   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
 //   keys under an invalid block id are zero-filled (cp.async src-size 0: never read) and masked to -inf.
 //   Per-key row offsets are resolved once per tile by 64 threads (a shift when block_size is a power of two,
-//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued.
+//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued;
+//   the prologue resolves its stages - 1 tiles at once (one block-table round trip, not one per tile), and the query
+//   rows are loaded into registers before seq_len is, so the chain before the first K/V copy is seq_len -> block
+//   table -> cp.async (about 2 L2/DRAM latencies, ~1 us; it was seq_len -> query -> block table per tile).
 //   Each warp owns 16 keys of a tile: S (16 heads x 16 keys) = Q K^T with K fragments from ldmatrix (rows padded to
 //   D + 8 elements: conflict-free), the query's A fragments loaded once into registers (D <= 128; D = 256 reloads
 //   them from shared memory per tile to stay under the register budget); scale, softcap and mask on the fp32
 //   accumulators; online softmax per row in registers (row max over a quad with two shuffles, exp2 with the
 //   log2(e) folded into the scale); P packed from the accumulators straight into A fragments; O += P V with V
 //   fragments from ldmatrix.trans. Each warp keeps its own (m, l, O) for its keys; the 4 warps merge through
-//   shared memory at the end (the tile ring is reused for it).
+//   shared memory at the end (the tile ring is reused for it; rows of D + 8 floats: conflict-free stores).
 //   num_splits comes from shapes only (batch, heads, table width, window, SM count and the CTAs per SM that the
 //   planned shared memory allows, decode_ctas_per_sm):
 //   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
@@ -30,17 +33,17 @@
 //   that aborted leaves nothing a later one could mis-count; ~num_splits x 16 x D x 4 bytes of partials,
 //   L2-resident, against the K/V bytes of the split).
 // Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
-//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.4 KB) + offsets = 110 KB,
+//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.3 KB) + offsets (2.5 KB) = 108.8 KB,
 //   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
 //   at 4.3 TB/s on 132 SMs. Splits sized to one wave: 2 CTAs per SM x 132 SMs = 264 slots / 8 columns = 33 splits
 //   of ceil(128 tiles / 33) = 4 tiles (256 keys); 32 of them hold keys: 256 CTAs, one wave (the plan of 4 per SM
 //   before gave 64 splits in 2 waves). The tail: 33 x 4 heads x 128 x 4 B = 66 KB of partials, one round of the
-//   combine (its 110 KB of shared memory hold 54 splits of 2 KB), so about one L2 round trip after the last split.
+//   combine (its 108.8 KB of shared memory hold 52 splits of 2 KB), so about one L2 round trip after the last split.
 //   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
 //   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
 //   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
 // fp8 caches (same shape): K+V = 16.8 MB. Tiles are staged as stored (rows of D + 16 bytes: a stage is 18 KB; 4
-//   stages + Q + offsets = 78.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
+//   stages + Q + offsets = 79.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
 //   ldmatrix.x4 (K, two k-steps each) + 4 ldmatrix.x4.trans (V, 32 dims each), 64 cvt (e4m3x2 -> f16x2) and 16 prmt,
 //   the same 64 mma. Shared memory moves each cache byte twice (cp.async in, ldmatrix out), as for 16-bit caches; a
 //   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
@@ -194,8 +197,8 @@ __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long
 // the CTA's shared memory holds (smem_bytes: the CTA's dynamic shared memory, free again: every warp passed the
 // merge's reads); the weights are computed while the first round lands. Then each thread sums its 16-byte slots
 // (4 dims of one head) over the round's splits from shared memory (consecutive slots: conflict-free LDS.128).
-// B = 1, 32/8 heads, D 128, bf16 (hc = 4 rows, 2 KB of partial per split): 54 splits per round in a 110 KB CTA, so
-// up to 64 splits take 2 rounds (was 64 dependent round trips: 4 outputs per thread x 64 splits, 4 loads per trip).
+// B = 1, 32/8 heads, D 128, bf16 (hc = 4 rows, 2 KB of partial per split): 52 splits per round in a 108.8 KB CTA, so
+// up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round) (was 64 dependent round trips: 4 outputs per thread x 64 splits, 4 loads per trip).
 // Every byte of every partial is read exactly once (tests/test_window_attention_decode_tail.py counts them).
 constexpr size_t kCombineHeader = ((kMaxSplits * kDecodeRows + kDecodeRows + 1) * 4 + 15) / 16 * 16;
 template <typename T, int D>
