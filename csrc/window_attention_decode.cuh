@@ -198,7 +198,8 @@ __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long
 // merge's reads); the weights are computed while the first round lands. Then each thread sums its 16-byte slots
 // (4 dims of one head) over the round's splits from shared memory (consecutive slots: conflict-free LDS.128).
 // B = 1, 32/8 heads, D 128, bf16 (hc = 4 rows, 2 KB of partial per split): 52 splits per round in a 108.8 KB CTA, so
-// up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round) (was 64 dependent round trips: 4 outputs per thread x 64 splits, 4 loads per trip).
+// up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round); it was 64 dependent round trips (4 outputs
+// per thread x 64 splits, 4 loads per trip).
 // Every byte of every partial is read exactly once (tests/test_window_attention_decode_tail.py counts them).
 constexpr size_t kCombineHeader = ((kMaxSplits * kDecodeRows + kDecodeRows + 1) * 4 + 15) / 16 * 16;
 template <typename T, int D>
