@@ -185,9 +185,10 @@ def _tail_fault(what: str, file: str, find: str, replace: str) -> Fault:
 
 
 _TAIL_FAULTS = [
-    _tail_fault("epoch off by one (a launch's base is the previous launch's)", _DECODE_FILE,
-                "const unsigned long long base = p.epoch * kMaxSplits;",
-                "const unsigned long long base = (p.epoch - 1) * kMaxSplits;"),
+    # (a base shifted by a whole epoch, (epoch - 1) * kMaxSplits, is the same protocol relabelled: not a fault)
+    _tail_fault("last-CTA compare off by one (the next-to-last arrival combines)", _DECODE_FILE,
+                "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
+                "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 2;"),
     _tail_fault("epoch not advanced per launch", _LAUNCH, "out.epoch = ++e.epoch;", "out.epoch = e.epoch + 1;"),
     # the protocol before epochs: plain counts from 0, reset by the last CTA; only an aborted launch shows it
     _tail_fault("counters reset by their last CTA instead of an epoch (an aborted launch poisons the next)",
