@@ -189,9 +189,17 @@ def ldmatrix_probe(tile: torch.Tensor, n: int, trans: bool) -> torch.Tensor:
     return getattr(torch.ops, NAMESPACE).ldmatrix_probe(tile, n, trans)
 
 
+def abort_block_of_next_launch(block: int) -> None:
+    """Make the next emulated kernel launch abort on one block: block ``block`` (linear id, x fastest, as
+    ``x + gx * (y + gy * z)``) never runs, as if it had trapped; the other blocks run as usual. One-shot."""
+    load()
+    getattr(torch.ops, NAMESPACE).abort_block_of_next_launch(block)
+
+
 def traffic() -> dict[str, tuple[int, int]]:
-    """Global-memory bytes of the last emulated op call: ``{argument name: (read, written)}``; "other" counts bytes
-    outside every named argument (outputs and scratch the op allocated)."""
+    """Global-memory bytes of the last emulated op call: ``{argument name: (read, written)}``, plus the scratch buffers
+    the launch code names (window_attention decode: "part_out", "part_lse", "split_counters"); "other" counts bytes
+    outside every named buffer (the outputs the op allocated)."""
     names, reads, writes = getattr(torch.ops, NAMESPACE).traffic_totals()
     return {n: (r, w) for n, r, w in zip(names, reads, writes)}
 

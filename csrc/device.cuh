@@ -7,7 +7,9 @@
 //   AK_DYNAMIC_SHARED(T, name)                             the dynamic shared memory buffer as T*
 //   dev::ld_global / dev::st_global                        every global load and store of a kernel: a plain (vector)
 //                                                          access on the GPU, counted by the emulator's traffic meter
-//   dev::ld_global_cg, atomic_add, threadfence             the same for data blocks exchange within one launch
+//   dev::ld_global_cg, atomic_add, atomic_max, threadfence  the same for data blocks exchange within one launch
+//   AK_TRACK_SCRATCH(name, ptr, bytes)                      names a launch's own scratch buffer for the emulator's
+//                                                          traffic meter (nothing on the GPU)
 //   DeviceProps + cuda_device_props()                       what launch planning may ask of a device
 // Fast-math intrinsics (__expf, __logf, __int_as_float) and fp16/bf16 conversions are the CUDA headers' own on the
 // GPU; the emulator supplies host versions.
@@ -71,6 +73,14 @@ __device__ __forceinline__ T atomic_add(T* p, T v) {
 #endif
   return atomicAdd(p, v);
 }
+// Device-scope atomic max, result unused (a RED.MAX on the GPU; counted as one read and one write).
+template <typename T>
+__device__ __forceinline__ void atomic_max(T* p, T v) {
+#if defined(ARKERNELS_SIMT)
+  ::simt::on_global_atomic(p, sizeof(T));
+#endif
+  atomicMax(p, v);
+}
 __device__ __forceinline__ void threadfence() { __threadfence(); }
 
 }  // namespace dev
@@ -84,6 +94,7 @@ __device__ __forceinline__ void threadfence() { __threadfence(); }
 #define AK_DYNAMIC_SHARED(T, name) T* const name = reinterpret_cast<T*>(::simt::dyn_smem())
 #define AK_SET_MAX_DYNAMIC_SMEM(kernel, bytes) ::simt::set_max_dynamic_smem((kernel), (bytes))
 #define AK_LAST_ERROR() cudaSuccess
+#define AK_TRACK_SCRATCH(name, ptr, bytes) ::simt::track_buffer((name), (ptr), (bytes))
 #else
 #define AK_LAUNCH(kernel, grid, block, smem, stream, ...) (kernel)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define AK_SHARED(align, T, name, dims) __shared__ __align__(align) T name dims
@@ -93,4 +104,5 @@ __device__ __forceinline__ void threadfence() { __threadfence(); }
 #define AK_SET_MAX_DYNAMIC_SMEM(kernel, bytes) \
   cudaFuncSetAttribute((kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))
 #define AK_LAST_ERROR() cudaGetLastError()
+#define AK_TRACK_SCRATCH(name, ptr, bytes) ((void)0)
 #endif

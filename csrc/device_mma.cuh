@@ -65,6 +65,15 @@ inline void cp_async_wait_all() { ::simt::mma::cp_async_wait_all(); }
 #error "device_mma.cuh: mma.sync m16n8k16 with bf16, ldmatrix and cp.async need sm_80 or newer"
 #endif
 
+// Ordering of the inline asm against memory, stated (the compiler sees only the operands it is given):
+// - mma.sync reads and writes registers only: its operands carry every dependency, so it has no "memory" clobber
+//   (one would only keep the compiler from moving unrelated loads and stores around the tensor-core work).
+// - ldmatrix reads shared memory through an address the compiler cannot follow: it carries a "memory" clobber, so
+//   the compiler keeps it in program order with the C++ loads and stores around it (without, only the barriers
+//   between a tile's stores and its ldmatrix -- compiler barriers too -- kept them apart); stores by other threads,
+//   even of the same warp, still need a barrier (__syncwarp / __syncthreads), which orders the hardware as well.
+// - cp.async and its commit / wait carry "memory" clobbers (below): shared-memory reads of a destination stay after
+//   the wait that lands it, and the issue stays after earlier writes of its source.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                              const float (&c)[4]);
@@ -89,28 +98,34 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 __device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_addr(p)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_addr(p))
+               : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p))
+               : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(smem_addr(p))
+               : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_addr(p)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_addr(p))
+               : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(smem_addr(p)));
+               : "r"(smem_addr(p))
+               : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(smem_addr(p))
+               : "memory");
 }
 
 // "memory" clobbers: the compiler must not move shared-memory reads of the destination across the wait, nor the

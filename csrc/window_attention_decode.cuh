@@ -14,28 +14,36 @@
 //   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
 //   keys under an invalid block id are zero-filled (cp.async src-size 0: never read) and masked to -inf.
 //   Per-key row offsets are resolved once per tile by 64 threads (a shift when block_size is a power of two,
-//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued.
+//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued;
+//   the prologue resolves its stages - 1 tiles at once (one block-table round trip, not one per tile), and the query
+//   rows are loaded into registers before seq_len is, so the chain before the first K/V copy is seq_len -> block
+//   table -> cp.async (about 2 L2/DRAM latencies, ~1 us; it was seq_len -> query -> block table per tile).
 //   Each warp owns 16 keys of a tile: S (16 heads x 16 keys) = Q K^T with K fragments from ldmatrix (rows padded to
 //   D + 8 elements: conflict-free), the query's A fragments loaded once into registers (D <= 128; D = 256 reloads
 //   them from shared memory per tile to stay under the register budget); scale, softcap and mask on the fp32
 //   accumulators; online softmax per row in registers (row max over a quad with two shuffles, exp2 with the
 //   log2(e) folded into the scale); P packed from the accumulators straight into A fragments; O += P V with V
 //   fragments from ldmatrix.trans. Each warp keeps its own (m, l, O) for its keys; the 4 warps merge through
-//   shared memory at the end (the tile ring is reused for it).
-//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the planned CTAs per SM):
+//   shared memory at the end (the tile ring is reused for it; rows of D + 8 floats: conflict-free stores).
+//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the CTAs per SM that the
+//   planned shared memory allows, decode_ctas_per_sm):
 //   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
 //   own sum, and the last split CTA of each (sequence, KV head, head chunk) to finish merges them (combine_if_last:
-//   an atomic counter per column, reset by that CTA, so the combine costs no second launch; ~num_splits x 16 x D x 4
-//   bytes of partials, L2-resident, against the K/V bytes of the split).
+//   an epoch-stamped atomic counter per column (decode_arrive), so the combine costs no second launch and a launch
+//   that aborted leaves nothing a later one could mis-count; ~num_splits x 16 x D x 4 bytes of partials,
+//   L2-resident, against the K/V bytes of the split).
 // Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
-//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.4 KB) + offsets = 110 KB,
+//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.3 KB) + offsets (2.5 KB) = 108.8 KB,
 //   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
-//   at 4.3 TB/s on 132 SMs. Splits: 8 CTAs -> ceil(4 x 132 / 8) = 66, capped at 64 -> 128 keys (2 tiles) per split.
+//   at 4.3 TB/s on 132 SMs. Splits sized to one wave: 2 CTAs per SM x 132 SMs = 264 slots / 8 columns = 33 splits
+//   of ceil(128 tiles / 33) = 4 tiles (256 keys); 32 of them hold keys: 256 CTAs, one wave (the plan of 4 per SM
+//   before gave 64 splits in 2 waves). The tail: 33 x 4 heads x 128 x 4 B = 66 KB of partials, one round of the
+//   combine (its 108.8 KB of shared memory hold 52 splits of 2 KB), so about one L2 round trip after the last split.
 //   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
 //   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
 //   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
 // fp8 caches (same shape): K+V = 16.8 MB. Tiles are staged as stored (rows of D + 16 bytes: a stage is 18 KB; 4
-//   stages + Q + offsets = 78.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
+//   stages + Q + offsets = 79.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
 //   ldmatrix.x4 (K, two k-steps each) + 4 ldmatrix.x4.trans (V, 32 dims each), 64 cvt (e4m3x2 -> f16x2) and 16 prmt,
 //   the same 64 mma. Shared memory moves each cache byte twice (cp.async in, ldmatrix out), as for 16-bit caches; a
 //   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
@@ -55,8 +63,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs as stored (rows padded by 16 bytes: 16-bit
 // rows of D + 8 elements, fp8 rows of D + 16 bytes), the query tile, per-stage K offsets (their sign is the key's
-// validity) and the V offsets of the tile being issued; at least what the final merge of the 4 warps reuses it for
-// ([4][16][D] fp32 O and [2][4][16] m, l). One formula for the kernel and the plan.
+// validity) and the V offsets of the tiles resolved but not yet issued (decode_voff_sets: the prologue resolves all its
+// tiles at once); at least what the final merge of
+// the 4 warps reuses it for ([4][16][D + 8] fp32 O and [2][4][16] m, l). One formula for the kernel and the plan.
+// V offsets are kept for the tiles resolved but not yet issued: the prologue's stages - 1 at most (1 with 1 stage).
+__host__ __device__ constexpr int decode_voff_sets(int stages) { return stages > 1 ? stages - 1 : 1; }
+template <int D>
+constexpr int kDecodeMergeLd = D + 8;  // fp32 row stride of the warps' merge buffer (padded: conflict-free stores)
 struct DecodeLayout {
   int ld;                 // row stride of the 16-bit Q tile, elements: D + 8
   int stage_ld;           // row stride of a stage's K and V tiles, cache elements: D + 8 (16-bit) or D + 16 (fp8):
@@ -69,8 +82,8 @@ __host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages, bool
   l.off_q = size_t(stages) * l.stage;
   l.off_koff = l.off_q + size_t(kDecodeRows) * l.ld * 2;      // Q tile [16][ld]
   l.off_voff = l.off_koff + size_t(stages) * kDecodeTileKeys * 8;
-  const size_t merge = size_t(kDecodeWarps) * kDecodeRows * (d + 2) * 4;
-  l.smem = l.off_voff + size_t(kDecodeTileKeys) * 8;
+  const size_t merge = size_t(kDecodeWarps) * kDecodeRows * (d + 8 + 2) * 4;  // [4][16][D + 8] O, [2][4][16] m, l
+  l.smem = l.off_voff + size_t(decode_voff_sets(stages)) * kDecodeTileKeys * 8;
   l.smem = l.smem < merge ? merge : l.smem;
   return l;
 }
@@ -155,39 +168,86 @@ __device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w
   return total;
 }
 
+// Split-KV completion counters that no failed launch can poison. A launch with epoch e (window_attention_launch.h:
+// one more than the last launch on these counters; epochs only grow) owns the counter values
+// [e * kMaxSplits, e * kMaxSplits + num_splits]: each split CTA of a column first lifts the column's counter to
+// e * kMaxSplits (atomic max: a no-op once the first CTA of the launch did it), then adds 1; the CTA that sees
+// e * kMaxSplits + num_splits - 1 before its add is the last. Whatever an earlier launch left -- num_splits arrivals
+// after a good launch, fewer after one that aborted (a trap, an illegal address, a cancelled graph: some CTAs never
+// arrived) -- is at most (e - 1) * kMaxSplits + kMaxSplits = e * kMaxSplits, so the max erases it and no later launch
+// depends on an earlier one having finished. Nothing resets the counters (no second kernel, no memset per call);
+// the max and the add are one thread's atomics on one address, which the memory model keeps in program order.
+// (The issue's form, counts compared against (epoch + 1) * num_splits - 1 on counters that are never lifted, would
+// let the arrivals an aborted launch left behind count for the next one.) CUDA graphs: a captured launch's epoch is
+// frozen, so a capture allocates its own counters, zeroed by a memset node at every replay (split_counters): each
+// replay starts clean whatever the previous replay did.
+__device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long long* counter) {
+  const unsigned long long base = p.epoch * kMaxSplits;
+  dev::atomic_max(counter, base);
+  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;
+}
+
 // Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
-// counter after publishing their partials; the last one merges them -- lse = log2 (sum_s 2^lse_s + 2^sink), out =
-// sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without) -- and resets the
-// counter to 0 for the next launch (no second kernel, no memset per call).
-// Each split's weight is computed once per head (one warp per head, lanes over splits) into shared memory; the
-// partials of other CTAs are read through L2 (ld.global.cg: L1 is not coherent across SMs). smem: the CTA's dynamic
-// shared memory, free again (every warp passed the merge's reads).
+// counter after publishing their partials (decode_arrive); the last one merges them -- lse = log2 (sum_s 2^lse_s +
+// 2^sink), out = sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without).
+// The partials of other CTAs are read through L2 (ld.global.cg / cp.async.cg: L1 is not coherent across SMs), and
+// every load is issued before any is used, so the tail costs about one L2 round trip per round, not one per split:
+// the weights first (every split's lse of this CTA's heads: <= 64 x 16 scalar loads, 8 per thread, all in flight),
+// then the outputs as 16-byte cp.async straight into shared memory (no registers held), as many splits per round as
+// the CTA's shared memory holds (smem_bytes: the CTA's dynamic shared memory, free again: every warp passed the
+// merge's reads); the weights are computed while the first round lands. Then each thread sums its 16-byte slots
+// (4 dims of one head) over the round's splits from shared memory (consecutive slots: conflict-free LDS.128).
+// B = 1, 32/8 heads, D 128, bf16 (hc = 4 rows, 2 KB of partial per split): 52 splits per round in a 108.8 KB CTA, so
+// up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round); it was 64 dependent round trips (4 outputs
+// per thread x 64 splits, 4 loads per trip).
+// Every byte of every partial is read exactly once (tests/test_window_attention_decode_tail.py counts them).
+constexpr size_t kCombineHeader = ((kMaxSplits * kDecodeRows + kDecodeRows + 1) * 4 + 15) / 16 * 16;
 template <typename T, int D>
-__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, int h0, int hc, unsigned char* smem) {
+__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, int h0, int hc, unsigned char* smem,
+                                                size_t smem_bytes) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16] weights 2^(lse_s - lse)
+  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16]: the splits' lse (log2), then their weights
   float* lse_s = w_s + kMaxSplits * kDecodeRows;  // [16] lse, log2 units
   int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
+  float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc][D] fp32
   dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
-  if (tid == 0) {
-    int32_t* counter = p.counters + b * gridDim.y + blockIdx.y;
-    const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;
-    if (last) dev::atomic_add(counter, -p.num_splits);  // every split has counted: back to 0 for the next launch
-    *last_s = last;
-  }
+  if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
   __syncthreads();
   if (!*last_s) return;
   dev::threadfence();  // order this CTA's reads of the partials after the count that saw them all published
-  const int64_t stride = p.rows * p.hq;
-  for (int r = warp; r < hc; r += kDecodeWarps) {
-    const int64_t oh = b * p.hq + h0 + r;
-    float m = neg_inf();
-    for (int s = lane; s < p.num_splits; s += 32) {
-      const float ls = dev::ld_global_cg(p.part_lse + s * stride + oh);
-      w_s[s * kDecodeRows + r] = ls;
-      m = fmaxf(m, ls);
+  const int ns = p.num_splits;
+  const int64_t stride = p.rows * p.hq, oh0 = b * p.hq + h0;  // part_*[s][oh0 + r]: split s, head h0 + r
+  // Weights first: entry idx = (split idx / hc, head idx % hc), 8 per thread.
+  constexpr int kLse = kMaxSplits * kDecodeRows / kAttnThreads;
+  float lv[kLse];
+#pragma unroll
+  for (int k = 0; k < kLse; ++k) {
+    const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
+    lv[k] = s < ns ? dev::ld_global_cg(p.part_lse + s * stride + oh0 + r) : neg_inf();
+  }
+  // Then the outputs of the first round: split s's rows of this CTA's heads are hc x D contiguous fp32.
+  const int row4 = hc * D / 4;  // 16-byte chunks of one split's partial
+  const int per_round = min(ns, int((smem_bytes - kCombineHeader) / (size_t(row4) * 16)));
+  auto issue = [&](int s0) {
+    const int n = min(per_round, ns - s0) * row4;
+    for (int idx = tid; idx < n; idx += kAttnThreads) {
+      const int s = idx / row4, c = idx - s * row4;
+      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh0) * D + 4 * c, 16);
     }
+    dev::cp_async_commit();
+  };
+  issue(0);
+  // The weights, while the round lands: one warp per head, lanes over splits.
+#pragma unroll
+  for (int k = 0; k < kLse; ++k) {
+    const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
+    if (s < ns) w_s[s * kDecodeRows + r] = lv[k];
+  }
+  __syncthreads();
+  for (int r = warp; r < hc; r += kDecodeWarps) {
+    float m = neg_inf();
+    for (int s = lane; s < ns; s += 32) m = fmaxf(m, w_s[s * kDecodeRows + r]);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     // The attention sink joins the head's denominator here, once (the splits' partials leave it out): one more
@@ -196,28 +256,56 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     m = fmaxf(m, sink2);
     float sum = 0.f;
     if (m != neg_inf())
-      for (int s = lane; s < p.num_splits; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
+      for (int s = lane; s < ns; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
     if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float lse = sum > 0.f ? m + log2f(sum) : neg_inf();
-    for (int s = lane; s < p.num_splits; s += 32) {
+    for (int s = lane; s < ns; s += 32) {
       const float ls = w_s[s * kDecodeRows + r];
       w_s[s * kDecodeRows + r] = sum > 0.f && ls != neg_inf() ? exp2f(ls - lse) : 0.f;
     }
     if (lane == 0) lse_s[r] = lse;
   }
-  __syncthreads();
-  for (int idx = tid; idx < hc * D; idx += kAttnThreads) {
-    const int r = idx / D, x = idx % D;
-    const int64_t oh = b * p.hq + h0 + r;
-    float v = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = w_s[s * kDecodeRows + r];
-      if (w != 0.f) v += w * dev::ld_global_cg(p.part_out + (s * stride + oh) * D + x);
+  // Thread slots: slot = tid + k * 128 is head slot / (D / 4), dims 4 (slot % (D / 4)) .. + 3.
+  constexpr int kSlots = (kDecodeRows * D / 4 + kAttnThreads - 1) / kAttnThreads;
+  float acc[kSlots][4];
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+  for (int s0 = 0; s0 < ns; s0 += per_round) {
+    if (s0 > 0) issue(s0);
+    dev::cp_async_wait_all();
+    __syncthreads();  // the round (everyone's copies) and the weights are in shared memory
+    const int n = min(per_round, ns - s0);
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int slot = tid + k * kAttnThreads;
+      if (slot < row4) {
+        const int r = slot / (D / 4);
+        for (int s = 0; s < n; ++s) {
+          const float w = w_s[(s0 + s) * kDecodeRows + r];
+          if (w != 0.f) {  // an empty split's partial is 0 and its weight 0; skipping keeps a 0 x inf out
+            const float4 x = *reinterpret_cast<const float4*>(part_s + 4 * (s * row4 + slot));
+            acc[k][0] += w * x.x;
+            acc[k][1] += w * x.y;
+            acc[k][2] += w * x.z;
+            acc[k][3] += w * x.w;
+          }
+        }
+      }
     }
-    dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(v));
-    if (x == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
+    __syncthreads();  // the round is read before the next one overwrites it
+  }
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int slot = tid + k * kAttnThreads;
+    if (slot < row4) {
+      const int r = slot / (D / 4), c4 = slot - r * (D / 4);
+      const int64_t oh = oh0 + r;
+      const uint2 v = make_uint2(pack_pair<T>(acc[k][0], acc[k][1]), pack_pair<T>(acc[k][2], acc[k][3]));
+      dev::st_global(reinterpret_cast<uint2*>(static_cast<T*>(p.out) + oh * D + 4 * c4), v);
+      if (c4 == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
+    }
   }
 }
 
@@ -239,7 +327,8 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   AK_DYNAMIC_SHARED(unsigned char, smem);
   T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
   int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; -1: masked key
-  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [64], the tile being issued
+  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [decode_voff_sets(stages)][64]
+  const int vsets = decode_voff_sets(stages);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int split = blockIdx.x;
@@ -247,6 +336,30 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   const int64_t b = blockIdx.z;
   const int h0 = kvh * p.group + chunk * kDecodeRows;               // first query head of this CTA
   const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
+  // The query rows first: they depend on nothing the kernel loads, so their loads are in flight with seq_len's (the
+  // chain before the first K/V copy is seq_len -> block table -> cp.async, the query off it). Chunk idx of the
+  // [16][D] tile (8 elements each): row idx / (D / 8), columns 8 (idx % (D / 8)) .. + 7; zeros for the padding rows.
+  constexpr int kQChunks = kDecodeRows * D / 8, kQPer = (kQChunks + kAttnThreads - 1) / kAttnThreads;
+  uint4 qv[kQPer];
+  {
+    const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
+#pragma unroll
+    for (int k = 0; k < kQPer; ++k) {
+      const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
+      qv[k] = make_uint4(0, 0, 0, 0);
+      if (idx < kQChunks && r < hc) {
+        const T* src = q + (h0 + r) * p.s.q1 + c * 8;
+        if (p.q_vec) {
+          qv[k] = dev::ld_global(reinterpret_cast<const uint4*>(src));
+        } else {
+          T e[8];
+#pragma unroll
+          for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
+          memcpy(&qv[k], e, 16);
+        }
+      }
+    }
+  }
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
   const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b) : 0,
@@ -269,24 +382,24 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
   const KV* kc = static_cast<const KV*>(p.k_cache);
   const KV* vc = static_cast<const KV*>(p.v_cache);
 
-  // Offsets of tile t's keys (thread k < 64: key s_lo + 64 t + k) into koff_s[stage] / voff_s; -1 when masked.
-  auto resolve = [&](int t) {
-    if (tid < kDecodeTileKeys) {
-      const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + tid;
-      int64_t ko = -1, vo = -1;
-      if (t < ntiles && j <= s_hi) {
-        const int32_t j32 = int32_t(j);
-        const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
-        const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
-        const int64_t blk = dev::ld_global(table + jb);
-        if (blk >= 0 && blk < p.num_blocks) {
-          ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
-          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
-        }
+  // Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[t % stages][k] / voff_s[t % vsets][k]; -1 when
+  // masked. A V slot is reused stages - 1 tiles later, after at least one barrier (the one closing the prologue, or
+  // those of a loop trip).
+  auto resolve = [&](int t, int k) {
+    const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + k;
+    int64_t ko = -1, vo = -1;
+    if (t < ntiles && j <= s_hi) {
+      const int32_t j32 = int32_t(j);
+      const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
+      const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
+      const int64_t blk = dev::ld_global(table + jb);
+      if (blk >= 0 && blk < p.num_blocks) {
+        ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
+        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
       }
-      koff_s[(t % stages) * kDecodeTileKeys + tid] = ko;
-      voff_s[tid] = vo;
     }
+    koff_s[(t % stages) * kDecodeTileKeys + k] = ko;
+    voff_s[(t % vsets) * kDecodeTileKeys + k] = vo;
   };
   // Copies of tile t into its stage: K, then V, each its own commit group (empty groups past the last tile keep the
   // group count uniform for the waits).
@@ -304,42 +417,30 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       dev::cp_async_commit();
     };
     copy(k_dst, kc, koff_s + st * kDecodeTileKeys);
-    copy(k_dst + kDecodeTileKeys * SLD, vc, voff_s);
+    copy(k_dst + kDecodeTileKeys * SLD, vc, voff_s + (t % vsets) * kDecodeTileKeys);
   };
 
-  // Query tile [16][LD]: this CTA's heads, zero rows for the padding.
-  const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
-  for (int idx = tid; idx < kDecodeRows * D / 8; idx += kAttnThreads) {
-    const int r = idx / (D / 8), c = idx % (D / 8);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < hc) {
-      const T* src = q + (h0 + r) * p.s.q1 + c * 8;
-      if (p.q_vec) {
-        v = dev::ld_global(reinterpret_cast<const uint4*>(src));
-      } else {
-        T e[8];
+  // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
+  // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
+  for (int idx = tid; idx < (stages - 1) * kDecodeTileKeys; idx += kAttnThreads)
+    resolve(idx / kDecodeTileKeys, idx % kDecodeTileKeys);
 #pragma unroll
-        for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
-        memcpy(&v, e, 16);
+  for (int k = 0; k < kQPer; ++k) {
+    const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
+    if (idx < kQChunks) {
+      if constexpr (kFp8) {  // each dim at its mma column (fp8_k_col)
+        T e[8];
+        memcpy(e, &qv[k], 16);
+#pragma unroll
+        for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
+      } else {
+        *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = qv[k];
       }
     }
-    if constexpr (kFp8) {  // each dim at its mma column (fp8_k_col)
-      T e[8];
-      memcpy(e, &v, 16);
-#pragma unroll
-      for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
-    } else {
-      *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = v;
-    }
   }
-  // Prologue: tiles 0 .. stages-2 in flight.
-  for (int t = 0; t < stages - 1; ++t) {
-    resolve(t);
-    __syncthreads();
-    issue(t);
-    __syncthreads();  // voff_s consumed before the next resolve
-  }
-  __syncthreads();  // q_s is ready
+  __syncthreads();  // the prologue's offsets and q_s are ready
+  for (int t = 0; t < stages - 1; ++t) issue(t);
+  __syncthreads();  // tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
   // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
   // addresses row l % 16 at column 8 (l / 16).
   uint32_t qf[kQInRegs ? kKSteps : 1][4];
@@ -371,7 +472,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
 
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % stages;
-    resolve(t + stages - 1);
+    if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid);
     __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
     issue(t + stages - 1);
     cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
@@ -503,16 +604,25 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
   __syncthreads();
-  float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][D]
-  float* ml_s = mo_s + kDecodeWarps * kDecodeRows * D;                        // [4][16] m, then [4][16] l
+  // Rows of MLD = D + 8 floats: a warp's 8-byte stores (lane: row g, dims 2 t4, 2 t4 + 1) fall in 32 distinct banks per
+  // half-warp (g MLD = 8 g mod 32), where rows of D floats put all 8 rows g on the same banks (8-way conflicts).
+  constexpr int MLD = kDecodeMergeLd<D>;
+  float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][MLD]
+  float* ml_s = mo_s + kDecodeWarps * kDecodeRows * MLD;                      // [4][16] m, then [4][16] l
 #pragma unroll
   for (int nb = 0; nb < 2 * kKSteps; ++nb) {
-    float* row0 = mo_s + (warp * kDecodeRows + g) * D;
-    const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;
-    row0[d0] = o[nb][0];
-    row0[d1] = o[nb][1];
-    row0[8 * D + d0] = o[nb][2];
-    row0[8 * D + d1] = o[nb][3];
+    float* row0 = mo_s + (warp * kDecodeRows + g) * MLD;
+    if constexpr (kFp8) {  // dims 2 apart (fp8_o_dim): scalar stores
+      const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);
+      row0[d0] = o[nb][0];
+      row0[d1] = o[nb][1];
+      row0[8 * MLD + d0] = o[nb][2];
+      row0[8 * MLD + d1] = o[nb][3];
+    } else {
+      const int d0 = nb * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(row0 + d0) = make_float2(o[nb][0], o[nb][1]);
+      *reinterpret_cast<float2*>(row0 + 8 * MLD + d0) = make_float2(o[nb][2], o[nb][3]);
+    }
   }
   if (t4 == 0) {
     ml_s[warp * kDecodeRows + g] = m_run[0];
@@ -535,7 +645,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       for (int w = 0; w < kDecodeWarps; ++w) {
         const float f = exp2f(mw[w] - big);
         l += ml_s[kDecodeWarps * kDecodeRows + w * kDecodeRows + r] * f;
-        acc += mo_s[(w * kDecodeRows + r) * D + x] * f;
+        acc += mo_s[(w * kDecodeRows + r) * MLD + x] * f;
       }
     }
     float lse2 = l > 0.f ? big + log2f(l) : neg_inf();  // log2 units
@@ -554,7 +664,7 @@ __global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(c
       if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse2);
     }
   }
-  if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem);
+  if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem, lay.smem);
 }
 
 // Shared memory of one SM: the per-block opt-in limit plus the 1 KB the system reserves per block (sm_80: 163 + 1,
@@ -572,14 +682,25 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
   return 0;
 }
 
-// Split-KV count from shapes only: enough CTAs for 4 per SM (2 waves at 2 resident), at least 2 tiles (128 keys)
-// per split.
-inline int decode_splits(int64_t ctas, int64_t max_keys, int sms) {
-  const int64_t target = 4 * static_cast<int64_t>(sms);
-  if (ctas >= target || max_keys <= 2 * kDecodeTileKeys) return 1;
-  const int64_t want = ceil_div<int64_t>(target, ctas);
+// CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
+// 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: sm_90 SASS (`python
+// scripts/sass_report.py`) gives D <= 128 118..166 registers per thread (>= 3 CTAs of 128 threads in 64K registers;
+// 4 only below 128, fp8 D <= 80: left on the table) and D = 256 217..240 (2 CTAs), where shared memory already allows
+// at most 2 (fp8, 112.8 KB) or 1 (208.8 KB). So the planned CTAs per SM never exceed what is resident.
+constexpr int kDecodeCtasPerSmMax = 3;
+inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
+  const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_smem, kDecodeCtasPerSmMax)));
+}
+
+// Split-KV count from shapes only, sized to one wave (FlashInfer's max_grid_size = blocks per SM x SMs): the most
+// splits that keep ctas x splits <= wave, at most kMaxSplits and at least 2 tiles (128 keys) per split; 1 when the
+// columns alone fill the wave. A second wave would start its splits only as the first drains and double the tail.
+inline int decode_splits(int64_t ctas, int64_t max_keys, int64_t wave) {
+  if (ctas >= wave || max_keys <= 2 * kDecodeTileKeys) return 1;
+  const int64_t fit = wave / ctas;
   const int64_t most = ceil_div<int64_t>(max_keys, 2 * kDecodeTileKeys);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kMaxSplits}})));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({fit, most, int64_t{kMaxSplits}})));
 }
 
 struct DecodePlan {
@@ -602,9 +723,10 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
   const int64_t cap = max_blocks * block_size;
   int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
   if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);
-  plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, props.sm_count);
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;
+  const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props)) * props.sm_count;
+  plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, wave);
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   return plan;
 }

@@ -85,7 +85,8 @@ struct AttnParams {
   float* lse;                  // [rows, Hq]
   float* part_out;             // [num_splits, rows, Hq, D] fp32 (decode, num_splits > 1)
   float* part_lse;             // [num_splits, rows, Hq], log2 units
-  int32_t* counters;           // [batch, gridDim.y] split-KV completion counts: 0 before a launch, reset to 0 by it
+  unsigned long long* counters;  // [>= batch * gridDim.y] split-KV arrival counts, epoch-stamped (decode_arrive)
+  unsigned long long epoch;      // this launch's epoch on `counters`: larger than every earlier launch's on them
   AttnStrides s;
   int64_t rows, num_blocks, block_size, max_blocks;
   int hq, hkv, group, head_chunks, num_splits, window;

@@ -40,27 +40,46 @@ inline DeviceProps apply_smem_knob(DeviceProps props) {
   return props;
 }
 
-// Split-KV completion counters (AttnParams::counters): n int32 that are zero before every launch and that every
-// launch leaves zero (the last CTA of each column resets its own), so they are zeroed once, when allocated. Kept per
-// (device, stream): launches in one stream's order reuse them; launches on different streams, which may overlap, never
-// share them. While the stream is being captured into a CUDA graph they are allocated and zeroed per call instead (a
-// memset node of the graph), so a graph's replays and eager launches never share counters either. `hold` keeps the
-// buffer alive for the call.
-inline int32_t* split_counters(const at::Tensor& like, int64_t n, const void* stream, bool capturing,
-                               at::Tensor& hold) {
-  const auto opts = like.options().dtype(at::kInt);
+// Split-KV completion counters (AttnParams::counters) and the launch's epoch on them (decode_arrive in
+// window_attention_decode.cuh: a launch owns the counter values from epoch * kMaxSplits up, so whatever earlier
+// launches left, an aborted one included, is erased by its first arrival; nothing resets them). Kept per (device,
+// stream) with the last epoch given out: launches in one stream's order reuse them, each with the next epoch (a
+// 64-bit count: it never wraps); launches on different streams, which may overlap, never share them. `lock` holds the
+// epoch's order to the launch's: the caller keeps it until the launch is enqueued, so two host threads on one stream
+// cannot enqueue epochs out of order (a later epoch first would make the earlier launch's counts never reach its
+// last value). While the stream is being captured into a CUDA graph the counters are allocated and zeroed per call
+// instead (a memset node of the graph, run at every replay) with epoch 1: a graph's replays, whose epoch is frozen,
+// each start from zero, and never share counters with eager launches.
+struct SplitCounters {
+  at::Tensor hold;  // keeps the buffer alive for the call
+  unsigned long long* ptr = nullptr;
+  unsigned long long epoch = 0;
+  std::unique_lock<std::mutex> lock;
+};
+inline void split_counters(const at::Tensor& like, int64_t n, const void* stream, bool capturing, SplitCounters& out) {
+  const auto opts = like.options().dtype(at::kLong);
   if (capturing) {
-    hold = at::zeros({n}, opts);
-    return hold.data_ptr<int32_t>();
+    out.hold = at::zeros({n}, opts);
+    out.ptr = reinterpret_cast<unsigned long long*>(out.hold.data_ptr<int64_t>());
+    out.epoch = 1;
+    return;
   }
   static std::mutex mu;
+  struct Entry {
+    at::Tensor t;
+    unsigned long long epoch = 0;  // the last epoch given out on t
+  };
   // Never destroyed: a CUDA tensor must not outlive the caching allocator at exit.
-  static auto* cache = new std::map<std::tuple<int, int, const void*>, at::Tensor>();
-  const std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& t = (*cache)[{int(like.device().type()), int(like.device().index()), stream}];
-  if (!t.defined() || t.numel() < n) t = at::zeros({std::max<int64_t>(n, t.defined() ? 2 * t.numel() : 0)}, opts);
-  hold = t;
-  return t.data_ptr<int32_t>();
+  static auto* cache = new std::map<std::tuple<int, int, const void*>, Entry>();
+  out.lock = std::unique_lock<std::mutex>(mu);
+  Entry& e = (*cache)[{int(like.device().type()), int(like.device().index()), stream}];
+  if (!e.t.defined() || e.t.numel() < n) {  // a fresh buffer: zeros are below every epoch's values
+    e.t = at::zeros({std::max<int64_t>(n, e.t.defined() ? 2 * e.t.numel() : 0)}, opts);
+  }
+  out.hold = e.t;
+  out.ptr = reinterpret_cast<unsigned long long*>(e.t.data_ptr<int64_t>());
+  out.epoch = ++e.epoch;
+  AK_TRACK_SCRATCH("split_counters", out.ptr, size_t(e.t.numel()) * 8);
 }
 
 // Shared checks already ran (check_window_attention). Allocates out [rows, Hq, D] like query and lse fp32 [rows, Hq].
@@ -144,7 +163,8 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
                                                          apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
   p.num_splits = plan.decode.num_splits;
-  at::Tensor part_out, part_lse, counters;
+  at::Tensor part_out, part_lse;
+  SplitCounters counters;  // its lock, when held, is released after the launch is enqueued
   if (!prefill) {
     AK_CHECK("window_attention", hkv * plan.decode.head_chunks <= 65535,
              "decode grid too large on CUDA: num_kv_heads * ceil(group / 16) = ", hkv * plan.decode.head_chunks,
@@ -157,7 +177,11 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
       part_lse = at::empty({plan.decode.num_splits, rows, hq}, query.options().dtype(at::kFloat));
       p.part_out = part_out.data_ptr<float>();
       p.part_lse = part_lse.data_ptr<float>();
-      p.counters = split_counters(query, plan.decode.counters(), stream, capturing, counters);
+      AK_TRACK_SCRATCH("part_out", p.part_out, size_t(part_out.numel()) * 4);
+      AK_TRACK_SCRATCH("part_lse", p.part_lse, size_t(part_lse.numel()) * 4);
+      split_counters(query, plan.decode.counters(), stream, capturing, counters);
+      p.counters = counters.ptr;
+      p.epoch = counters.epoch;
     }
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);

@@ -12,7 +12,10 @@ the SASS instructions that show the design:
   HMMA    mma.sync / WMMA tensor-core instructions             HGMMA  Hopper wgmma
   SHFL    warp shuffles                                        BAR    barriers (__syncthreads, named barriers)
   STL/LDL local memory stores/loads: register spills or local arrays. Any of them, or a nonzero frame, fails.
-Exit status: 0 clean, 1 some kernel uses local memory (listed), 2 the tools or the cubins are missing.
+  TAIL    decode kernels: the split-KV combine issues its partial loads before it uses any (combine_order): "ok" or
+          "BAD" (fails), "-" for other kernels.
+Exit status: 0 clean, 1 some kernel uses local memory or a decode combine waits before issuing its loads (listed),
+2 the tools or the cubins are missing.
 
 Tools: cuobjdump and nvdisasm from $CUOBJDUMP (its folder must hold nvdisasm too), else Triton's wheel
 (triton/backends/nvidia/bin: the CUDA toolkit on our machines lacks both), else PATH / $CUDA_HOME/bin.
@@ -71,14 +74,15 @@ def prefill_smem(d: int, bn: int, stages: int, fp8: bool = False) -> int:
 def decode_smem(d: int, fp8: bool, spec: dict) -> int:
     """Dynamic shared memory of a decode CTA as planned on the GPU of GPU_SPECS entry `spec` (window_attention
     decode_layout + decode_stages): `stages` K/V pairs of 64-key tiles as stored (16-bit rows padded to d + 8
-    elements, fp8 rows to d + 16 bytes), the 16-row query tile, 8-byte key offsets, at least the warps' merge buffer;
-    the most stages (<= 4) that keep 2 CTAs per SM, else the most that fit one CTA. sm_90: D=64 4 stages, 76.8 KB;
-    D=128 3 stages, 108.2 KB; D=256 3 stages (1 CTA), 208.2 KB; fp8 D=128 4 stages, 78.8 KB; fp8 D=256 3 stages,
-    112.2 KB."""
+    elements, fp8 rows to d + 16 bytes), the 16-row query tile, 8-byte K offsets per stage and V offsets for
+    max(stages - 1, 1) tiles, at least the warps' merge buffer (rows of d + 8 fp32); the most stages (<= 4) that keep
+    2 CTAs per SM, else the most that fit one CTA. sm_90: D=64 4 stages, 77.8 KB; D=128 3 stages, 108.8 KB; D=256 3
+    stages (1 CTA), 208.8 KB; fp8 D=128 4 stages, 79.8 KB; fp8 D=256 3 stages, 112.8 KB."""
     def layout(stages):
         ld = d + 8
         stage = 2 * 64 * (d + 16) if fp8 else 2 * 64 * ld * 2
-        return max(stages * stage + 16 * ld * 2 + stages * 64 * 8 + 64 * 8, 4 * 16 * (d + 2) * 4)
+        return max(stages * stage + 16 * ld * 2 + (stages + max(stages - 1, 1)) * 64 * 8,
+               4 * 16 * (d + 10) * 4)
     half = spec["smem_sm"] // 2 - spec["reserved"]
     for s in (4, 3, 2):
         if layout(s) <= half:
@@ -281,10 +285,36 @@ def access_bytes(op: str) -> int:
     return next((_WIDTH[m] for m in op.split(".")[1:] if m in _WIDTH), 4)
 
 
+# The decode kernel's split-KV combine (window_attention_decode.cuh, combine_if_last) loads every split's lse (8 scalar
+# loads per thread, unrolled), then issues the partial outputs as cp.async, and only then uses an lse (stores it as a
+# weight) or waits for a copy: one L2 round trip for the whole first round instead of one per split.
+COMBINE_LSE_LOADS = 8  # kMaxSplits * kDecodeRows / kAttnThreads
+
+
+def combine_order(ops: list[str]) -> str:
+    """'ok' when, after the kernel's last ATOMG (the split counter's count), at least COMBINE_LSE_LOADS LDG come
+    before the first LDGSTS, the first LDGSTS comes before the first STS after those loads (the first use of a loaded
+    lse) and before the first DEPBAR (a cp.async wait); 'BAD' otherwise; '-' without an ATOMG (no combine)."""
+    atoms = [i for i, op in enumerate(ops) if op.startswith("ATOMG")]
+    if not atoms:
+        return "-"
+    tail = ops[atoms[-1] + 1:]
+    copies = [i for i, op in enumerate(tail) if op.startswith("LDGSTS")]
+    if not copies:
+        return "BAD"
+    first_copy = copies[0]
+    loads = [i for i, op in enumerate(tail[:first_copy]) if op.startswith("LDG.")]
+    if len(loads) < COMBINE_LSE_LOADS:
+        return "BAD"
+    first_use = next((i for i, op in enumerate(tail) if i > loads[0] and op.split(".")[0] == "STS"), len(tail))
+    first_wait = next((i for i, op in enumerate(tail) if op.split(".")[0] == "DEPBAR"), len(tail))
+    return "ok" if first_copy < first_use and first_copy < first_wait else "BAD"
+
+
 def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
-    """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total) and
+    """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total),
     'stl_bytes' / 'ldl_bytes': the bytes the STL / LDL instructions move, each counted once (as ptxas -v counts
-    'bytes spill stores / loads', which the cubin does not record)."""
+    'bytes spill stores / loads', which the cubin does not record), and 'tail': combine_order of decode kernels."""
     out: dict[tuple[str, str], dict[str, int]] = {}
     for arch, block in split_by_arch(text):
         counts = None
@@ -292,6 +322,7 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
             m = _SASS_FN.match(line)
             if m:
                 counts = out.setdefault((arch, m.group(1)), dict.fromkeys(SASS_KEYS, 0))
+                ops = counts.setdefault("ops", []) if "window_attention_decode_kernel" in m.group(1) else None
                 continue
             if counts is None:
                 continue
@@ -299,11 +330,16 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
             if m:
                 op = m.group(1)
                 counts["insns"] += 1
+                if ops is not None:
+                    ops.append(op)
                 for k, pred in INSN_CLASSES.items():
                     if pred(op):
                         counts[k] += 1
                         if k in ("STL", "LDL"):
                             counts[k.lower() + "_bytes"] += access_bytes(op)
+    for counts in out.values():
+        ops = counts.pop("ops", None)
+        counts["tail"] = combine_order(ops) if ops is not None else "-"
     return out
 
 
@@ -367,6 +403,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
             "local": r.get("LOCAL", 0), "static_smem": static_smem, "dynamic_smem": dyn,
             "threads": threads, "threads_from": threads_from if threads else "unknown",
             **{k.lower(): counts.get(k, 0) for k in SASS_KEYS},
+            "tail": counts.get("tail", "-"),
         }
         spec = GPU_SPECS.get(arch.rstrip("a"))
         if spec and threads:
@@ -402,6 +439,7 @@ COLUMNS = [  # (header, width, row -> text)
     ("BAR", 3, lambda r: str(r["bar"])),
     ("STL", 3, lambda r: str(r["stl"])),
     ("LDL", 3, lambda r: str(r["ldl"])),
+    ("TAIL", 4, lambda r: r["tail"]),
 ]
 
 
@@ -483,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"so": str(so), "archs": archs, "rows": rows}, indent=1) + "\n")
+    bad_tail = [r for r in rows if r["tail"] == "BAD"]
+    for r in bad_tail:
+        print(f"FAIL combine order: {r['arch']} {r['kernel']}: the split-KV combine waits for or uses a load before "
+              "issuing all of its lse loads and its first partial copies")
     for r in bad:
         print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']} ({r['stl_bytes']} B), "
               f"LDL {r['ldl']} ({r['ldl_bytes']} B), stack {r['stack']} B, local {r['local']} B")
@@ -491,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
           f"or spills, max regs {max((r['regs'] for r in rows), default=0)}, "
           f"HMMA in {sum(1 for r in rows if r['hmma'])}, LDGSTS in {sum(1 for r in rows if r['ldgsts'])}, "
           f"LDSM in {sum(1 for r in rows if r['ldsm'])}, HGMMA in {sum(1 for r in rows if r['hgmma'])}")
-    return 1 if bad else 0
+    return 1 if bad or bad_tail else 0
 
 
 if __name__ == "__main__":

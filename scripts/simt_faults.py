@@ -173,6 +173,37 @@ _SINK_FAULTS = [
                  "  if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);\n", "", _CHUNK),
 ]
 
+# The decode tail (issue 26): epoch-stamped split counters, the combine's batched partial loads, one-wave planning;
+# caught by tests/test_window_attention_decode_tail.py (and the split-KV cases of tests/test_window_attention.py).
+_TAIL_TESTS = ("test_window_attention_decode_tail.py", "test_window_attention.py")
+_TAIL = "aborted_launch and last or combine_reads and 64 or split_combine and 0-simt"
+_LAUNCH = "window_attention_launch.h"
+_ARRIVE = ("  dev::atomic_max(counter, base);\n  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;\n")
+
+
+def _tail_fault(what: str, file: str, find: str, replace: str) -> Fault:
+    return Fault(f"decode tail: {what}", file, find, replace, build=KERNEL_BUILD,
+                 run=_kernel_run(_TAIL, tests=_TAIL_TESTS))
+
+
+_TAIL_FAULTS = [
+    # (a base shifted by a whole epoch, (epoch - 1) * kMaxSplits, is the same protocol relabelled: not a fault)
+    _tail_fault("last-CTA compare off by one (the next-to-last arrival combines)", _DECODE_FILE,
+                "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
+                "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 2;"),
+    _tail_fault("epoch not advanced per launch", _LAUNCH, "out.epoch = ++e.epoch;", "out.epoch = e.epoch + 1;"),
+    # the protocol before epochs: plain counts from 0, reset by the last CTA; only an aborted launch shows it
+    _tail_fault("counters reset by their last CTA instead of an epoch (an aborted launch poisons the next)",
+                _DECODE_FILE, _ARRIVE,
+                "  (void)base;\n  const bool last = dev::atomic_add(counter, 1ull) == p.num_splits - 1;\n"
+                "  if (last) dev::atomic_add(counter, 0ull - p.num_splits);\n  return last;\n"),
+    _tail_fault("combine: a split's partial skipped (the last of each round)", _DECODE_FILE,
+                "        for (int s = 0; s < n; ++s) {", "        for (int s = 0; s + 1 < n; ++s) {"),
+    _tail_fault("combine: weights of split s taken from split s + 1", _DECODE_FILE,
+                "const float w = w_s[(s0 + s) * kDecodeRows + r];",
+                "const float w = w_s[(s0 + s + 1 < ns ? s0 + s + 1 : s0 + s) * kDecodeRows + r];"),
+]
+
 FAULTS += [
     _decode_fault("cp.async wait for the K tile removed", _K_WAIT, ""),
     Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, _K_SYNC, "",
@@ -198,13 +229,12 @@ FAULTS += [
     _decode_fault("fp8 K: query columns not permuted like the K fragments",
                   "fp8_k_col((c % 2) * 8 + x)] = e[x];", "(c % 2) * 8 + x] = e[x];"),
     _decode_fault("fp8 V: O columns not put back in place",
-                  "const int d0 = kFp8 ? fp8_o_dim(nb, 2 * t4) : nb * 8 + 2 * t4, d1 = kFp8 ? "
-                  "fp8_o_dim(nb, 2 * t4 + 1) : d0 + 1;", "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
-    _decode_fault("split-KV counter not reset by the last CTA",
-                  "    if (last) dev::atomic_add(counter, -p.num_splits);", ""),
+                  "const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);",
+                  "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
-                  "const bool last = dev::atomic_add(counter, 1) == p.num_splits - 1;",
-                  "const bool last = (dev::atomic_add(counter, 1), int(blockIdx.x) == p.num_splits - 1);"),
+                  "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
+                  "  return (dev::atomic_add(counter, 1ull), int(blockIdx.x) == p.num_splits - 1);"),
+    *_TAIL_FAULTS,
     Fault("prefill: window off by one (W + 1 keys)", _MASK, _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
           run=_kernel_run(_PREFILL)),
     _prefill_fault("ldmatrix .trans dropped (V)", "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +"),
@@ -278,8 +308,8 @@ FAULTS += [
                   "int64_t(dev::ld_global(p.kv_start + b)) : window_attention_first_key<int64_t>(i, p.kv_start ? "
                   "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
     _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
-                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n          vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
-                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n          vo = int32_t(blk * "
+                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
+                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n        vo = int32_t(blk * "
                   "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
     _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
                   "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n", "",

@@ -291,3 +291,23 @@ case "$1" in -lelf) cat $d/lelf.txt;; -res-usage) cat $d/res.txt;; -elf) cat $d/
     assert sr.main(["--so", str(so), "--arch", "sm_90"]) == 1
     assert "warning: sm_90 window_attention_prefill_kernel<__half, __half, 128, 64>: accesses shared memory" in \
         capsys.readouterr().out
+
+
+def test_combine_order():
+    """The decode combine's instruction order: every lse load (8 LDG), then the partials' cp.async (LDGSTS), then the
+    first use of a loaded lse (STS) and the first cp.async wait (DEPBAR); a kernel without the split counter's ATOMG
+    has no combine."""
+    head = ["LDGSTS.E.BYPASS.128", "HMMA.16816.F32", "ATOMG.E.MAX.64.STRONG.GPU", "ATOMG.E.ADD.64.STRONG.GPU",
+            "STS", "BAR.SYNC.DEFER_BLOCKING"]
+    lse = ["LDG.E.STRONG.GPU"] * 8
+    good = head + lse + ["IMAD", "LDGSTS.E.BYPASS.128", "LDGSTS.E.BYPASS.128", "LDGDEPBAR", "STS", "BAR.SYNC",
+                         "DEPBAR.LE", "LDS.128"]
+    assert sr.combine_order(good) == "ok"
+    assert sr.combine_order(head[:2] + lse + ["LDGSTS.E.BYPASS.128"]) == "-"
+    # an lse used (stored as a weight) before the partial copies are issued: one round trip more
+    assert sr.combine_order(head + lse + ["STS", "LDGSTS.E.BYPASS.128", "DEPBAR.LE"]) == "BAD"
+    # copies issued one split at a time, each waited for before the next
+    assert sr.combine_order(head + lse + ["DEPBAR.LE", "LDGSTS.E.BYPASS.128", "STS"]) == "BAD"
+    # fewer lse loads than splits' worth before the copies (loads issued inside the copy loop)
+    assert sr.combine_order(head + lse[:4] + ["LDGSTS.E.BYPASS.128"] + lse[4:] + ["STS", "DEPBAR.LE"]) == "BAD"
+    assert sr.combine_order(head + lse + ["STS", "DEPBAR.LE"]) == "BAD"  # no cp.async at all

@@ -450,10 +450,12 @@ def test_window_attention_decode_traffic(device, heads, window, fp8):
 def _decode_smem(d, stages, fp8=False):
     """Dynamic shared memory of a decode CTA (csrc/window_attention_decode.cuh, decode_layout): `stages` K/V tile
     pairs of 64 keys as stored (16-bit rows padded to d + 8 elements, fp8 rows to d + 16 bytes), the 16-row query tile
-    (d + 8 16-bit elements a row) and 8-byte key offsets; at least the final merge's [4][16][d + 2] fp32."""
+    (d + 8 16-bit elements a row), 8-byte K offsets per stage and V offsets for max(stages - 1, 1) tiles; at least the
+    final merge's [4][16][d + 8] fp32 O (rows padded: conflict-free stores) and its [2][4][16] m, l."""
     ld = d + 8
     stage = 2 * 64 * (d + 16) if fp8 else 2 * 64 * ld * 2
-    return max(stages * stage + 16 * ld * 2 + stages * 64 * 8 + 64 * 8, 4 * 16 * (d + 2) * 4)
+    return max(stages * stage + 16 * ld * 2 + (stages + max(stages - 1, 1)) * 64 * 8,
+               4 * 16 * (d + 10) * 4)
 
 
 DECODE_GROUPS = [(1, 1), (2, 1), (8, 2), (10, 2), (16, 1), (20, 1)]  # GQA 1, 2, 4, 5, 16 and 20 (two CTAs per KV head)

@@ -193,6 +193,8 @@ void set_block_order(int64_t seed) { ::simt::g_block_order = static_cast<unsigne
 int64_t get_block_order() { return ::simt::g_block_order; }
 // True (default): a block's global stores reach later blocks only through __threadfence (see simt.h, g_visibility).
 void set_visibility(bool on) { ::simt::g_visibility = on; }
+// The next launch aborts on block `block` (linear id, x fastest): that block never runs (see simt.h, g_abort_block).
+void abort_block_of_next_launch(int64_t block) { ::simt::g_abort_block = static_cast<long>(block); }
 bool get_visibility() { return ::simt::g_visibility; }
 
 // ---- probes of the emulator's own model (tests/test_simt_emulator.py) ----
@@ -307,6 +309,7 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("get_block_order() -> int", &arkernels::get_block_order);
   m.def("set_visibility(bool on) -> ()", &arkernels::set_visibility);
   m.def("get_visibility() -> bool", &arkernels::get_visibility);
+  m.def("abort_block_of_next_launch(int block) -> ()", &arkernels::abort_block_of_next_launch);
   m.def("fence_probe(int blocks, bool fence) -> (Tensor, Tensor)", &arkernels::fence_probe);
   m.def("alloc_probe(int n) -> Tensor", &arkernels::alloc_probe);
   m.def("mma_probe(Tensor a, Tensor b, Tensor c, bool bf16) -> Tensor", &arkernels::mma_probe);
