@@ -65,6 +65,7 @@
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 
 #include "device_mma.cuh"
 
@@ -287,6 +288,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
     const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
+    // softcap: softcap * tanh(s * qk_scale / softcap), the division folded into the scale once per query tile.
+    const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
     uint32_t qf[kQInRegs ? KD : 1][4];
     const T* const q_warp = q_s + (warp * 16 + lane % 16) * LD + (lane / 16) * 8;  // ldmatrix.x4 row address
 
@@ -383,26 +386,37 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
           }
         }
       }
-      // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary).
+      // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary). softcap is
+      // uniform over the launch: one branch per tile picks the variant with or without tanh, so the scores of a
+      // launch without softcap carry no tanh and no per-score select.
       const bool ranged = j0 < lo_all || j0 + BN - 1 > hi_all;
+      auto scale_and_mask = [&](auto capped) {
 #pragma unroll
-      for (int n = 0; n < NS; ++n) {
-        // Key row k's valid flag: the K row's padding (element D).
-        uint16_t flag[2];
-        if constexpr (kFp8) {
-          flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];
-          flag[1] = ks[(n * 8 + 2 * t4 + 1) * SLD + D];
-        } else {
-          memcpy(&flag[0], ks + (n * 8 + 2 * t4) * SLD + D, 2);
-          memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * SLD + D, 2);
-        }
+        for (int n = 0; n < NS; ++n) {
+          // Key row k's valid flag: the K row's padding (element D).
+          uint16_t flag[2];
+          if constexpr (kFp8) {
+            flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];
+            flag[1] = ks[(n * 8 + 2 * t4 + 1) * SLD + D];
+          } else {
+            memcpy(&flag[0], ks + (n * 8 + 2 * t4) * SLD + D, 2);
+            memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * SLD + D, 2);
+          }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = j0 + n * 8 + 2 * t4 + (e & 1);
-          bool vis = flag[e & 1] != 0;
-          if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
-          s[n][e] = vis ? cap_score(s[n][e] * qk_scale, p.softcap) : neg_inf();
+          for (int e = 0; e < 4; ++e) {
+            const int j = j0 + n * 8 + 2 * t4 + (e & 1);
+            bool vis = flag[e & 1] != 0;
+            if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
+            float v = s[n][e] * score_mul;
+            if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
+            s[n][e] = vis ? v : neg_inf();
+          }
         }
+      };
+      if (p.softcap > 0.f) {
+        scale_and_mask(std::true_type{});
+      } else {
+        scale_and_mask(std::false_type{});
       }
       // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); the row's 4 lanes are a quad.
 #pragma unroll
