@@ -389,8 +389,8 @@ if __name__ == "__main__":
 # ---- prefill tile machinery (issue 26): the per-tile softcap variants and the fp8 tiles converted once per CTA,
 # caught by tests/test_window_attention_prefill_layout.py (and the prefill slice above).
 _LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
-_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90 or dtype0-256-sm_89) or softcap_variants and 128"
-_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90 or dtype0-256-sm_89)"
+_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn64 or dtype0-256-sm_89) or softcap_variants and 128"
+_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn64 or dtype0-256-sm_89)"
 _PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from "
                 "here on\n")
 _PF_Q_SYNC = "          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below writes over q_s\n"

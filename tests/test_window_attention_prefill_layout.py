@@ -31,17 +31,21 @@ def _fp8(k, v, dtype):
     return k8, v8, k8.to(dtype) * K_SCALE, v8.to(dtype) * V_SCALE
 
 
-# (head_dim, emulated GPU, bn, fp8 stages, 16-bit stages): every shared-memory layout of the fp8 path -- the 16-bit
-# copy over the Q tile (D <= 128; D = 80: 10 row chunks, not a power of two), after it (D = 256), 32- and 64-key
-# tiles, 2- and 3-stage rings -- with the 16-bit kernel on the same tile width (the yardstick of the bitwise check).
-FP8_LAYOUTS = [(64, "sm_90", 64, 3, 3), (80, "sm_89", 64, 3, 3), (128, "sm_90", 64, 3, 3), (128, "sm_89", 32, 3, 3),
-               (256, "sm_90", 64, 3, 2), (256, "sm_89", 32, 2, 2), (256, "sm_80", 32, 3, 3)]
+# (head_dim, emulated GPU, bn, fp8 stages, 16-bit stages, per-block limits of the fp8 and the 16-bit call or None):
+# every shared-memory layout of the fp8 path -- the 16-bit copy over the Q tile (D <= 128; D = 80: 10 row chunks,
+# not a power of two), after it (D = 256), 32- and 64-key tiles, 2- and 3-stage rings -- with the 16-bit kernel on the
+# same tile width (the yardstick of the bitwise check). D = 128 with 32-key tiles: no GPU of the table plans both
+# kernels on BN = 32 (fp8 fits 64 keys in 99 KB), so the knob lowers the limit per call (fp8 32/3 59488 bytes,
+# 16-bit 32/3 87040).
+FP8_LAYOUTS = [(64, "sm_90", 64, 3, 3, None), (80, "sm_89", 64, 3, 3, None), (128, "sm_90", 64, 3, 3, None),
+               (128, "sm_90", 32, 3, 3, (59488, 87040)), (256, "sm_90", 64, 3, 2, None),
+               (256, "sm_89", 32, 2, 2, None), (256, "sm_80", 32, 3, 3, None)]
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("layout", FP8_LAYOUTS, ids=lambda x: f"{x[0]}-{x[1]}-bn{x[2]}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_window_attention_prefill_fp8_equals_16bit_bitwise(device, layout, dtype):
+def test_window_attention_prefill_fp8_equals_16bit_bitwise(device, monkeypatch, layout, dtype):
     """fp8 prefill == 16-bit prefill over the exactly dequantized cache, out and lse bit for bit (the same key-tile
     width: the launches' shared memory says so), and the fp8 run against the fp64 reference: several query tiles per
     sequence, more key tiles than ring stages (every stage refilled), GQA, block size 13, softcap (scores well past
@@ -50,7 +54,7 @@ def test_window_attention_prefill_fp8_equals_16bit_bitwise(device, layout, dtype
     16-bit tile, which is the same as a table of 18 columns)."""
     import arkernels.simt
 
-    head_dim, gpu, bn, st8, st16 = layout
+    head_dim, gpu, bn, st8, st16, limits = layout
     li, di = FP8_LAYOUTS.index(layout), int(dtype == torch.bfloat16)
     hq, hkv = _pick([(8, 2), (6, 1), (4, 4)], li, di)
     softcap, window = _pick([0.0, 2.5], li, di), _pick([0, 50], li)
@@ -68,9 +72,13 @@ def test_window_attention_prefill_fp8_equals_16bit_bitwise(device, layout, dtype
     lens_t = torch.tensor(lens, dtype=torch.int32)
     with arkernels.simt.emulate(gpu):
         _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+        if limits:
+            monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(limits[0]))
         out8, lse8 = window_attention(query, k8, v8, bad, lens_t, k_scale=torch.tensor([K_SCALE]),
                                       v_scale=torch.tensor([V_SCALE]), **args)
         smem8 = [launch["smem"] for launch in arkernels.simt.launches()]
+        if limits:
+            monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(limits[1]))
         out16, lse16 = window_attention(query, kd, vd, bad, lens_t, **args)
         smem16 = [launch["smem"] for launch in arkernels.simt.launches()]
     assert smem8 == [_prefill_smem(head_dim, bn, st8, fp8=True)] and smem16 == [_prefill_smem(head_dim, bn, st16)]
