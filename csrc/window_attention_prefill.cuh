@@ -62,14 +62,16 @@
 //   32 cvt e4m3x2 and 8 16-byte writes per thread per tile). Q: 32 KB of ldmatrix once per query tile.
 // Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v; no spills, no local memory in any of the 28 per arch;
 // `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
-//   registers sm_90 (sm_80), fp16 = bf16: D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216),
-//   D=128 BN=32 209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only); fp8 caches, fp16
-//   (bf16) on sm_90: D=64 157 (204), D=80 167 (230), D=96 178 (238), D=128 BN=64 205 (240), BN=32 185 (236), D=256
-//   BN=32 221 (240), BN=64 239 (241); sm_80 153-229 (bf16 = fp16 + 0-1). So 1 CTA per SM everywhere:
-//   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
-//   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
+//   registers sm_90 (sm_80), fp16 = bf16: D=64 169 (165), D=80 183 (177), D=96 195 (191), D=128 BN=64 222 (219),
+//   D=128 BN=32 213 (207), D=256 BN=32 244 (240), D=256 BN=64 251 (249; launched on sm_90 only) -- 2-4 more than
+//   with the softcap select per score (two score loops); fp8 caches, fp16 (bf16) on sm_90: D=64 168 (164), D=80 180
+//   (174), D=96 191 (185), D=128 BN=64 218 (212), BN=32 211 (205), D=256 BN=32 241 (239), BN=64 244 (242); sm_80
+//   165-246. So 1 CTA per SM everywhere: 8 warps (D <= 128; 256 threads x >= 164 registers > 32K) or 4 warps
+//   (D = 256). __launch_bounds__(256, 2), i.e. <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D =
+//   64..96, so the min-blocks hint is 1.
 //   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
-//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
+//   the SASS, for 16-bit and fp8 caches alike; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
+//   fp8 bf16 D=128 kernel, static SASS counts: 72 F2FP + 24 HADD2 (before: 560 + 512), 4 barriers (16-bit: 3).
 #pragma once
 
 #include <cstring>

@@ -279,6 +279,45 @@ FAULTS += [
 ]
 
 
+# ---- prefill tile machinery (issue 26): the per-tile softcap variants and the fp8 tiles converted once per CTA,
+# caught by tests/test_window_attention_prefill_layout.py (and the prefill slice above).
+_LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
+_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn64 or dtype0-256-sm_89) or softcap_variants and 128"
+_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn64 or dtype0-256-sm_89)"
+_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from "
+                "here on\n")
+_PF_Q_SYNC = "          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below writes over q_s\n"
+_PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
+
+
+def _layout_fault(what: str, find: str, replace: str, tsan: bool = False) -> Fault:
+    return Fault(f"prefill: {what}" + (" (TSan)" if tsan else ""), _PF, find, replace,
+                 build=KERNEL_BUILD_TSAN if tsan else KERNEL_BUILD,
+                 run=_kernel_run(_LAYOUT_TSAN if tsan else _LAYOUT, tsan=tsan, tests=_LAYOUT_TESTS))
+
+
+FAULTS += [
+    _layout_fault("softcap variant never taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "false")),
+    _layout_fault("softcap variant always taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "true")),
+    _layout_fault("softcap's 1 / softcap not folded into the score scale",
+                  "const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;",
+                  "const float score_mul = qk_scale;"),
+    _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
+                  "          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
+    _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
+                  "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
+                  "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
+    _layout_fault("fp8 valid flags not carried into the 16-bit tile", "          memcpy(cv_s + tid * LD + D, &flag, 2);\n",
+                  ""),
+    _layout_fault("fp8 valid flags of ring stage 0 on every tile", "flag_s[(it % stages) * BN + tid];",
+                  "flag_s[tid];"),
+    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, ""),
+    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, "", tsan=True),
+    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, ""),
+    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, "", tsan=True),
+]
+
+
 def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
     t0 = time.time()
     env = dict(os.environ, SIMT_WATCHDOG=os.environ.get("SIMT_WATCHDOG", "30"))
@@ -385,41 +424,3 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-# ---- prefill tile machinery (issue 26): the per-tile softcap variants and the fp8 tiles converted once per CTA,
-# caught by tests/test_window_attention_prefill_layout.py (and the prefill slice above).
-_LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
-_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn64 or dtype0-256-sm_89) or softcap_variants and 128"
-_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn64 or dtype0-256-sm_89)"
-_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from "
-                "here on\n")
-_PF_Q_SYNC = "          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below writes over q_s\n"
-_PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
-
-
-def _layout_fault(what: str, find: str, replace: str, tsan: bool = False) -> Fault:
-    return Fault(f"prefill: {what}" + (" (TSan)" if tsan else ""), _PF, find, replace,
-                 build=KERNEL_BUILD_TSAN if tsan else KERNEL_BUILD,
-                 run=_kernel_run(_LAYOUT_TSAN if tsan else _LAYOUT, tsan=tsan, tests=_LAYOUT_TESTS))
-
-
-FAULTS += [
-    _layout_fault("softcap variant never taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "false")),
-    _layout_fault("softcap variant always taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "true")),
-    _layout_fault("softcap's 1 / softcap not folded into the score scale",
-                  "const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;",
-                  "const float score_mul = qk_scale;"),
-    _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
-                  "          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
-    _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
-                  "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
-                  "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
-    _layout_fault("fp8 valid flags not carried into the 16-bit tile", "          memcpy(cv_s + tid * LD + D, &flag, 2);\n",
-                  ""),
-    _layout_fault("fp8 valid flags of ring stage 0 on every tile", "flag_s[(it % stages) * BN + tid];",
-                  "flag_s[tid];"),
-    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, ""),
-    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, "", tsan=True),
-    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, ""),
-    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, "", tsan=True),
-]
