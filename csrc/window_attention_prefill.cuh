@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       if (my_sub == 0) {
         const uint16_t flag = valid ? 1 : 0;
         if constexpr (kFp8) {
-          flag_s[(i % stages) * BN + my_key] = uint8_t(flag);  // copied into the 16-bit K row's padding by the conversion
+          flag_s[(i % stages) * BN + my_key] = uint8_t(flag);  // into the 16-bit K row's padding at conversion
         } else {
           memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
         }

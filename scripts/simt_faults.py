@@ -284,9 +284,10 @@ FAULTS += [
 _LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
 _LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn64 or dtype0-256-sm_89) or softcap_variants and 128"
 _LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn64 or dtype0-256-sm_89)"
-_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from "
-                "here on\n")
-_PF_Q_SYNC = "          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below writes over q_s\n"
+_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
+                "refilled from here on\n")
+_PF_Q_SYNC = ("          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below "
+              "writes over q_s\n")
 _PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
 
 
@@ -307,8 +308,8 @@ FAULTS += [
     _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
                   "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
                   "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
-    _layout_fault("fp8 valid flags not carried into the 16-bit tile", "          memcpy(cv_s + tid * LD + D, &flag, 2);\n",
-                  ""),
+    _layout_fault("fp8 valid flags not carried into the 16-bit tile",
+                  "          memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
     _layout_fault("fp8 valid flags of ring stage 0 on every tile", "flag_s[(it % stages) * BN + tid];",
                   "flag_s[tid];"),
     _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, ""),

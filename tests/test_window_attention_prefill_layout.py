@@ -93,8 +93,9 @@ def test_window_attention_prefill_fp8_equals_16bit_bitwise(device, monkeypatch, 
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
 def test_window_attention_prefill_softcap_variants(device, fp8, head_dim, softcap):
     """Both variants of the per-tile softcap branch against the fp64 reference, 16-bit and fp8 caches, fp16 and bf16
-    queries: scores several times the cap (queries scaled by 4: score std ~4, cap 2), so a variant applying the cap where it should not, or not
-    applying it (or applying it with the wrong scale), is off by far more than the tolerance."""
+    queries: scores several times the cap (queries scaled by 4: score std ~4, cap 2), so a variant applying the cap
+    where it should not, or not applying it (or applying it with the wrong scale), is off by far more than the
+    tolerance."""
     hi = [64, 80, 128, 256].index(head_dim)
     dtype = _pick([torch.float16, torch.bfloat16], hi, int(fp8), int(softcap > 0))
     hq, hkv = _pick([(4, 2), (3, 3), (8, 1)], hi, int(fp8))
