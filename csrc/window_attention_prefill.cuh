@@ -16,19 +16,20 @@
 //     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
 //     conflict free; the padding of each K row carries that key's valid flag (1: block id in range).
 //   - fp8 caches (KV = uint8_t: float8_e4m3fn, key = stored * k_scale, value = stored * v_scale): the ring holds the
-//     tiles as stored, rows of D + 16 bytes (the K row's padding holds the valid flag), so a tile stages half the
-//     bytes, and the MMA operands are converted in registers as in decode (window_attention_decode.cuh: fp8_k_dim,
-//     fp8_o_dim): K fragments by ldmatrix.x4 on the e4m3 rows (two key blocks x two k-steps per instruction, each
-//     register -> one B fragment by cvt e4m3x2 -> f16x2), the query tile's columns permuted once per query tile to
-//     match (one pass over q_s and a barrier); V by ldmatrix.x4.trans (32 dims) and one byte permute per register,
-//     O's columns put back at the store. Shared memory moves each cache byte twice, as for 16-bit caches (a
-//     conversion pass would add a read of the fp8 tile and a write and read of a 16-bit copy per tile). k_scale is
-//     folded into the score scale (scale * k_scale), O / l is multiplied by v_scale at the end.
+//     tiles as stored, unpadded rows of D bytes (half the bytes of a 16-bit tile in flight), and each key's valid flag
+//     in a byte per ring stage. Once a tile has landed the CTA converts it once (each thread 8 bytes at a time:
+//     e4m3x2 -> f16x2, exact for fp16 and bf16) into a 16-bit K and V tile of padded rows, the flags into the K rows'
+//     padding, and after a barrier the warps run the 16-bit path on it unchanged. Where Q lives in registers (D <=
+//     128) that copy takes the Q tile's bytes (2 BN <= BM rows; one more barrier per query tile, after the warps'
+//     Q fragments are loaded); at D = 256 it follows the Q tile. The ring stage is free once converted, so the
+//     barrier that ends a 16-bit tile is not needed: 2 barriers per tile either way. k_scale is folded into the score
+//     scale (scale * k_scale), O / l is multiplied by v_scale at the end.
 //   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
 //     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
 //     (g = lane / 4) of its warp's 16, the row max needs two quad shuffles, the row sum stays per lane until the end.
 //     Causal / window / kv_start masks only on tiles straddling a boundary of some row of the CTA; tiles wholly
-//     outside every row's range are never visited (nor read); the valid flags are checked on every tile.
+//     outside every row's range are never visited (nor read); the valid flags are checked on every tile. softcap is
+//     uniform over a launch: one branch per tile picks the score loop with or without tanh (no per-score select).
 //   - O += P V: P converted from the S accumulators straight into A fragments (the m16n8 accumulator layout of two
 //     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans; O in fp32 registers, rescaled there.
 //   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
@@ -48,23 +49,33 @@
 //     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
 //     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
 //       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-//   fp8 caches: BM * (D + 8) * 2 (Q) + STAGES * 2 * BN * (D + 16) (K, V ring as stored):
-//     D=64: 18 + 3 x 10 = 48 KB     D=80: 22 + 3 x 12 = 58 KB     D=96: 26 + 3 x 14 = 68 KB     D=128: 34 + 3 x 18
-//     = 88 KB (every GPU)     D=256 (BM=64): BN=64, 33 + 3 x 34 = 135 KB (sm_80, sm_90); 99 KB GPUs BN=32, 33 + 3 x
-//     17 = 84 KB.
+//   fp8 caches: prefill_tile_rows * (D + 8) * 2 (Q; the 16-bit K, V copy over it at D <= 128, after it at 256)
+//   + STAGES * BN * (2 * D + 1) (K, V ring as stored, a flag byte per key):
+//     D=64: 18 + 3 x 8.1 = 42.2 KB     D=80: 22 + 3 x 10.1 = 52.2 KB     D=96: 26 + 3 x 12.1 = 62.2 KB     D=128: 34 +
+//     3 x 16.1 = 82.2 KB (every GPU; BN=32: 58.1 KB)     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32.1 = 195.2 KB;
+//     sm_80 BN=32, 33 + 33 + 3 x 16 = 114.1 KB; 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98.1 KB (BN=64, 2 stages:
+//     163.1 KB, 128 bytes past sm_80's 163 KB).
+//   Shared-memory traffic per key tile (D=128, BN=64, 8 warps of 16 rows; ldmatrix reads, cp.async and st.shared
+//   writes): 16-bit caches 32 KB landed + 8 warps x (16 KB K + 16 KB V) = 288 KB; fp8 16 KB landed + 16 KB read and
+//   32 KB written by the conversion + 256 KB = 320 KB (before: 144 KB, the warps reading the e4m3 tiles, but each
+//   thread converting the whole tile: 560 F2FP + 512 HADD2 per tile for bf16 in the SASS; now 8 8-byte reads,
+//   32 cvt e4m3x2 and 8 16-byte writes per thread per tile). Q: 32 KB of ldmatrix once per query tile.
 // Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v; no spills, no local memory in any of the 28 per arch;
 // `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
-//   registers sm_90 (sm_80), fp16 = bf16: D=64 167 (163), D=80 181 (174), D=96 193 (188), D=128 BN=64 220 (216),
-//   D=128 BN=32 209 (201), D=256 BN=32 242 (240), D=256 BN=64 247 (243; launched on sm_90 only); fp8 caches, fp16
-//   (bf16) on sm_90: D=64 157 (204), D=80 167 (230), D=96 178 (238), D=128 BN=64 205 (240), BN=32 185 (236), D=256
-//   BN=32 221 (240), BN=64 239 (241); sm_80 153-229 (bf16 = fp16 + 0-1). So 1 CTA per SM everywhere:
-//   8 warps (D <= 128; 256 threads x >= 167 registers > 32K) or 4 warps (D = 256). __launch_bounds__(256, 2), i.e.
-//   <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D = 64..96, so the min-blocks hint is 1.
+//   registers sm_90 (sm_80), fp16 = bf16: D=64 169 (165), D=80 183 (177), D=96 195 (191), D=128 BN=64 222 (219),
+//   D=128 BN=32 213 (207), D=256 BN=32 244 (240), D=256 BN=64 251 (249; launched on sm_90 only) -- 2-4 more than
+//   with the softcap select per score (two score loops); fp8 caches, fp16 (bf16) on sm_90: D=64 168 (164), D=80 180
+//   (174), D=96 191 (185), D=128 BN=64 218 (212), BN=32 211 (205), D=256 BN=32 241 (239), BN=64 244 (242); sm_80
+//   165-246. So 1 CTA per SM everywhere: 8 warps (D <= 128; 256 threads x >= 164 registers > 32K) or 4 warps
+//   (D = 256). __launch_bounds__(256, 2), i.e. <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D =
+//   64..96, so the min-blocks hint is 1.
 //   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
-//   the SASS; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
+//   the SASS, for 16-bit and fp8 caches alike; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
+//   fp8 bf16 D=128 kernel, static SASS counts: 72 F2FP + 24 HADD2 (before: 560 + 512), 4 barriers (16-bit: 3).
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 
 #include "device_mma.cuh"
 
@@ -75,13 +86,26 @@ namespace arkernels {
 // registers per thread).
 constexpr int prefill_rows(int d) { return d <= 128 ? 128 : 64; }
 constexpr int prefill_threads(int d) { return prefill_rows(d) / 16 * 32; }
+// Q's A fragments stay in registers for the whole query tile (D <= 128: D / 4 registers); D = 256 re-reads them from
+// shared memory per key tile (64 more registers would spill).
+constexpr bool prefill_q_in_regs(int d) { return d <= 128; }
 
-// Dynamic shared memory of a prefill CTA (bytes), one formula for the kernel and the plan: the Q tile [BM][D + 8],
-// then the ring of `stages` x (K tile, V tile) as stored: 16-bit rows of D + 8 elements, fp8 rows of D + 16 bytes (16
-// bytes of padding either way: conflict-free ldmatrix; the K row's padding holds the key's valid flag).
+// Rows of D + 8 16-bit elements at the start of a prefill CTA's shared memory: the Q tile [BM], and for fp8 caches the
+// 16-bit copy of the current K and V tiles [2 BN] that the conversion pass writes once per CTA -- over the Q tile
+// where Q lives in registers after the first key tile (2 BN <= BM there), after it otherwise (D = 256).
+constexpr int prefill_tile_rows(int d, int bn, bool fp8) {
+  return !fp8                    ? prefill_rows(d)
+         : prefill_q_in_regs(d) ? (prefill_rows(d) > 2 * bn ? prefill_rows(d) : 2 * bn)
+                                : prefill_rows(d) + 2 * bn;
+}
+
+// Dynamic shared memory of a prefill CTA (bytes), one formula for the kernel and the plan: prefill_tile_rows rows of
+// D + 8 elements (16 bytes of padding: conflict-free ldmatrix), then the ring of `stages` x (K tile, V tile) as stored:
+// 16-bit rows of D + 8 elements (the K row's padding holds the key's valid flag); fp8 rows of D bytes, unpadded (only
+// the conversion pass reads them, 8 consecutive bytes per thread), then one valid-flag byte per key and stage.
 constexpr size_t prefill_smem(int d, int bn, int stages, bool fp8 = false) {
-  return fp8 ? size_t(prefill_rows(d)) * size_t(d + 8) * 2 + size_t(stages) * 2 * bn * size_t(d + 16)
-             : (size_t(prefill_rows(d)) + size_t(stages) * 2 * bn) * size_t(d + 8) * 2;
+  return size_t(prefill_tile_rows(d, bn, fp8)) * size_t(d + 8) * 2 +
+         (fp8 ? size_t(stages) * bn * (2 * size_t(d) + 1) : size_t(stages) * 2 * bn * size_t(d + 8) * 2);
 }
 
 struct PrefillPlan {
@@ -149,15 +173,15 @@ __device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, i
   }
 }
 
-// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted in the MMA
-// operand registers; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
+// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T once per
+// CTA and tile; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
 template <typename T, typename KV, int D, int BN>
 __global__ void __launch_bounds__(prefill_threads(D), 1)
     window_attention_prefill_kernel(const AttnParams p, int stages) {
   constexpr bool kFp8 = sizeof(KV) == 1;
   static_assert(kFp8 || std::is_same_v<KV, T>, "16-bit caches have the query's dtype");
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
-  constexpr int SLD = kFp8 ? D + 16 : LD;  // row stride of the ring's tiles, cache elements (16 bytes of padding)
+  constexpr int SLD = kFp8 ? D : LD;  // row stride of the ring's tiles, cache elements (fp8: unpadded)
   constexpr int KD = D / 16;          // k-steps of S = Q K^T
   constexpr int NS = BN / 8;          // n8 tiles of S
   constexpr int ND = D / 8;           // n8 tiles of O
@@ -165,11 +189,16 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   constexpr int kChunks = D / kChunkElems;  // 16-byte chunks per cached row
   constexpr int kQChunks = D / 8;     // 16-byte chunks per query row
   constexpr int TPK = NT / BN;        // threads copying one key's rows
-  constexpr bool kQInRegs = D <= 128;
+  constexpr bool kQInRegs = prefill_q_in_regs(D);
   static_assert(NT % BN == 0 && NS % 2 == 0 && ND % 2 == 0, "threads per key, n8 tile pairs");
+  static_assert(!kFp8 || BN <= NT, "one thread per key copies the fp8 valid flags");
   AK_DYNAMIC_SHARED(T, smem);
-  T* const q_s = smem;                // [BM][LD]
-  KV* const kv_s = reinterpret_cast<KV*>(smem + BM * LD);  // stage s: K at kv_s + s * 2 * BN * SLD, V after it
+  T* const q_s = smem;  // [BM][LD]
+  // fp8: the 16-bit K and V tiles [2 * BN][LD] the warps read (K rows, then V rows); over q_s when Q is in registers.
+  T* const cv_s = smem + (kQInRegs ? 0 : BM * LD);
+  // Ring stage s: K at kv_s + s * 2 * BN * SLD, V after it; fp8: then flag_s [stages][BN] (1: block id in range).
+  KV* const kv_s = reinterpret_cast<KV*>(smem + prefill_tile_rows(D, BN, kFp8) * LD);
+  uint8_t* const flag_s = reinterpret_cast<uint8_t*>(kv_s + stages * 2 * BN * SLD);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kvh = blockIdx.y;
@@ -258,7 +287,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       if (my_sub == 0) {
         const uint16_t flag = valid ? 1 : 0;
         if constexpr (kFp8) {
-          ks[D] = uint8_t(flag);  // the row's padding: read by the masking, never by ldmatrix
+          flag_s[(i % stages) * BN + my_key] = uint8_t(flag);  // into the 16-bit K row's padding at conversion
         } else {
           memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
         }
@@ -287,6 +316,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
     const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
+    // softcap: softcap * tanh(s * qk_scale / softcap), the division folded into the scale once per query tile.
+    const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
     uint32_t qf[kQInRegs ? KD : 1][4];
     const T* const q_warp = q_s + (warp * 16 + lane % 16) * LD + (lane / 16) * 8;  // ldmatrix.x4 row address
 
@@ -300,109 +331,88 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         dev::cp_async_wait<1>();
       }
       __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies
-      if constexpr (kFp8) {
-        if (it == 0) {  // Q's columns in the order of the fp8 K fragments (fp8_k_dim), once per query tile
-          for (int idx = tid; idx < BM * KD; idx += NT) {
-            T* const row = q_s + (idx / KD) * LD + (idx % KD) * 16;
-            T e[16];
-            memcpy(e, row, 32);
-#pragma unroll
-            for (int c = 0; c < 16; ++c) row[c] = e[fp8_k_dim(c)];
-          }
-          __syncthreads();
-        }
-      }
-      const KV* const ks = kv_s + (it % stages) * 2 * BN * SLD;
-      const KV* const vs = ks + BN * SLD;
-      const int j0 = tile_first + it * BN;
       if constexpr (kQInRegs) {
         if (it == 0) {
 #pragma unroll
           for (int kk = 0; kk < KD; ++kk) dev::ldmatrix_x4(qf[kk], q_warp + kk * 16);
+          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below writes over q_s
         }
       }
+      const KV* const ring = kv_s + (it % stages) * 2 * BN * SLD;
+      const T* ks;  // the K tile the warps read, [BN][LD]; the V tile follows it
+      if constexpr (kFp8) {
+        // The stage's e4m3 K and V rows -> 16-bit rows of cv_s, once per CTA (each thread 8 bytes -> one 16-byte
+        // chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt each), and the keys' valid flags into the K rows' padding.
+        // e4m3 -> fp16 / bf16 is exact, so the warps then run the 16-bit path on the same values.
+        for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {
+          const int row = idx / (D / 8), c = idx % (D / 8);
+          const uint2 w = *reinterpret_cast<const uint2*>(ring + row * SLD + c * 8);
+          const uint4 h = make_uint4(fp8x2_to<T>(uint16_t(w.x)), fp8x2_to<T>(uint16_t(w.x >> 16)),
+                                     fp8x2_to<T>(uint16_t(w.y)), fp8x2_to<T>(uint16_t(w.y >> 16)));
+          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;
+        }
+        if (tid < BN) {
+          const uint16_t flag = flag_s[(it % stages) * BN + tid];
+          memcpy(cv_s + tid * LD + D, &flag, 2);
+        }
+        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from here on
+        ks = cv_s;
+      } else {
+        ks = ring;
+      }
+      const T* const vs = ks + BN * LD;
+      const int j0 = tile_first + it * BN;
       // S = Q K^T for this warp's 16 rows x BN keys.
       float s[NS][4];
 #pragma unroll
       for (int n = 0; n < NS; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
-      auto q_frag = [&](int kk, uint32_t (&a)[4]) {
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        uint32_t a[4];
         if constexpr (kQInRegs) {
 #pragma unroll
           for (int x = 0; x < 4; ++x) a[x] = qf[kk][x];
         } else {
           dev::ldmatrix_x4(a, q_warp + kk * 16);
         }
-      };
-      if constexpr (kFp8) {
-        // fp8 K fragments straight from the stored rows (see fp8_k_dim): per ldmatrix.x4 two key blocks x two
-        // k-steps; each register converts to one B fragment.
 #pragma unroll
-        for (int kk = 0; kk < KD; kk += 2) {
-          uint32_t a0[4], a1[4];
-          q_frag(kk, a0);
-          if (kk + 1 < KD) q_frag(kk + 1, a1);
-#pragma unroll
-          for (int n = 0; n < NS; n += 2) {
-            uint32_t r[4], b[2];
-            const KV* const row = ks + (n * 8 + ((lane / 8) % 2) * 8 + lane % 8) * SLD + kk * 16;
-            if (kk + 1 < KD) {
-              dev::ldmatrix_x4(r, row + (lane / 16) * 16);
-            } else {  // D = 80: the last k-step alone
-              uint32_t two[2];
-              dev::ldmatrix_x2(two, row);
-              r[0] = two[0];
-              r[1] = two[1];
-            }
-            fp8_k_frag<T>(r[0], b);
-            dev::mma_m16n8k16<T>(s[n], a0, b, s[n]);
-            fp8_k_frag<T>(r[1], b);
-            dev::mma_m16n8k16<T>(s[n + 1], a0, b, s[n + 1]);
-            if (kk + 1 < KD) {
-              fp8_k_frag<T>(r[2], b);
-              dev::mma_m16n8k16<T>(s[n], a1, b, s[n]);
-              fp8_k_frag<T>(r[3], b);
-              dev::mma_m16n8k16<T>(s[n + 1], a1, b, s[n + 1]);
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-          uint32_t a[4];
-          q_frag(kk, a);
-#pragma unroll
-          for (int n = 0; n < NS; n += 2) {
-            // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
-            uint32_t r[4];
-            dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
-            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-            dev::mma_m16n8k16<T>(s[n], a, b0, s[n]);
-            dev::mma_m16n8k16<T>(s[n + 1], a, b1, s[n + 1]);
-          }
+        for (int n = 0; n < NS; n += 2) {
+          // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
+          uint32_t r[4];
+          dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          dev::mma_m16n8k16<T>(s[n], a, b0, s[n]);
+          dev::mma_m16n8k16<T>(s[n + 1], a, b1, s[n + 1]);
         }
       }
-      // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary).
+      // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary). softcap is
+      // uniform over the launch: one branch per tile picks the variant with or without tanh, so the scores of a
+      // launch without softcap carry no tanh and no per-score select.
       const bool ranged = j0 < lo_all || j0 + BN - 1 > hi_all;
+      auto scale_and_mask = [&](auto capped) {
 #pragma unroll
-      for (int n = 0; n < NS; ++n) {
-        // Key row k's valid flag: the K row's padding (element D).
-        uint16_t flag[2];
-        if constexpr (kFp8) {
-          flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];
-          flag[1] = ks[(n * 8 + 2 * t4 + 1) * SLD + D];
-        } else {
-          memcpy(&flag[0], ks + (n * 8 + 2 * t4) * SLD + D, 2);
-          memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * SLD + D, 2);
-        }
+        for (int n = 0; n < NS; ++n) {
+          // Key row k's valid flag: the K row's padding (element D).
+          uint16_t flag[2];
+          memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
+          memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = j0 + n * 8 + 2 * t4 + (e & 1);
-          bool vis = flag[e & 1] != 0;
-          if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
-          s[n][e] = vis ? cap_score(s[n][e] * qk_scale, p.softcap) : neg_inf();
+          for (int e = 0; e < 4; ++e) {
+            const int j = j0 + n * 8 + 2 * t4 + (e & 1);
+            bool vis = flag[e & 1] != 0;
+            if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
+            float v = s[n][e] * score_mul;
+            if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
+            s[n][e] = vis ? v : neg_inf();
+          }
         }
+      };
+      if (p.softcap > 0.f) {
+        scale_and_mask(std::true_type{});
+      } else {
+        scale_and_mask(std::false_type{});
       }
       // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); the row's 4 lanes are a quad.
 #pragma unroll
@@ -438,33 +448,20 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         const uint32_t a[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]), pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
                                pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-        if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
-          const KV* const row = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * SLD;
 #pragma unroll
-          for (int c = 0; c < D / 32; ++c) {
-            uint32_t r[4];
-            dev::ldmatrix_x4_trans(r, row + c * 32 + (lane / 16) * 16);
-            fp8_pv<T>(o[4 * c], o[4 * c + 1], a, r[0], r[1]);
-            fp8_pv<T>(o[4 * c + 2], o[4 * c + 3], a, r[2], r[3]);
-          }
-          if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
-            uint32_t r[2];
-            dev::ldmatrix_x2_trans(r, row + (D / 32) * 32);
-            fp8_pv<T>(o[4 * (D / 32)], o[4 * (D / 32) + 1], a, r[0], r[1]);
-          }
-        } else {
-#pragma unroll
-          for (int n = 0; n < ND; n += 2) {
-            // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
-            uint32_t r[4];
-            dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
-            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-            dev::mma_m16n8k16<T>(o[n], a, b0, o[n]);
-            dev::mma_m16n8k16<T>(o[n + 1], a, b1, o[n + 1]);
-          }
+        for (int n = 0; n < ND; n += 2) {
+          // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
+          uint32_t r[4];
+          dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          dev::mma_m16n8k16<T>(o[n], a, b0, o[n]);
+          dev::mma_m16n8k16<T>(o[n + 1], a, b1, o[n + 1]);
         }
       }
-      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async
+      // 16-bit caches: the warps read the ring stage itself, refilled by the next iteration's cp.async. fp8: they
+      // read cv_s; the stage was free after the conversion's barrier, and the next conversion writes cv_s only after
+      // the next iteration's first barrier, which every warp reaches after these reads.
+      if constexpr (!kFp8) __syncthreads();
     }
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
     const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;  // fp8: value = stored * v_scale
@@ -484,21 +481,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
         const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
         T* const out = static_cast<T*>(p.out) + oh * D;
-        if constexpr (kFp8) {  // blocks 2q (even dims) and 2q + 1 (odd dims) of fp8_o_dim: adjacent pairs
 #pragma unroll
-          for (int q = 0; q < ND / 2; ++q) {
-            T* const w = out + fp8_o_dim(2 * q, 0) + 4 * t4;
-            dev::st_global(reinterpret_cast<uint32_t*>(w),
-                           pack_pair<T>(o[2 * q][2 * r] * inv, o[2 * q + 1][2 * r] * inv));
-            dev::st_global(reinterpret_cast<uint32_t*>(w + 2),
-                           pack_pair<T>(o[2 * q][2 * r + 1] * inv, o[2 * q + 1][2 * r + 1] * inv));
-          }
-        } else {
-#pragma unroll
-          for (int n = 0; n < ND; ++n)
-            dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
-                           pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
-        }
+        for (int n = 0; n < ND; ++n)
+          dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
+                         pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
         if (t4 == 0) dev::st_global(p.lse + oh, lse);
       }
     }

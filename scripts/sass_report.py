@@ -62,12 +62,13 @@ def prefill_smem(d: int, bn: int, stages: int, fp8: bool = False) -> int:
 
     A Q tile of 128 packed rows (64 for head_dim 256) of head_dim + 8 halves (16 bytes of padding: conflict-free
     ldmatrix) and a ring of `stages` (K, V) tiles of `bn` keys as stored: 16-bit rows padded like Q (the K row's
-    padding holds the key's valid flag); fp8 rows of head_dim + 16 bytes (converted in the MMA operand registers; the
-    K row's padding holds the flag).
+    padding holds the key's valid flag). fp8: the 16-bit copy of the current K and V tiles (2 * bn rows of head_dim +
+    8, converted once per CTA) over the Q tile where Q lives in registers (head_dim <= 128), after it at 256; ring rows
+    of head_dim bytes, then one valid-flag byte per key and stage.
     """
     rows, ld = (128 if d <= 128 else 64), d + 8
     if fp8:
-        return rows * ld * 2 + stages * 2 * bn * (d + 16)
+        return (max(rows, 2 * bn) if d <= 128 else rows + 2 * bn) * ld * 2 + stages * bn * (2 * d + 1)
     return (rows + stages * 2 * bn) * ld * 2
 
 
@@ -94,9 +95,9 @@ def prefill_plan_smem(d: int, bn: int, smem_block: int, fp8: bool = False) -> in
     """The bytes plan_prefill gives kernel <T, KV, D, BN> under a per-block limit: 3 stages if they fit, else 2.
 
     16-bit: D=64: 73728 (72 KB); D=128, BN=64: 139264 (136 KB) on sm_80 and sm_90; D=256: BN=64 168960 (165 KB,
-    sm_90), BN=32 135168 (132 KB, sm_80). fp8: D=64: 49152 (48 KB); D=128, BN=64: 90112 (88 KB); D=256, BN=64:
-    138240 (135 KB, sm_80 and sm_90). A variant the arch never launches (16-bit D=256, BN=64 on sm_80)
-    shows its 2-stage bytes.
+    sm_90), BN=32 135168 (132 KB, sm_80). fp8: D=64: 43200 (42.2 KB); D=128, BN=64: 84160 (82.2 KB); D=256, BN=64:
+    199872 (195.2 KB, sm_90), BN=32: 116832 (114.1 KB, sm_80). A variant the arch never launches (16-bit or fp8 D=256,
+    BN=64 on sm_80) shows its 2-stage bytes.
     """
     three = prefill_smem(d, bn, 3, fp8)
     return three if three <= smem_block else prefill_smem(d, bn, 2, fp8)

@@ -102,12 +102,9 @@ _DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and h
 _PREFILL = ("prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1 "
             "or prefill_fp8 and 80-sm_90 or prefill_fp8 and 256-sm_89 or invalid_blocks and True-True "
             "or invalid_blocks and True-False")
-_PREFILL_FP8_TSAN = "prefill_traffic and True-24-heads1 or prefill_fp8 and 128-sm_89 or prefill_fp8 and 80-sm_90"
 _K_WAIT = "    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...\n"
 _K_SYNC = "    __syncthreads();                  // ... and everyone's\n"
 _PF = "window_attention_prefill.cuh"
-_PF_QPERM_SYNC = "row[c] = e[fp8_k_dim(c)];\n          }\n          __syncthreads();\n"
-_PF_QPERM_SYNC_GONE = "row[c] = e[fp8_k_dim(c)];\n          }\n"
 _PF_WAIT = ("      if (stages == 3) {\n        dev::cp_async_wait<2>();\n      } else {\n        dev::cp_async_wait<1>();\n"
             "      }\n")
 
@@ -242,22 +239,14 @@ FAULTS += [
     _prefill_fault("cp.async wait before the tile removed", _PF_WAIT, ""),
     _prefill_fault("cp.async wait_group 3 instead of 2 (3-stage ring)", "dev::cp_async_wait<2>();",
                    "dev::cp_async_wait<3>();"),
-    _prefill_fault("__syncthreads before the refill removed",
-                   "      __syncthreads();  // stage it % stages is refilled by the next iteration's cp.async\n", ""),
+    _prefill_fault("__syncthreads before the refill removed", "      if constexpr (!kFp8) __syncthreads();\n", ""),
     _prefill_fault("P.V k-step reads the wrong S tile pair",
                    "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),"),
     _prefill_fault("fp8 v_scale not applied", "const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;",
                    "const float out_scale = 1.f;"),
     _prefill_fault("fp8 k_scale not folded into the score scale",
                    "kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;", "p.scale;"),
-    _prefill_fault("fp8 barrier after the query's column permutation removed", _PF_QPERM_SYNC, _PF_QPERM_SYNC_GONE),
-    Fault("prefill: fp8 barrier after the query's column permutation removed (TSan)", _PF, _PF_QPERM_SYNC,
-          _PF_QPERM_SYNC_GONE, build=KERNEL_BUILD_TSAN, run=_kernel_run(_PREFILL_FP8_TSAN, tsan=True)),
-    _prefill_fault("fp8 query columns not permuted like the K fragments", "row[c] = e[fp8_k_dim(c)];",
-                   "row[c] = e[c];"),
-    _prefill_fault("fp8 O columns written in place of the 16-bit layout",
-                   "T* const w = out + fp8_o_dim(2 * q, 0) + 4 * t4;", "T* const w = out + 8 * q + 2 * t4;"),
-    _prefill_fault("fp8 valid flags ignored", "flag[0] = ks[(n * 8 + 2 * t4) * SLD + D];", "flag[0] = 1;"),
+    _prefill_fault("fp8 valid flags ignored", "flag_s[(it % stages) * BN + tid];", "1;"),
     *_SINK_FAULTS,
     Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
@@ -319,6 +308,46 @@ FAULTS += [
     Fault("safety: PTX ldmatrix_x2_trans without .trans", "device_mma.cuh",
           'ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];',
           'ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];', build="true", run=_PTX_RUN),
+]
+
+
+# ---- prefill tile machinery (issue 26): the per-tile softcap variants and the fp8 tiles converted once per CTA,
+# caught by tests/test_window_attention_prefill_layout.py (and the prefill slice above).
+_LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
+_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn64 or dtype0-256-sm_89) or softcap_variants and 128"
+_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn64 or dtype0-256-sm_89)"
+_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
+                "refilled from here on\n")
+_PF_Q_SYNC = ("          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below "
+              "writes over q_s\n")
+_PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
+
+
+def _layout_fault(what: str, find: str, replace: str, tsan: bool = False) -> Fault:
+    return Fault(f"prefill: {what}" + (" (TSan)" if tsan else ""), _PF, find, replace,
+                 build=KERNEL_BUILD_TSAN if tsan else KERNEL_BUILD,
+                 run=_kernel_run(_LAYOUT_TSAN if tsan else _LAYOUT, tsan=tsan, tests=_LAYOUT_TESTS))
+
+
+FAULTS += [
+    _layout_fault("softcap variant never taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "false")),
+    _layout_fault("softcap variant always taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "true")),
+    _layout_fault("softcap's 1 / softcap not folded into the score scale",
+                  "const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;",
+                  "const float score_mul = qk_scale;"),
+    _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
+                  "          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
+    _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
+                  "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
+                  "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
+    _layout_fault("fp8 valid flags not carried into the 16-bit tile",
+                  "          memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
+    _layout_fault("fp8 valid flags of ring stage 0 on every tile", "flag_s[(it % stages) * BN + tid];",
+                  "flag_s[tid];"),
+    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, ""),
+    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, "", tsan=True),
+    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, ""),
+    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, "", tsan=True),
 ]
 
 
@@ -427,3 +456,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

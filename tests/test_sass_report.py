@@ -196,16 +196,17 @@ def test_prefill_smem_matches_source_comment():
 
 
 def test_prefill_smem_fp8_matches_source_comment():
-    # fp8 caches: Q tile of rows d + 8 (16-bit), ring of rows d + 16 bytes (converted in the MMA operand registers).
-    # D=64 48 KB, D=128 88 KB (BN=64, 3 stages, every GPU) and 61 KB (BN=32, 3), D=256 135 KB (BN=64, 3: sm_80 and
-    # sm_90), 101 KB (BN=64, 2), 84 KB (BN=32, 3: 99 KB GPUs), 67 KB (BN=32, 2: the smallest plan)
+    # fp8 caches: the 16-bit K/V copy (converted once per CTA) over the Q tile at d <= 128, after it at 256; ring rows
+    # of d bytes + a flag byte per key and stage. D=64 42.2 KB, D=128 82.2 KB (BN=64, 3 stages, every GPU) and 58.1 KB
+    # (BN=32, 3), D=256 195.2 KB (BN=64, 3: sm_90), 163.1 KB (BN=64, 2: 128 bytes over sm_80's limit), 114.1 KB
+    # (BN=32, 3: sm_80), 98.1 KB (BN=32, 2: 99 KB GPUs, the smallest plan)
     assert [sr.prefill_smem(d, bn, st, fp8=True) for d, bn, st in [(64, 64, 3), (128, 64, 3), (128, 32, 3),
                                                                    (256, 64, 3), (256, 64, 2), (256, 32, 3),
                                                                    (256, 32, 2)]] == \
-        [49152, 90112, 62464, 138240, 103424, 86016, 68608]
+        [43200, 84160, 59488, 199872, 167040, 116832, 100416]
     sm80, sm90 = sr.GPU_SPECS["sm_80"]["smem_block"], sr.GPU_SPECS["sm_90"]["smem_block"]
-    assert [sr.prefill_plan_smem(256, 64, sm90, fp8=True), sr.prefill_plan_smem(256, 64, sm80, fp8=True),
-            sr.prefill_plan_smem(128, 64, sm80, fp8=True)] == [138240, 138240, 90112]
+    assert [sr.prefill_plan_smem(256, 64, sm90, fp8=True), sr.prefill_plan_smem(256, 32, sm80, fp8=True),
+            sr.prefill_plan_smem(128, 64, sm80, fp8=True)] == [199872, 116832, 84160]
 
 
 def _dynamic_smem(name, arch):
@@ -217,9 +218,9 @@ def test_dynamic_smem_table_tells_fp8_from_16bit_prefill():
     # The report's short names carry the caches' element type (unsigned char: float8_e4m3fn): each gets its layout.
     assert _dynamic_smem("window_attention_prefill_kernel<__half, __half, 128, 64>", "sm_90") == 139264
     assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, __nv_bfloat16, 256, 64>", "sm_90") == 168960
-    assert _dynamic_smem("window_attention_prefill_kernel<__half, unsigned char, 128, 64>", "sm_90") == 90112
-    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 64>", "sm_90") == 138240
-    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 32>", "sm_80") == 86016
+    assert _dynamic_smem("window_attention_prefill_kernel<__half, unsigned char, 128, 64>", "sm_90") == 84160
+    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 64>", "sm_90") == 199872
+    assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 32>", "sm_80") == 116832
 
 
 @pytest.mark.parametrize("arch,regs,threads,smem,ctas,limiter", [

@@ -593,17 +593,20 @@ def test_window_attention_fp8_cache(device, head_dim, prefill):
 def _prefill_smem(d, bn, stages, fp8=False):
     """Dynamic shared memory of a prefill CTA (csrc/window_attention_prefill.cuh, prefill_smem): the Q tile of 128
     packed rows (64 at head_dim 256) of d + 8 16-bit elements, and the ring of `stages` K/V tile pairs of `bn` keys:
-    16-bit rows padded like Q; fp8 rows of d + 16 bytes."""
+    16-bit rows padded like Q. fp8: the converted 16-bit K and V tiles (2 * bn rows of d + 8) over the Q tile where Q
+    lives in registers (d <= 128), after it at 256; ring rows of d bytes and a valid-flag byte per key and stage."""
     rows, ld = (128 if d <= 128 else 64), d + 8
-    return rows * ld * 2 + stages * 2 * bn * (d + 16) if fp8 else (rows + stages * 2 * bn) * ld * 2
+    if fp8:
+        return (max(rows, 2 * bn) if d <= 128 else rows + 2 * bn) * ld * 2 + stages * bn * (2 * d + 1)
+    return (rows + stages * 2 * bn) * ld * 2
 
 
 # (key-tile width, ring depth) of the fp8 prefill plan per emulated GPU and head_dim: the first of (64, 3), (64, 2),
-# (32, 3), (32, 2) that fits the per-block limit (sm_80 166912, sm_89 101376, sm_90 232448 bytes). sm_89 at 256:
-# (64, 2) needs 103424, (32, 3) fits in 86016.
+# (32, 3), (32, 2) that fits the per-block limit (sm_80 166912, sm_89 101376, sm_90 232448 bytes). At 256: (64, 3)
+# needs 199872 (sm_90), (64, 2) 167040, (32, 3) 116832 (sm_80), (32, 2) 100416 (sm_89).
 FP8_PREFILL_PLANS = {
-    "sm_80": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (64, 3)},
-    "sm_89": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (32, 3)},
+    "sm_80": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (32, 3)},
+    "sm_89": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (32, 2)},
     "sm_90": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (64, 3)},
 }
 FP8_GROUPS = [(3, 3), (6, 2), (8, 1), (10, 2), (16, 1)]
@@ -673,17 +676,17 @@ def test_window_attention_prefill_fp8_bn32(device, monkeypatch, dtype):
 
 @pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
 def test_window_attention_prefill_fp8_refused_below_its_smem(device, monkeypatch):
-    """Below the fp8 layout's smallest plan (head_dim 256: 32-key tiles, 2 stages, 68608 bytes) prefill over an fp8
+    """Below the fp8 layout's smallest plan (head_dim 256: 32-key tiles, 2 stages, 100416 bytes) prefill over an fp8
     cache is refused with a message naming the op and the sizes; at exactly that limit it runs."""
     k8 = torch.zeros(2, 16, 1, 256, dtype=torch.float8_e4m3fn, device=device)
     args = (torch.zeros(2, 1, 256, dtype=torch.float16, device=device), k8, k8,
             torch.zeros(1, 1, dtype=torch.int32, device=device), torch.full((1,), 2, dtype=torch.int32, device=device))
     kwargs = dict(cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32, device=device),
                   k_scale=torch.tensor([1.0], device=device), v_scale=torch.tensor([1.0], device=device))
-    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(68608 - 16))
-    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs at least 68608 bytes"):
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(100416 - 16))
+    with pytest.raises(RuntimeError, match="window_attention: prefill with head_dim 256 needs at least 100416 bytes"):
         window_attention(*args, **kwargs)
-    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(68608))
+    monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(100416))
     assert bool((window_attention(*args, **kwargs).cpu() == 0).all())  # zero keys and values: zero output
 
 
