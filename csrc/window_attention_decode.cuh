@@ -88,8 +88,8 @@ __host__ __device__ constexpr DecodeLayout decode_layout(int d, int stages, bool
   return l;
 }
 
-// 2 e4m3 bytes (low byte first) -> a pair of T in one register; exact for both fp16 and bf16 (e4m3 has 4 exponent bits
-// and 3 mantissa bits, subnormals down to 2^-9).
+// 2 e4m3 bytes (low byte first) -> a pair of T in one register (decode's operands; prefill's per-CTA conversion);
+// exact for both fp16 and bf16 (e4m3 has 4 exponent bits and 3 mantissa bits, subnormals down to 2^-9).
 template <typename T>
 __device__ __forceinline__ uint32_t fp8x2_to(uint16_t two) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
