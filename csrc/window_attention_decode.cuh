@@ -313,8 +313,12 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
 // KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
 // MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
 // v_scale into the output).
+// __launch_bounds__(threads, 1): without the minimum, ptxas 13.0 capped the sm_80 fp8 head_dim-96 kernels at 128
+// registers and spilled 20 bytes (sass_report fails on any spill); with it they take 144 and nothing spills. The
+// CTAs per SM come from shared memory and the planner (decode_ctas_per_sm), not from this bound.
 template <typename T, typename KV, int D>
-__global__ void __launch_bounds__(kAttnThreads) window_attention_decode_kernel(const AttnParams p, const int stages) {
+__global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
+                                                                                  const int stages) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr bool kFp8 = sizeof(KV) == 1;
   constexpr DecodeLayout L = decode_layout(D, 1, kFp8);
