@@ -241,3 +241,86 @@ def test_masks_transformers_cannot_build_keep_the_eager_cache(monkeypatch):
     assert isinstance(_generate.last_cache, PagedCache) and not _generate.last_cache.is_compileable
     monkeypatch.undo()
     assert patch_module._masks_for_generate_work(model.config)
+
+
+def _eager_default_config(monkeypatch, backend="eager"):
+    """The compile config the patch picks by itself, on dynamo's "eager" backend (Inductor's C++ codegen takes
+    minutes on 2 cores; bench_decode.py times the Inductor path)."""
+    monkeypatch.setattr(patch_module, "_default_compile_config", lambda model: _config(backend))
+
+
+def test_auto_compiles_on_the_cpu_after_compile_after_steps(monkeypatch):
+    """compile="auto" on the CPU: calls decode eagerly until the patched model has run compile_after decode steps,
+    then compile (one warning, one graph); stock's tokens throughout."""
+    _eager_default_config(monkeypatch)
+    model = tiny_model("llama")
+    ref = _generate(model)
+    steps = NEW - 1  # one-token forwards of a call (its first token comes from the prefill)
+    patch_module._warned.discard("tier")
+    with arkernels.patch(model, block_size=BLOCK, compile_after=2 * steps) as handle:
+        for _ in range(2):  # steps 0 .. 2 * steps - 1: eager
+            assert torch.equal(_generate(model), ref)
+            assert counters["stats"]["unique_graphs"] == 0
+            assert _generate.last_cache.decode_steps == steps
+        with pytest.warns(UserWarning, match=f"after {2 * steps} eager decode steps"):
+            assert torch.equal(_generate(model), ref)
+        assert counters["stats"]["unique_graphs"] == 1  # the third call compiled
+        assert torch.equal(_generate(model), ref)
+        assert counters["stats"]["unique_graphs"] == 1  # and the fourth reused it
+        assert handle.model is model
+    assert not counters["graph_break"]
+
+
+def test_auto_compile_after_none_and_disable_compile_stay_eager(monkeypatch):
+    """compile_after=None: transformers' rule only (eager on the CPU), however many steps; disable_compile=True: that
+    call stays eager even when the rule is due."""
+    _eager_default_config(monkeypatch)
+    model = tiny_model("llama")
+    ref = _generate(model)
+    with arkernels.patch(model, block_size=BLOCK, compile_after=None):
+        for _ in range(3):
+            assert torch.equal(_generate(model), ref)
+    assert counters["stats"]["unique_graphs"] == 0
+    with arkernels.patch(model, block_size=BLOCK, compile_after=0):
+        assert torch.equal(_generate(model, disable_compile=True), ref)
+        assert counters["stats"]["unique_graphs"] == 0
+        assert torch.equal(_generate(model), ref)  # due from the first call: compile_after=0
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_auto_compile_that_fails_stays_eager(monkeypatch):
+    """A compile the "auto" rule asked for that raises (here a backend that fails, as Inductor does without a C++
+    compiler): one warning, that call and later ones decode eagerly with stock's tokens; the same failure with an
+    explicit compile request raises, as stock does."""
+
+    tries = []
+
+    def broken(gm, example_inputs, **options):  # (CompileConfig passes its mode)
+        tries.append(1)
+        raise RuntimeError("no C++ compiler")
+
+    _eager_default_config(monkeypatch, backend=broken)
+    model = tiny_model("llama")
+    ref = _generate(model)
+    patch_module._warned.discard("tier-failed")
+    with arkernels.patch(model, block_size=BLOCK, compile_after=0):
+        with pytest.warns(UserWarning, match="compiling the decode step failed"):
+            assert torch.equal(_generate(model), ref)
+        assert len(tries) == 1
+        assert torch.equal(_generate(model), ref)
+        assert len(tries) == 1  # no second attempt: eager from then on
+    torch._dynamo.reset()
+    with arkernels.patch(model, block_size=BLOCK):
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+            _generate(model, compile_config=_config(broken))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1024"])
+def test_compile_after_refused_before_any_change(bad):
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="arkernels.patch: compile_after must be an int >= 0"):
+        arkernels.patch(model, compile_after=bad)
+    with pytest.raises(ValueError, match="arkernels.patch: compile must be"):
+        arkernels.patch(model, compile="yes")
+    assert model.config._attn_implementation == before and "_prepare_cache_for_generation" not in model.__dict__

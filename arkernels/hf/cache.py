@@ -763,6 +763,7 @@ class PagedCache(DynamicCache):
             layer.layer_idx = i
         self.fixed = self.leaving = False
         self.host_ahead = 0  # tokens of the coming forward whose host half begin_forward already did
+        self.decode_steps = 0  # one-token forwards served with fixed shapes (arkernels.patch's compile="auto" counts)
         # model.generate's masks for this call's one-token forwards (arkernels.patch): the padding of a call's rows
         # does not change between its decode steps, so they are built once (left padding as kv_start) and reused
         self.decode_masks = None
@@ -794,6 +795,7 @@ class PagedCache(DynamicCache):
             return False
         for g in self.groups.values():
             g.advance_fixed_host(tokens)
+        self.decode_steps += tokens == 1
         if tokens > 1:
             self.decode_masks = None  # a new prompt (a continuation): its padding is its own
         self.version += 1

@@ -27,6 +27,7 @@ Three independent pieces, each undone by the handle:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -102,9 +103,36 @@ def _check_patch_args(model, block_size, attention: bool) -> None:
                          f"{block_size!r}")
 
 
+# compile="auto" on a device where transformers does not compile by itself (the CPU): eager decode steps of a patched
+# model before its calls compile. The host-bound tiny Llama's first compile (~7-13 s of CPU on this project's 2-core
+# machines) costs about 1000-1500 of its eager steps (~5-6 ms each), SmolLM2-135M's (~30 layers) about as many of its
+# ~50-100 ms steps: 1024 keeps the rent-or-buy rule within ~2x of the best choice made in hindsight for both.
+COMPILE_AFTER = 1024
+
+
+class _Tier:
+    """The "auto" rule's state for one patch: eager decode steps counted over the patched model's fixed-shape calls
+    (a call's cache counts its own; added here when the next call starts), whether the current call's compile was
+    this rule's doing (its failure then keeps the model eager instead of raising) and whether a compile failed."""
+
+    def __init__(self, after: int | None):
+        self.after = after  # None: never (compile=True / False, or compile_after=None)
+        self.steps = 0
+        self.last = None  # the last eager fixed-shape cache, whose decode_steps are not counted yet
+        self.this_call = False
+        self.failed = False
+
+    def due(self) -> bool:
+        if self.last is not None:
+            self.steps += self.last.decode_steps
+            self.last = None
+        return self.after is not None and not self.failed and self.steps >= self.after
+
+
 def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16,
           fuse: bool = False, kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | list[float] | None = None,
-          v_scale: float | list[float] | None = None, compile: bool | str = "auto"):
+          v_scale: float | list[float] | None = None, compile: bool | str = "auto",
+          compile_after: int | None = COMPILE_AFTER):
     """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
 
     Args:
@@ -130,9 +158,16 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         compile: the decode step of greedy / sampling calls. "auto" (default) and True: the paged cache of such a call
             has fixed shapes (every block reserved at prefill, lengths advanced on the device) and is compileable, so
             transformers compiles the decode forward wherever it would compile a static cache (``compile_config``;
-            any CUDA model); True also compiles it where transformers would not (the CPU) when the call gives no
-            ``compile_config``. False: today's host-path paged cache, never compiled. ``generate(...,
-            disable_compile=True)`` turns compilation off for one call.
+            any CUDA model). Where transformers would not compile (the CPU), True compiles from the first call and
+            "auto" once this patched model has run ``compile_after`` eager decode steps (tiered: short one-off calls
+            never pay the compile, sustained use gets the compiled step). False: the host-path paged cache, never
+            compiled. ``generate(..., disable_compile=True)`` turns compilation off for one call. The compile is
+            transformers' (its default ``CompileConfig``): one graph per batch size; a compile that fails under
+            "auto" (no C++ compiler for Inductor, say) warns once and the model stays eager.
+        compile_after: "auto" only: decode steps (forwards of one token per row, summed over this patch's calls) after
+            which the CPU compiles; an int >= 0, or None: never (transformers' rule only). Default ``COMPILE_AFTER``
+            (1024): on the host-bound tiny Llama the first compile costs about as much CPU time as 1000-1500 eager
+            steps, so the rule pays at most about twice the best choice made in hindsight (rent-or-buy).
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
@@ -141,6 +176,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
 
     check_model(model, "arkernels.patch")
     _check_patch_args(model, block_size, attention)
+    if compile not in ("auto", True, False):
+        raise ValueError(f"arkernels.patch: compile must be 'auto', True or False, got {compile!r}")
+    if compile_after is not None and (not isinstance(compile_after, int) or isinstance(compile_after, bool)
+                                      or compile_after < 0):
+        raise ValueError(f"arkernels.patch: compile_after must be an int >= 0 (decode steps) or None, got "
+                         f"{compile_after!r}")
     from arkernels.kv_cache import kv_cache_dtype_of, per_layer_scales
 
     kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)  # refuse bad values before changing anything
@@ -168,9 +209,9 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
 
         if hook_continuous_batching(model, sampler=sampler):
             attrs.append("init_continuous_batching")
-    state = {"mode": None}  # this call's generation mode (the cache hook runs before the logits-processor hook)
-    if compile not in ("auto", True, False):
-        raise ValueError(f"arkernels.patch: compile must be 'auto', True or False, got {compile!r}")
+    # mode: this call's generation mode (the cache hook runs before the logits-processor hook); tier: the "auto"
+    # rule's count of eager decode steps (see _Tier)
+    state = {"mode": None, "tier": _Tier(compile_after if compile == "auto" else None)}
     if cache or sampler:
         model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
                                                           state, swap=cache,
@@ -179,7 +220,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
                                                           compile=compile)
         attrs.append("_prepare_cache_for_generation")
     if cache and compile is not False:
-        model.get_compiled_call = _wrap_compiled_call(model, model.get_compiled_call)
+        model.get_compiled_call = _wrap_compiled_call(model, model.get_compiled_call, state["tier"])
         model.create_masks_for_generate = _wrap_masks(model)
         attrs += ["get_compiled_call", "create_masks_for_generate"]
     if sampler:
@@ -188,6 +229,25 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     handle = PatchHandle(model, saved_attn, attrs, fuse_handle)
     model.__dict__[_PATCH_ATTR] = handle
     return handle
+
+
+@functools.cache
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when it cannot compile (dynamo's errors, Inductor's, a backend's)."""
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+
+        errors.append(TorchDynamoException)
+    except ImportError:  # pragma: no cover - torch without dynamo
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return tuple(errors) or (RuntimeError,)
 
 
 _warned: set[str] = set()
@@ -252,10 +312,23 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                 if generation_config.compile_config is not None and not fixed:
                     _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs "
                                "the paged cache eagerly (compile_config applies to greedy and sampling calls)")
-                if fixed and compile is True and generation_config.compile_config is None:
-                    generation_config.compile_config = _default_compile_config(model)
-                model_kwargs[name] = PagedCache(model.config, block_size=block_size, max_length=max_length,
-                                                paged_attention=paged, compileable=fixed, **(cache_kwargs or {}))
+                tier = state["tier"]
+                tier.this_call = False
+                cpu_eager = fixed and generation_config.compile_config is None and model.device.type == "cpu"
+                if cpu_eager:  # (where transformers compiles by itself, CUDA, it compiles this cache from call one)
+                    tier.this_call = compile == "auto" and not generation_config.disable_compile and tier.due()
+                    if compile is True or tier.this_call:
+                        if tier.this_call:
+                            _warn_once("tier", f"arkernels.patch: compiling this model's decode step after "
+                                       f"{tier.steps} eager decode steps (compile='auto'; the first call of each "
+                                       "batch size compiles; patch(compile_after=None) keeps it eager)")
+                        generation_config.compile_config = _default_compile_config(model)
+                        cpu_eager = False
+                cache = PagedCache(model.config, block_size=block_size, max_length=max_length, paged_attention=paged,
+                                   compileable=fixed, **(cache_kwargs or {}))
+                if cpu_eager:
+                    tier.last = cache  # an eager call: its decode steps count towards the "auto" rule
+                model_kwargs[name] = cache
 
     return _prepare_cache_for_generation
 
@@ -318,11 +391,13 @@ def _wrap_masks(model):
     return create_masks_for_generate
 
 
-def _wrap_compiled_call(model, original):
+def _wrap_compiled_call(model, original, tier: _Tier):
     """``get_compiled_call`` (what generate uses for every forward after the prefill when the cache is compileable):
     the compiled forward, preceded by the paged cache's host half of the step (its traced ``update`` does only device
     work). A forward the fixed-shape cache cannot serve (it then leaves fixed shapes) runs eagerly: that call's
-    decode is eager from there on, with one warning."""
+    decode is eager from there on, with one warning. When the "auto" rule asked for this compile (``tier``), a
+    compile that raises (no C++ compiler for Inductor, an unsupported op) warns once and the model decodes eagerly
+    from then on: the compile of a forward's first graph happens before any of it runs, so the cache is untouched."""
     from arkernels.hf.cache import PagedCache
 
     def get_compiled_call(compile_config):
@@ -330,6 +405,8 @@ def _wrap_compiled_call(model, original):
 
         def forward(*args, **kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if tier.failed and tier.this_call:
+                return model.__call__(*args, **kwargs)
             if not isinstance(cache, PagedCache):
                 return compiled(*args, **kwargs)
             ids = kwargs.get("input_ids")
@@ -340,14 +417,19 @@ def _wrap_compiled_call(model, original):
                 return model.__call__(*args, **kwargs)
             try:
                 return compiled(*args, **kwargs)
+            except Exception as e:
+                if not tier.this_call or not isinstance(e, _compile_errors()):
+                    raise
+                tier.failed = True
+                _warn_once("tier-failed", f"arkernels.patch: compiling the decode step failed ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); this model decodes eagerly from now on")
+                return model.__call__(*args, **kwargs)  # begin_forward's host half stands (host_ahead)
             finally:
                 cache.end_forward()
 
         return forward
 
     return get_compiled_call
-
-    return _prepare_cache_for_generation
 
 
 class ArkernelsSampler:
