@@ -24,6 +24,8 @@ What flows between them:
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from arkernels.ops.window_attention import window_attention, window_attention_dense
@@ -163,11 +165,13 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 def _check_kwargs(module, **kwargs) -> None:
     """Refuse, naming the layer and the keyword, any keyword whose value arkernels does not implement."""
-    from arkernels.hf.capability import _who, attention_kwarg_problem
+    from arkernels.hf.capability import ALWAYS_HARMLESS, _who, attention_kwarg_problem
 
     if getattr(module, "is_causal", True) is False:
         kwargs["is_causal"] = False  # the module's own flag: sdpa would honour it, so it refuses the same way
     for name, value in kwargs.items():
+        if value is None or name in ALWAYS_HARMLESS:  # (every call, every layer: the common keywords cost nothing)
+            continue
         problem = attention_kwarg_problem(name, value)
         if problem is not None:
             hint = (" (a vision or audio tower under the patch: run such inputs on the unpatched model)"
@@ -177,9 +181,22 @@ def _check_kwargs(module, **kwargs) -> None:
                 f"implement{hint}; keep this model on transformers' attention (undo the patch)")
 
 
+_chunk_sizes: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, int]]" = weakref.WeakKeyDictionary()
+
+
 def _chunk_size(module) -> int:
-    """``attention_chunk_size`` for a chunked layer (Llama 4), else 0."""
+    """``attention_chunk_size`` for a chunked layer (Llama 4), else 0. Kept per module while its config object is the
+    same (read every call of every layer: transformers' config attribute lookups cost ~40 us a step per layer)."""
     config = getattr(module, "config", None)
+    known = _chunk_sizes.get(module)
+    if known is not None and known[0] is config:
+        return known[1]
+    size = _read_chunk_size(module, config)
+    _chunk_sizes[module] = (config, size)
+    return size
+
+
+def _read_chunk_size(module, config) -> int:
     types = getattr(config, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
     if types is None or idx is None or idx >= len(types) or types[idx] != "chunked_attention":

@@ -82,6 +82,8 @@ REFUSED = {
     "max_length_k": "packed variable-length sequences (flash-attention layout)",
 }
 ATTENTION_KWARGS = {**IMPLEMENTED, **HARMLESS}
+# keywords fine whatever their value (the hot path of arkernels_attention skips them without a lookup of reasons)
+ALWAYS_HARMLESS = frozenset(ATTENTION_KWARGS) - {"is_causal", "output_attentions", "dropout"}
 
 
 def attention_kwarg_problem(name: str, value) -> str | None:
