@@ -763,7 +763,8 @@ class PagedCache(DynamicCache):
             layer.layer_idx = i
         self.fixed = self.leaving = False
         self.host_ahead = 0  # tokens of the coming forward whose host half begin_forward already did
-        self.decode_steps = 0  # one-token forwards served with fixed shapes (arkernels.patch's compile="auto" counts)
+        self.decode_steps = 0  # one-token forwards served with fixed shapes
+        self.step_counter = None  # or an object whose ``steps`` counts them too (arkernels.patch's compile="auto")
         # model.generate's masks for this call's one-token forwards (arkernels.patch): the padding of a call's rows
         # does not change between its decode steps, so they are built once (left padding as kv_start) and reused
         self.decode_masks = None
@@ -795,7 +796,10 @@ class PagedCache(DynamicCache):
             return False
         for g in self.groups.values():
             g.advance_fixed_host(tokens)
-        self.decode_steps += tokens == 1
+        if tokens == 1:
+            self.decode_steps += 1
+            if self.step_counter is not None:
+                self.step_counter.steps += 1
         if tokens > 1:
             self.decode_masks = None  # a new prompt (a continuation): its padding is its own
         self.version += 1

@@ -111,21 +111,17 @@ COMPILE_AFTER = 1024
 
 
 class _Tier:
-    """The "auto" rule's state for one patch: eager decode steps counted over the patched model's fixed-shape calls
-    (a call's cache counts its own; added here when the next call starts), whether the current call's compile was
-    this rule's doing (its failure then keeps the model eager instead of raising) and whether a compile failed."""
+    """The "auto" rule's state for one patch: eager decode steps of the patched model's fixed-shape calls (each such
+    call's cache adds its one-token forwards to ``steps``), whether the current call's compile was this rule's doing
+    (its failure then keeps the model eager instead of raising) and whether a compile failed."""
 
     def __init__(self, after: int | None):
         self.after = after  # None: never (compile=True / False, or compile_after=None)
         self.steps = 0
-        self.last = None  # the last eager fixed-shape cache, whose decode_steps are not counted yet
         self.this_call = False
         self.failed = False
 
     def due(self) -> bool:
-        if self.last is not None:
-            self.steps += self.last.decode_steps
-            self.last = None
         return self.after is not None and not self.failed and self.steps >= self.after
 
 
@@ -327,7 +323,7 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                 cache = PagedCache(model.config, block_size=block_size, max_length=max_length, paged_attention=paged,
                                    compileable=fixed, **(cache_kwargs or {}))
                 if cpu_eager:
-                    tier.last = cache  # an eager call: its decode steps count towards the "auto" rule
+                    cache.step_counter = tier  # an eager call: its decode steps count towards the "auto" rule
                 model_kwargs[name] = cache
 
     return _prepare_cache_for_generation
