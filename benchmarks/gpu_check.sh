@@ -98,7 +98,7 @@ for graphs in (False, True):
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget)
   # decode: the host-bound case first (tiny 4-layer bf16 Llama, batch 1 and 8, 16-token prompt, 48 new tokens, every
-  # method: stock eager, stock static + compile, patched default / + compile_config / host path, arkernels.generate
+  # method: stock eager, stock static + compile, patched default (compiled) / host path, arkernels.generate
   # eager / graphs / compile; ratios vs stock eager and vs static + compile), then SmolLM2 / Llama-8B-shape at batch 1
   # and 32, 64 new tokens, without the compiled methods (each compiles per model and batch: past the budget)
   # window_attention: the issues' headline shapes (--short), each with SDPA, flex_attention (compiled per shape), fp8
@@ -109,7 +109,9 @@ for graphs in (False, True):
                     [window_attention]="--short"
                     [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024")
   declare -A limit=([decode]=100 [window_attention]=150 [cb]=60)
-  step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host"
+  # (on CUDA the default compiles from the first call: patched+compile and patched-eager would repeat it)
+  step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host" \
+    --methods static+compile,patched,patched+host,arkernels,arkernels+graphs,arkernels+compile
   for b in paged_kv window_attention sampling int8_matmul cb decode; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086
