@@ -188,6 +188,8 @@ def _chunk_size(module) -> int:
     """``attention_chunk_size`` for a chunked layer (Llama 4), else 0. Kept per module while its config object is the
     same (read every call of every layer: transformers' config attribute lookups cost ~40 us a step per layer)."""
     config = getattr(module, "config", None)
+    if torch.compiler.is_compiling():  # traced once per graph: no memo (dynamo would guard on its contents)
+        return _read_chunk_size(module, config)
     known = _chunk_sizes.get(module)
     if known is not None and known[0] is config:
         return known[1]
