@@ -16,9 +16,9 @@ distribution (``sampling_probs``), with transformers' semantics (see arkernels/o
   1b. ``sampling_merge_kernel``, grid ``(batch, <= 32)``, only when splits > 1: the second level of the
      histogram merge; each program sums a slice of buckets over the row's programs (integers: exact, so the
      same row histogram whatever the split).
-  2. ``sampling_compact_kernel``, grid ``(batch, splits)``: merges the partials (max, mass Z) and reads the
-     row histogram, and picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the bucket holding
-     the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
+  2. ``sampling_compact_kernel``, grid ``(batch, splits)``: merges the partials (max, mass Z), reads the row
+     histogram and picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the
+     bucket holding the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
      reaches p * Z; min-p: ``z >= log(min_p)``; the draw: ``z >= -21`` (a token below can never win the
      race, see below); with top-k and top-p both on, the top-k bucket alone (top-p needs the whole top-k
      set's mass). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
@@ -50,19 +50,23 @@ them. min-p needs no search: ``p_i >= min_p * p_max  <=>  exp(z_i) >= min_p``.
 Arithmetic (ESTIMATES, not run on a GPU; H200: 132 SMs, ~4.3 TB/s, ~0.7 us DRAM latency; counts from Triton
 3.8's offline sm_90 compile with the runtime's divisibility specialisation, ``bar.sync`` per loop trip in PTX):
   * vocab 128256, batch 1, top-k 50 + top-p 0.9: stats 63 programs x one [2, 1024] trip (8 KB fp32 each),
-    63 x 16 KB suffix histograms written (L2); merge 32 programs x 32 KB; compaction 63 programs x (the 16 KB
-    row histogram, a 4096-bucket cutoff, one 2048-column trip); draw 1 program on <= 4096 candidates. Each
-    launch is latency-bound (~2-5 us) plus ~1-2 us between launches: ~15-30 us in all (was 8 programs x 16
-    one-chunk trips per pass, ~50-80 us).
+    63 x 16 KB suffix histograms written (L2), ~3 us; merge 32 programs x 32 KB, ~2 us; compaction 63
+    programs x (the 16 KB row histogram, a 4096-bucket cutoff, one 2048-column trip), ~5-6 us; draw 1 program
+    on the ~100 candidates (top-k and top-p search passes), ~8-18 us, now the largest piece; plus ~1-2 us
+    between launches: ~20-35 us in all (was 8 programs x 16 one-chunk trips per pass, ~50-80 us).
   * batch 256: one program per row (no merge), 32 trips of [4, 1024] per pass (16 KB fp32 in flight per
-    program, one 16-warp program per SM above 64 registers): ~1.5-3 TB/s per pass, 2 passes over 131 MB:
-    ~100-180 us (was ~200-300 us).
+    program, one 16-warp program per SM above 64 registers). The stats pass is issue-bound, not barrier-bound:
+    ~80 instructions per element (IEEE division, exp, the histogram's shared atomics) -> ~1-1.5 TB/s; the
+    compaction pass ~3 TB/s: ~140-200 us over 131 MB (was ~200-300 us).
   * Barriers per loop trip (bar.sync): stats 9 per chunk -> 14 per 4-chunk trip (R = 4), 14 per 2-chunk
     trip (R = 2), 8 per chunk (R = 1); compaction 12 per chunk -> 2 per 4-chunk trip without a candidate
     (the scan and the stores' 10 more only in a trip that has one). Global loads issued per trip before the
     first use: R chunks' (bf16 logits, no rules: 8 / 4 / 2 ld.global at R = 4 / 2 / 1; was 2, one chunk).
   * Registers (ptxas, no spill anywhere; LAUNCH below): stats 50-128 (16 warps), merge 68, compaction <= 80
     (16 warps, maxnreg), draw 127-128 (8 warps).
+  The tiles, splits and merge change no token: the candidates (the cutoff is an integer function of the row
+  histogram) and the race are the same; only the order of a chunk's fp32 sum inside Triton's reduction tree
+  can move with the layout, as it could between Triton versions (top-p within fp32 rounding of a boundary).
 
 Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback without top-k and
 top-p 2 (stats + split race); other fallbacks 1 + the search passes (top-k: 1 per search pass, top-p: 1 for
@@ -818,7 +822,8 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_st
                 nchunk, cps, S, BLOCK=STATS_BLOCK, R=R, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
             if S > 1:
                 w = max(NB.value // MERGE_PROGRAMS, MERGE_TILE // sp)  # <= MERGE_TILE loads per program
-                sampling_merge_kernel[(batch, NB.value // w)](hist, rhist, S, SP=sp, W=w, **LAUNCH["sampling_merge_kernel"])
+                sampling_merge_kernel[(batch, NB.value // w)](hist, rhist, S, SP=sp, W=w,
+                                                              **LAUNCH["sampling_merge_kernel"])
             sampling_compact_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist, rhist,
                 cval, cidx, ncand, seed, step, rbest, rcol, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
