@@ -13,7 +13,9 @@ from scipy import stats
 
 import arkernels
 from arkernels.reference.sampling import sample_ref, sampling_probs_ref
-from arkernels.triton.sampling import _row_key_torch, _uniform_torch, sample_triton, sampling_probs_triton
+from arkernels.triton.sampling import (MAX_SPLITS, STATS_BLOCK, TARGET_PROGRAMS, TILE_CHUNKS, _row_key_torch,
+                                       _uniform_torch, sample_triton, sampling_probs_triton, sampling_splits,
+                                       sampling_tile_chunks)
 from conftest import DEVICES
 
 VOCABS = [111, 32003]  # odd small vocab, and a 32k-scale one (not a power of two)
@@ -452,16 +454,38 @@ def test_rows_at_and_over_the_candidate_bound():
 
 
 def test_several_programs_per_row_draw_what_one_program_draws():
-    """Batch 1 over one program and over the default split (8 programs for 9 chunks: one program has 2
-    chunks, one none): the same candidates and the same token."""
+    """Batch 1, 9 chunks, over 1 program (tiles of 4 chunks: 4 + 4 + 1, no merge), 2 (4 + 1), 3 (3 chunks: one
+    tile with a masked chunk row) and the default (9 programs of 1 chunk, the two-level merge over 9 partial
+    histograms): the same candidates, passes and token."""
     V = 9000
     x, T, k, p, mp = _regime_rows(V, seed=41)
+    assert sampling_splits(1, V) == 9
     for b in (1, 3, 5):  # top-p alone, min-p, all four
         args = (x[b:b + 1], T[b:b + 1], k[b:b + 1], p[b:b + 1], mp[b:b + 1], torch.tensor([b + 9]),
                 torch.tensor([2]))
-        got = [sample_triton(*args, splits=s, debug=True) for s in (1, None)]
-        assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[2][0], got[0][2][0]) for g in got)
-        assert got[0][2][0][0] > 0
+        got = [sample_triton(*args, splits=s, debug=True) for s in (1, 2, 3, None)]
+        assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[2][0], got[0][2][0]) and
+                   torch.equal(g[2][1], got[0][2][1]) for g in got)
+        assert got[0][2][0][0] > 0 and got[0][2][1][0] == 2
+
+
+def test_programs_per_row_plan():
+    """``sampling_splits`` (a pure function of batch and vocab): 32-64 programs for a batch-1 128k row, one per
+    row at batch 256 (no merge launch), about TARGET_PROGRAMS in all, every program with at least one chunk."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    assert sampling_splits(1, 128256) == 63 and sampling_tile_chunks(cdiv(126, 63)) == 2
+    assert sampling_splits(256, 128256) == 1 and sampling_tile_chunks(126) == TILE_CHUNKS
+    assert sampling_splits(8, 32000) == 32 and sampling_tile_chunks(1) == 1
+    for vocab in (1, 111, 1024, 1025, 9000, 32000, 128256, 256000):
+        nchunk, prev = cdiv(vocab, STATS_BLOCK), MAX_SPLITS
+        for batch in (1, 2, 7, 8, 33, 64, 132, 133, 256, 4096):
+            s = sampling_splits(batch, vocab)
+            cps = cdiv(nchunk, s)
+            assert 1 <= s <= min(MAX_SPLITS, nchunk) and (s - 1) * cps < nchunk <= s * cps  # no empty program
+            assert batch * s <= max(TARGET_PROGRAMS, batch) and s <= prev  # never more programs as batch grows
+            assert batch > 4 or nchunk < 32 or 32 <= s  # a small batch spreads a long row over the GPU
+            assert sampling_tile_chunks(cps) in (1, 2, TILE_CHUNKS) and sampling_tile_chunks(cps) <= max(cps, 1) * 2
+            prev = s
 
 
 def test_signed_zero_ties_stay_together():

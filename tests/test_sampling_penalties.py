@@ -459,35 +459,51 @@ def test_generate_rules_static_step_and_forks(llama):
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton's offline sm_90 compile (no GPU needed): the interpreter accepts code the compiler refuses (a variable
-# rebound to another shape inside a loop), so every sampling kernel, rules on and off, is compiled here too
+# rebound to another shape inside a loop), so every sampling kernel, rules on and off, every tile height R, is
+# compiled here too, with the launchers' options (LAUNCH) and the runtime's 16-byte divisibility specialisation
+# of pointers and row strides (what a GPU launch compiles); ptxas -v (Triton's own flags) must report no spill
 # ---------------------------------------------------------------------------------------------------------
-_COMPILE = r'''
-import inspect, json, sys
+_COMPILE = r"""
+import inspect, json, os, re, subprocess, sys, tempfile
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 import arkernels.triton.sampling as S
 
-INT_PTRS = {"topk_ptr": "*i32", "carg_ptr": "*i32", "hist_ptr": "*i32", "passes_ptr": "*i32", "state_ptr": "*i32",
-            "hrow_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "cidx_ptr": "*i32", "ncand_ptr": "*i32",
-            "rcol_ptr": "*i32", "ids_ptr": "*i64", "valid_ptr": "*i1", "logits_ptr": "*bf16"}
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+INT_PTRS = {"topk_ptr": "*i32", "carg_ptr": "*i32", "hist_ptr": "*i32", "rhist_ptr": "*i32", "passes_ptr": "*i32",
+            "state_ptr": "*i32", "hrow_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "cidx_ptr": "*i32",
+            "ncand_ptr": "*i32", "rcol_ptr": "*i32", "ids_ptr": "*i64", "valid_ptr": "*i1", "logits_ptr": "*bf16"}
 search = dict(SEARCH_BLOCK=S.SEARCH_BLOCK, P=S.PIVOTS, MAX_PASSES=S.MAX_PASSES)
-jobs = [(S.sampling_stats_kernel, dict(BLOCK=S.STATS_BLOCK, DEBUG=False), 16),
-        (S.sampling_compact_kernel, dict(BLOCK=S.STATS_BLOCK, NCP=128, DEBUG=False), 16),
-        (S.sampling_draw_kernel, dict(BLOCK=S.DRAW_BLOCK, NCP=128, SP=8, DEBUG=False, **search), 16),
-        (S.sampling_probs_kernel, dict(BLOCK=S.DRAW_BLOCK, **search), 8),
-        (S.sampling_rules_kernel, dict(BLOCK=S.DRAW_BLOCK), 8)]
+jobs = [(S.sampling_stats_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, DEBUG=False)) for r in (1, 2, S.TILE_CHUNKS)]
+jobs += [(S.sampling_compact_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, NCP=128, SP=S.MAX_SPLITS, DEBUG=False))
+         for r in (1, 2, S.TILE_CHUNKS)]
+jobs += [(S.sampling_merge_kernel, dict(SP=S.MAX_SPLITS, W=S.MERGE_TILE // S.MAX_SPLITS)),
+         (S.sampling_draw_kernel, dict(BLOCK=S.DRAW_BLOCK, NCP=128, SP=S.MAX_SPLITS, DEBUG=False, **search)),
+         (S.sampling_probs_kernel, dict(BLOCK=S.DRAW_BLOCK, **search)),
+         (S.sampling_rules_kernel, dict(BLOCK=S.DRAW_BLOCK))]
 out = []
-for fn, consts, warps in jobs:
-    for state, bias in ((False, False), (True, False), (True, True)):
-        c = dict(consts, STATE=state, BIAS=bias)
+for fn, consts in jobs:
+    params = list(inspect.signature(fn.fn).parameters)
+    for state, bias in (((False, False), (True, False), (True, True)) if "STATE" in params else ((None, None),)):
+        c = dict(consts, STATE=state, BIAS=bias) if state is not None else dict(consts)
         sig = {p: "constexpr" if p in c else INT_PTRS.get(p, "*fp32") if p.endswith("_ptr")
-               else "i64" if p.startswith("stride") else "i32" for p in inspect.signature(fn.fn).parameters}
-        k = triton.compile(ASTSource(fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 128),
-                           options=dict(num_warps=warps))
-        out.append([fn.__name__, state, bias, len(k.asm["cubin"])])
+               else "i64" if p.startswith("stride") else "i32" for p in params}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                 if p not in c and (p.endswith("_ptr") or p.startswith("stride"))}
+        k = triton.compile(ASTSource(fn, signature=sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 128),
+                           options=S.LAUNCH[fn.__name__])
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            open(src, "w").write(k.asm["ptx"])
+            log = subprocess.run([PTXAS, "-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", src, "-o",
+                                  os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
+        regs = int(re.search(r"Used (\d+) registers", log).group(1))
+        spill = [int(v) for v in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
+        out.append([fn.__name__, c.get("R"), state, bias, len(k.asm["cubin"]), regs, spill,
+                    k.asm["ptx"].count("bar.sync")])
 print(json.dumps(out))
-'''
+"""
 
 
 def test_triton_kernels_compile_for_sm90():
@@ -499,12 +515,14 @@ def test_triton_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                          env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr:
         pytest.skip("no ptxas (Triton's wheel ships one)")
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(built) == 15 and all(size > 0 for *_, size in built)
+    assert len(built) == 3 * 3 + 3 * 3 + 1 + 3 * 3 and all(b[4] > 0 for b in built)
+    spilled = [b for b in built if b[6] != [0, 0]]
+    assert not spilled, spilled  # [kernel, R, STATE, BIAS, cubin bytes, registers, spill stores/loads, bar.sync]
 
 
 def test_patched_num_return_sequences_draw_distinct_samples(llama):

@@ -5,20 +5,26 @@ What it computes: for every row of ``logits [batch, vocab]`` (fp32/fp16/bf16, ro
 ``stride_row``, columns contiguous) either one token id (``sample``) or the filtered, renormalised fp32
 distribution (``sampling_probs``), with transformers' semantics (see arkernels/ops/sampling.py).
 
-``sample``: three kernels, two full-row passes on the fast path.
-  1. ``sampling_stats_kernel``, grid ``(batch, splits)``: ``splits`` programs share a row when the batch is
-     small (<= MAX_SPLITS, about TARGET_PROGRAMS programs in all). Per chunk of STATS_BLOCK columns: max, argmax,
-     ``sum exp((x - chunk max) / T)``; per program: a histogram of the top 12 bits of the order-preserving
-     fp32 key (NB = 4096 buckets, 16 KB). Chunk partials, not program partials, so a row's floats never
-     depend on the batch around it.
-  2. ``sampling_compact_kernel``, grid ``(batch, splits)``: merges the partials (max, mass Z, histogram) and
-     picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the bucket holding
-     the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
+``sample``: four kernels (three at one program per row), two full-row passes on the fast path.
+  1. ``sampling_stats_kernel``, grid ``(batch, splits)``: ``splits = sampling_splits(batch, vocab)`` programs
+     share a row (about TARGET_PROGRAMS in all, <= MAX_SPLITS: 63 for one 128k row, 1 from batch 133 on),
+     each over whole chunks of STATS_BLOCK columns, R = TILE_CHUNKS (4) chunks per loop trip as one [R, 1024]
+     tile: R chunks' loads in flight, the per-chunk reductions along axis 1 and one histogram per trip. Per
+     chunk: max, argmax, ``sum exp((x - chunk max) / T)``; per program: the suffix counts of a histogram of
+     the top 12 bits of the order-preserving fp32 key (NB = 4096 buckets, 16 KB). Chunk partials, not
+     program partials, so a row's floats never depend on the batch around it.
+  1b. ``sampling_merge_kernel``, grid ``(batch, <= 32)``, only when splits > 1: the second level of the
+     histogram merge; each program sums a slice of buckets over the row's programs (integers: exact, so the
+     same row histogram whatever the split).
+  2. ``sampling_compact_kernel``, grid ``(batch, splits)``: merges the partials (max, mass Z), reads the row
+     histogram and picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the
+     bucket holding the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
      reaches p * Z; min-p: ``z >= log(min_p)``; the draw: ``z >= -21`` (a token below can never win the
      race, see below); with top-k and top-p both on, the top-k bucket alone (top-p needs the whole top-k
      set's mass). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
-     column order; each program's offset is the candidate count of the programs before it, read from their
-     histograms (exact integers: deterministic, no atomics). More than ``cap`` candidates: the row is
+     column order; each program's offset is the candidate count of the programs before it, one suffix
+     count each (exact integers: deterministic, no atomics); R chunks per trip, and a trip without a
+     candidate costs one reduction (no scan, no store). More than ``cap`` candidates: the row is
      flagged and falls back; if it needs no search (no top-k, no top-p), these programs run the race over
      their own columns instead (the winners merge in the draw kernel), so it still reads the row twice.
   3. ``sampling_draw_kernel``, grid ``(batch,)``: the exact top-k / top-p / min-p thresholds and the draw,
@@ -41,6 +47,27 @@ that sum is ``<= 1 - top_p`` in fp32 -- transformers' own row ``log([0.3, 0.1, 0
 drops both 0.1 tokens, where comparing the mass above (0.8000000042) with fp32 0.8 (0.8000000119) kept
 them. min-p needs no search: ``p_i >= min_p * p_max  <=>  exp(z_i) >= min_p``.
 
+Arithmetic (ESTIMATES, not run on a GPU; H200: 132 SMs, ~4.3 TB/s, ~0.7 us DRAM latency; counts from Triton
+3.8's offline sm_90 compile with the runtime's divisibility specialisation, ``bar.sync`` per loop trip in PTX):
+  * vocab 128256, batch 1, top-k 50 + top-p 0.9: stats 63 programs x one [2, 1024] trip (8 KB fp32 each),
+    63 x 16 KB suffix histograms written (L2), ~3 us; merge 32 programs x 32 KB, ~2 us; compaction 63
+    programs x (the 16 KB row histogram, a 4096-bucket cutoff, one 2048-column trip), ~5-6 us; draw 1 program
+    on the ~100 candidates (top-k and top-p search passes), ~8-18 us, now the largest piece; plus ~1-2 us
+    between launches: ~20-35 us in all (was 8 programs x 16 one-chunk trips per pass, ~50-80 us).
+  * batch 256: one program per row (no merge), 32 trips of [4, 1024] per pass (16 KB fp32 in flight per
+    program, one 16-warp program per SM above 64 registers). The stats pass is issue-bound, not barrier-bound:
+    ~80 instructions per element (IEEE division, exp, the histogram's shared atomics) -> ~1-1.5 TB/s; the
+    compaction pass ~3 TB/s: ~140-200 us over 131 MB (was ~200-300 us).
+  * Barriers per loop trip (bar.sync): stats 9 per chunk -> 14 per 4-chunk trip (R = 4), 14 per 2-chunk
+    trip (R = 2), 8 per chunk (R = 1); compaction 12 per chunk -> 2 per 4-chunk trip without a candidate
+    (the scan and the stores' 10 more only in a trip that has one). Global loads issued per trip before the
+    first use: R chunks' (bf16 logits, no rules: 8 / 4 / 2 ld.global at R = 4 / 2 / 1; was 2, one chunk).
+  * Registers (ptxas, no spill anywhere; LAUNCH below): stats 50-128 (16 warps), merge 68, compaction <= 80
+    (16 warps, maxnreg), draw 127-128 (8 warps).
+  The tiles, splits and merge change no token: the candidates (the cutoff is an integer function of the row
+  histogram) and the race are the same; only the order of a chunk's fp32 sum inside Triton's reduction tree
+  can move with the layout, as it could between Triton versions (top-p within fp32 rounding of a boundary).
+
 Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback without top-k and
 top-p 2 (stats + split race); other fallbacks 1 + the search passes (top-k: 1 per search pass, top-p: 1 for
 the mass with top-k + its search passes) + 1 (draw).
@@ -61,13 +88,30 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read 
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
 MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop for graphs
 DRAW_BLOCK = 2048  # elements per block in the streaming passes
-STATS_BLOCK = 1024  # elements per stats chunk; with 16 warps: 128 registers, 0 spills (2048: 800 B spilled, sm_90)
+STATS_BLOCK = 1024  # columns per chunk (the unit of the chunk partials); loops run TILE_CHUNKS of them per trip
 SEARCH_BLOCK = 512  # elements per block in the search passes ([SEARCH_BLOCK, PIVOTS] tiles)
 NB = tl.constexpr(4096)  # histogram buckets = the top 12 bits of the fp32 key: 8 buckets per octave (16 KB)
 BUCKET_SHIFT = tl.constexpr(20)  # 32 - 12
 CAND_CAP = 4096  # candidates per row on the fast path: 32 KB of scratch per row (value + column)
-MAX_SPLITS = 8  # programs per row at most: each compaction program reads its row's histograms (8 x 16 KB) twice
+MAX_SPLITS = 64  # programs per row at most (batch 1): 128k columns over 63 programs of 2 chunks
 TARGET_PROGRAMS = 264  # 2 per SM on an H200 (132 SMs)
+TILE_CHUNKS = 4  # chunks per loop trip in the stats / compaction passes: a [4, 1024] tile, 4 chunks' loads in flight
+MERGE_TILE = 8192  # partial-histogram words each merge program loads at once ([64, 128] at 64 splits: 32 KB)
+MERGE_PROGRAMS = 32  # merge programs per row at most (128 buckets each)
+# Launch options per kernel (the offline sm_90 compile test reads them too). Registers and spills are ptxas's
+# for Triton 3.8's sm_90 compile with the runtime's 16-byte divisibility specialisation, rules off / on:
+LAUNCH = {
+    # R = 1 / 2 / 4: 50-61 / 64-76 / 76-128 registers, no spill
+    "sampling_stats_kernel": dict(num_warps=16),
+    "sampling_merge_kernel": dict(num_warps=4),  # 68 registers
+    # without maxnreg ptxas picks 64 registers and spills (4 B at R = 1; 20 B in the one-chunk loop before);
+    # 80 is spill-free at every R (one 16-warp CTA per SM either way above 64)
+    "sampling_compact_kernel": dict(num_warps=16, maxnreg=80),
+    # 16 warps: 64 registers and 16 B spilled; 8 warps: 127-128 registers, no spill, still 2 CTAs per SM
+    "sampling_draw_kernel": dict(num_warps=8),
+    "sampling_probs_kernel": dict(num_warps=8),
+    "sampling_rules_kernel": dict(num_warps=8),
+}
 RACE_Z = tl.constexpr(-21.0)  # U in [2^-25, 1 - 2^-25]: -log(-log U) in [-2.85, 17.33], so z < -20.2 never wins
 
 
@@ -369,11 +413,11 @@ def sampling_stats_kernel(
     logits_ptr, stride_row, V,  # [batch, V] any float dtype, row stride in elements
     temp_ptr,  # [batch] fp32
     cmax_ptr, carg_ptr, csum_ptr,  # [batch, NCHUNK] fp32, int32, fp32: per-chunk max, argmax, sum exp((x - max) / T)
-    hist_ptr,  # [batch, S, NB] int32: per-program bucket counts
+    hist_ptr,  # [batch, S, NB] int32: per-program suffix counts (its tokens in buckets >= b)
     passes_ptr,  # [batch] int32 (DEBUG only): full-row passes
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S,  # chunks per row, chunks per program, programs per row
-    BLOCK: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, R: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -384,31 +428,57 @@ def sampling_stats_kernel(
     T = tl.load(temp_ptr + row)
     T = tl.where(T > 0, T, 1.0)  # greedy rows: Z is unused
     hist = tl.zeros([NB], tl.int32)
-    for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < V
+    r = tl.arange(0, R)
+    c1 = tl.minimum(s * CPS + CPS, NCHUNK)
+    # R chunks per trip as one [R, BLOCK] tile: R chunks' loads in flight, the reductions run along axis 1
+    # (one cross-warp round for R chunks) and one histogram per trip
+    for c0 in range(s * CPS, c1, R):
+        ch = c0 + r[:, None]  # [R, 1] chunk ids; rows past c1 are masked off (a program's last trip)
+        offs = ch * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (ch < c1) & (offs < V)
         x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
-        bm = tl.max(x, axis=0)
-        bi = tl.min(tl.where(mask & (x == bm), offs, V), axis=0)
+        # max and the lowest index among the maxima in one reduction (masked lanes are -inf and lie after the
+        # chunk's columns, so an all -inf chunk reports its first column, as a masked min over columns did).
+        # keep_dims: the [R, 1] results stay in the tile's layout, so the stores need no layout conversion
+        bm, bi = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True, keep_dims=True)
         e = tl.exp(tl.math.div_rn(x - tl.where(bm > float("-inf"), bm, 0.0), T))  # all -inf: all 0
-        tl.store(cmax_ptr + row * NCHUNK + c, bm)
-        tl.store(carg_ptr + row * NCHUNK + c, bi)
-        tl.store(csum_ptr + row * NCHUNK + c, tl.sum(e, axis=0))
-        # masked lanes are -inf: they land in bucket(-inf), which the cutoff never admits
-        hist += tl.histogram(_bucket(x), NB)
-    tl.store(hist_ptr + (row * S + s) * NB + tl.arange(0, NB), hist)
+        live = ch < c1
+        tl.store(cmax_ptr + row * NCHUNK + ch, bm, mask=live)
+        tl.store(carg_ptr + row * NCHUNK + ch, ch * BLOCK + bi, mask=live)
+        tl.store(csum_ptr + row * NCHUNK + ch, tl.sum(e, axis=1, keep_dims=True), mask=live)
+        # masked lanes are not counted: bucket -1 marks them through the reorder (a histogram ignores order)
+        bk = tl.reshape(tl.where(mask, _bucket(x), -1), [R * BLOCK], can_reorder=True)
+        hist += tl.histogram(tl.maximum(bk, 0), NB, mask=bk >= 0)
+    # suffix counts: a program's candidates at any cutoff are one load away, and the row's merge is a plain sum
+    tl.store(hist_ptr + (row * S + s) * NB + tl.arange(0, NB), tl.cumsum(hist, axis=0, reverse=True))
     if DEBUG:
         if s == 0:
             tl.store(passes_ptr + row, 1)
 
 
 @triton.jit
-def _cutoff(h, m, T, k, p, min_p, Z, V):
-    """The lowest bucket that may hold a kept token (from the row histogram ``h [NB]``), and whether a row
-    must fall back anyway (a cutoff at or below bucket(-inf) would admit -inf tokens and masked lanes)."""
+def sampling_merge_kernel(
+    hist_ptr,  # [batch, S, NB] int32: per-program suffix counts (sampling_stats_kernel)
+    rhist_ptr,  # [batch, NB] int32: the row's suffix counts
+    S,
+    SP: tl.constexpr, W: tl.constexpr,  # next_power_of_2(S); buckets per program
+):
+    """The second level of the histogram merge, grid ``(batch, NB // W)``: program g sums buckets
+    ``[g W, g W + W)`` over the row's S programs, all S x W loads issued at once. Integer sums: exact in any
+    order, so the row histogram is the same whatever the split."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * W + tl.arange(0, W)
+    t = tl.arange(0, SP)
+    h = tl.load(hist_ptr + (row * S + t[:, None]) * NB + b[None, :], mask=t[:, None] < S, other=0)
+    tl.store(rhist_ptr + row * NB + b, tl.sum(h, axis=0))
+
+
+@triton.jit
+def _cutoff(h, above, m, T, k, p, min_p, Z, V):
+    """The lowest bucket that may hold a kept token (from the row histogram ``h [NB]`` and its suffix counts
+    ``above [NB]``: tokens in buckets >= b), and whether a row must fall back anyway (a cutoff at or below
+    bucket(-inf) would admit -inf tokens)."""
     b = tl.arange(0, NB)
-    tot = tl.sum(h, axis=0)
-    above = tot - tl.cumsum(h, axis=0) + h  # tokens in buckets >= b
     use_k = (k > 0) & (k < V)
     use_p = p < 1.0
     cut = tl.zeros((), tl.int32)
@@ -450,6 +520,7 @@ def sampling_compact_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [batch] fp32, int32, fp32, fp32
     cmax_ptr, carg_ptr, csum_ptr, hist_ptr,  # from sampling_stats_kernel
+    rhist_ptr,  # [batch, NB] int32: the row's suffix counts (sampling_merge_kernel; hist_ptr itself when S is 1)
     cval_ptr, cidx_ptr,  # [batch, CAP] fp32, int32: candidates (logit, column) in column order
     ncand_ptr,  # [batch] int32: candidate count; -1: full-row fallback; -2: fallback raced here (no search)
     seed_ptr, step_ptr,  # [batch] int64
@@ -457,7 +528,8 @@ def sampling_compact_kernel(
     passes_ptr,
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S, CAP,
-    BLOCK: tl.constexpr, NCP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, R: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
+    STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -473,27 +545,27 @@ def sampling_compact_kernel(
     m, arg, Z = _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, Tg, NCP)
     if (m > float("-inf")) & (T > 0):
         b = tl.arange(0, NB)
-        h = tl.zeros([NB], tl.int32)
-        for t in range(0, S):
-            h += tl.load(hist_ptr + (row * S + t) * NB + b)
-        cut, low = _cutoff(h, m, Tg, k, p, min_p, Z, V)
-        total = tl.zeros((), tl.int32)
-        before = tl.zeros((), tl.int32)
-        for t in range(0, S):
-            ct = tl.sum(tl.where(b >= cut, tl.load(hist_ptr + (row * S + t) * NB + b), 0), axis=0)
-            total += ct
-            before += tl.where(t < s, ct, 0)
+        rh = rhist_ptr + row * NB
+        above = tl.load(rh + b)
+        cut, low = _cutoff(above - tl.load(rh + b + 1, mask=b + 1 < NB, other=0), above, m, Tg, k, p, min_p, Z, V)
+        total = tl.load(rh + cut)
+        # this program's offset: the candidates of the programs before it, one suffix count each (exact integers:
+        # deterministic, no atomics)
+        t = tl.arange(0, SP)
+        before = tl.sum(tl.load(hist_ptr + (row * S + t) * NB + cut, mask=t < s, other=0), axis=0)
         fast = (~low) & (total <= CAP)
         # a row that overflows but needs no search (no top-k, no top-p: temperature / min-p on a flat row)
         # races here, split like the stats pass, instead of in one program of the draw kernel
         split_race = (~fast) & ((k <= 0) | (k >= V)) & (p >= 1.0)
         if s == 0:
             tl.store(ncand_ptr + row, tl.where(fast, total, tl.where(split_race, -2, -1)))
+        first = s * CPS * BLOCK
+        last = tl.minimum(first + CPS * BLOCK, V)  # this program's columns [first, last)
         if split_race:
             ninf = tl.full((), float("-inf"), tl.float32)
-            first = s * CPS * BLOCK
-            sc, col = _race(base, base, first, tl.minimum(first + CPS * BLOCK, V), m, Tg, ninf, ninf, min_p,
-                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, False, BLOCK)
+            sc, col = _race(base, base, first, last, m, Tg, ninf, ninf, min_p,
+                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on,
+                            STATE, BIAS, False, R * BLOCK)
             tl.store(rbest_ptr + row * S + s, sc)
             tl.store(rcol_ptr + row * S + s, col)
             if DEBUG:
@@ -501,15 +573,20 @@ def sampling_compact_kernel(
                     tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
         if fast:
             pos = before
-            for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCHUNK)):
-                offs = c * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < V
+            # R chunks per trip, flat (column order is all the compaction needs); a trip without a candidate
+            # (most of them under top-k / top-p) costs one reduction, no scan and no store
+            for start in range(first, last, R * BLOCK):
+                offs = start + tl.arange(0, R * BLOCK)
+                mask = offs < last
                 x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
                 keep = (mask & (_bucket(x) >= cut)).to(tl.int32)
-                dest = pos + tl.cumsum(keep, axis=0) - keep
-                tl.store(cval_ptr + row * CAP + dest, x, mask=keep != 0)
-                tl.store(cidx_ptr + row * CAP + dest, offs, mask=keep != 0)
-                pos += tl.sum(keep, axis=0)
+                n = tl.sum(keep, axis=0)
+                if n > 0:
+                    dest = pos + tl.cumsum(keep, axis=0) - keep
+                    put = (keep != 0) & (dest < CAP)  # dest < total <= CAP already: the bound holds whatever the input
+                    tl.store(cval_ptr + row * CAP + dest, x, mask=put)
+                    tl.store(cidx_ptr + row * CAP + dest, offs, mask=put)
+                pos += n
             if DEBUG:
                 if s == 0:
                     tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
@@ -693,10 +770,18 @@ def _rule_args(logits, token_state, history, penalties, logit_bias):
 
 
 def sampling_splits(batch: int, vocab: int) -> int:
-    """Programs per row: enough for ~TARGET_PROGRAMS in all at small batch, at most MAX_SPLITS, whole chunks."""
+    """Programs per row (``sample``'s stats and compaction grids are ``(batch, splits)``): about
+    TARGET_PROGRAMS in all, at most MAX_SPLITS per row, whole chunks each, no program without a chunk. A pure
+    function of (batch, vocab): batch 1 x 128256 -> 63 programs of 2 chunks; batch >= 133 -> 1 (no merge)."""
     nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
-    s = max(1, min(MAX_SPLITS, nchunk, triton.cdiv(TARGET_PROGRAMS, max(batch, 1))))
+    s = max(1, min(MAX_SPLITS, nchunk, TARGET_PROGRAMS // max(batch, 1)))
     return triton.cdiv(nchunk, triton.cdiv(nchunk, s))
+
+
+def sampling_tile_chunks(chunks_per_program: int) -> int:
+    """Chunks per loop trip (the R of the stats / compaction tiles): TILE_CHUNKS, or fewer when a program has
+    fewer chunks (a power of two: a constexpr tile dimension)."""
+    return min(TILE_CHUNKS, triton.next_power_of_2(max(chunks_per_program, 1)))
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_state=None, history=None,
@@ -717,32 +802,38 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_st
     S = splits if splits is not None else sampling_splits(batch, vocab)
     cps = triton.cdiv(nchunk, S)
     S = triton.cdiv(nchunk, cps)
+    R = sampling_tile_chunks(cps)
     f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
     cmax, carg, csum = torch.empty(batch, nchunk, **f32), torch.empty(batch, nchunk, **i32), torch.empty(batch, nchunk, **f32)
     hist = torch.empty(batch, S, NB.value, **i32)
+    rhist = torch.empty(batch, NB.value, **i32) if S > 1 else hist  # one program: its suffix counts are the row's
     cval, cidx = torch.empty(batch, cap, **f32), torch.empty(batch, cap, **i32)
     ncand = torch.empty(batch, **i32)
     rbest, rcol = torch.empty(batch, S, **f32), torch.empty(batch, S, **i32)
     passes = torch.zeros(batch if debug else 1, **i32)
-    ncp = triton.next_power_of_2(nchunk)
+    ncp, sp = triton.next_power_of_2(nchunk), triton.next_power_of_2(S)
+    spx = max(sp, MAX_SPLITS)  # the compaction / draw kernels' [SP] loads: one compiled variant for every split
     st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
     rules = dict(STATE=STATE, BIAS=BIAS)
     if batch > 0 and vocab > 0:
         with _on(dev):
             sampling_stats_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes, st, hs, pn, bs, nh,
-                nchunk, cps, S, BLOCK=STATS_BLOCK, DEBUG=debug, **rules, num_warps=16)  # see STATS_BLOCK
+                nchunk, cps, S, BLOCK=STATS_BLOCK, R=R, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
+            if S > 1:
+                w = max(NB.value // MERGE_PROGRAMS, MERGE_TILE // sp)  # <= MERGE_TILE loads per program
+                sampling_merge_kernel[(batch, NB.value // w)](hist, rhist, S, SP=sp, W=w,
+                                                              **LAUNCH["sampling_merge_kernel"])
             sampling_compact_kernel[(batch, S)](
-                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist,
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist, rhist,
                 cval, cidx, ncand, seed, step, rbest, rcol, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
-                BLOCK=STATS_BLOCK, NCP=ncp, DEBUG=debug, **rules, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 4 B spilled)
+                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **rules, **LAUNCH["sampling_compact_kernel"])
             sampling_draw_kernel[(batch,)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
                 cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, st, hs, pn, bs, nh,
                 nchunk, cap, S,
-                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp,
-                SP=triton.next_power_of_2(S),
-                DEBUG=debug, **rules, num_warps=16)  # sm_90: 64 registers, 0 spills (8 warps: 128, 8 B spilled)
+                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx,
+                DEBUG=debug, **rules, **LAUNCH["sampling_draw_kernel"])
     if debug:
         return ids, valid, (ncand, passes)
     return ids, valid
@@ -759,7 +850,7 @@ def sampling_probs_triton(logits, temperature, top_k, top_p, min_p, token_state=
             sampling_probs_kernel[(batch,)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, probs, probs.stride(0),
                 st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES,
-                STATE=STATE, BIAS=BIAS, num_warps=8)
+                STATE=STATE, BIAS=BIAS, **LAUNCH["sampling_probs_kernel"])
     return probs
 
 
@@ -772,5 +863,5 @@ def sampling_rules_triton(logits, token_state=None, history=None, penalties=None
         with _on(logits.device):
             sampling_rules_kernel[(batch, triton.cdiv(vocab, DRAW_BLOCK))](
                 logits, logits.stride(0), vocab, out, st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, STATE=STATE, BIAS=BIAS,
-                num_warps=8)
+                **LAUNCH["sampling_rules_kernel"])
     return out
