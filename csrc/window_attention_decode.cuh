@@ -53,8 +53,8 @@
 //   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
 //   (5.5 bytes of shared-memory traffic per byte from HBM instead of 2).
 // Issue slots (sm_90 SASS, one steady-state tile of the main loop, power-of-two block size, warps 0-1 also resolve
-//   the next tile's offsets; warps 0-1 / 2-3, @!PT scheduling pads apart). D 128: fp8 with fp16 queries 529 / 466
-//   (+6 pads), fp8 with bf16 queries 721 / 658 (+6; 260 of them the e4m3 -> bf16 conversion), bf16 503 / 440 (+6).
+//   the next tile's offsets; warps 0-1 / 2-3, @!PT scheduling pads apart). D 128: fp8 with fp16 queries 536 / 466
+//   (+6 pads), fp8 with bf16 queries 725 / 658 (+6; 260 of them the e4m3 -> bf16 conversion), bf16 508 / 441 (+6).
 //   The tile copy is 86 slots for 8 LDGSTS (fp8; 16-bit: 158 for 16), about 7 per copy (offset LDS, 2 for the
 //   validity predicate, 1 to clear the masked sign, 2 for the address add, the LDGSTS) plus the group's setup. With
 //   a loop over idx and src-size zero-fill it was 851 / 730 (+24), 1041 / 920 (+24) and 987 / 867 (+48): 349 slots
@@ -63,7 +63,7 @@
 //   takes a 16 KB tile per CTA, 32 KB per pair of tiles, 1.0 us = ~1990 clocks of its 1/132 share of 4.3 TB/s
 //   (1.98 GHz); the 8 warps' instructions for that pair on 4 schedulers were ~2010 clocks with bf16 queries (~1630
 //   with fp16): at or past the memory time, so issue-bound at ~65-75% of copy bandwidth once stalls are counted; now
-//   ~1390 (~1010), 70% (51%) of it, leaving HBM the limiter: est. ~80-85%, as the 16-bit row (which takes ~955 of
+//   ~1400 (~1010), 70% (51%) of it, leaving HBM the limiter: est. ~80-85%, as the 16-bit row (which takes ~960 of
 //   ~3980 clocks per pair). Bytes in flight are unchanged (up to 3 tiles of 16 KB requested per CTA, 96 KB per SM).
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
@@ -411,7 +411,6 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   // Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[kslot][k] / voff_s[vslot][k] (kslot = t % stages,
   // vslot = t % vsets: the callers track them without a division); kMaskedOff when masked. A V slot is reused
   // stages - 1 tiles later, after at least one barrier (the one closing the prologue, or those of a loop trip).
-  const int64_t k_head = kvh * p.s.k2, v_head = kvh * p.s.v2;
   auto resolve = [&](int t, int k, int kslot, int vslot) {
     const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + k;
     int64_t ko = kMaskedOff, vo = kMaskedOff;
@@ -421,8 +420,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
       const int64_t blk = dev::ld_global(table + jb);
       if (blk >= 0 && blk < p.num_blocks) {
-        ko = blk * p.s.k0 + jo * p.s.k1 + k_head;
-        vo = blk * p.s.v0 + jo * p.s.v1 + v_head;
+        ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
+        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
       }
     }
     koff_s[kslot * kDecodeTileKeys + k] = ko;
