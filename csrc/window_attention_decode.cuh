@@ -737,9 +737,9 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 
 // CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
 // 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: sm_90 SASS (`python
-// scripts/sass_report.py`) gives D <= 96 124..162 registers per thread (>= 3 CTAs of 128 threads in 64K registers: at
-// most 168; 4 only up to 128, fp8 D = 64: left on the table), D = 128 173..182 (2 CTAs) where shared memory allows 2
-// (79.8 or 108.8 KB), and D = 256 221..244 (2 CTAs), where shared memory allows at most 2 (fp8, 112.8 KB) or 1
+// scripts/sass_report.py`) gives D <= 96 120..156 registers per thread (>= 3 CTAs of 128 threads in 64K registers: at
+// most 168; 4 only up to 128, D = 64: left on the table), D = 128 168..176 (2 CTAs; shared memory allows 2: 79.8 or
+// 108.8 KB), and D = 256 215..242 (2 CTAs), where shared memory allows at most 2 (fp8, 112.8 KB) or 1
 // (208.8 KB). So the planned CTAs per SM never exceed what is resident.
 constexpr int kDecodeCtasPerSmMax = 3;
 inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
