@@ -12,9 +12,13 @@
 //   K/V move in 64-key tiles through a ring of `stages` shared-memory buffers (1..4, planned from the shared-memory
 //   budget) with cp.async: K and V of a tile are separate commit groups, so S = Q K^T of tile t runs while V of
 //   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
-//   keys under an invalid block id are zero-filled (cp.async src-size 0: never read) and masked to -inf.
+//   keys under an invalid block id are zero-filled (cp.async with ignore-src: never read) and masked to -inf.
 //   Per-key row offsets are resolved once per tile by 64 threads (a shift when block_size is a power of two,
 //   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued;
+//   the copies have fixed (key, chunk) ownership: copy i of a thread moves the same 16-byte chunk of the same key row
+//   of every tile (K and V), so a copy is its key's offset load, the 64-bit address add and the LDGSTS against a
+//   destination fixed per kernel (a base register plus immediates), and the ring's stage indices advance by compare
+//   and reset, not by division;
 //   the prologue resolves its stages - 1 tiles at once (one block-table round trip, not one per tile), and the query
 //   rows are loaded into registers before seq_len is, so the chain before the first K/V copy is seq_len -> block
 //   table -> cp.async (about 2 L2/DRAM latencies, ~1 us; it was seq_len -> query -> block table per tile).
@@ -48,6 +52,19 @@
 //   the same 64 mma. Shared memory moves each cache byte twice (cp.async in, ldmatrix out), as for 16-bit caches; a
 //   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
 //   (5.5 bytes of shared-memory traffic per byte from HBM instead of 2).
+// Issue slots (sm_90 SASS, one steady-state tile of the main loop, power-of-two block size, warps 0-1 also resolve
+//   the next tile's offsets; warps 0-1 / 2-3, @!PT scheduling pads apart). D 128: fp8 with fp16 queries 536 / 466
+//   (+6 pads), fp8 with bf16 queries 725 / 658 (+6; 260 of them the e4m3 -> bf16 conversion), bf16 508 / 441 (+6).
+//   The tile copy is 86 slots for 8 LDGSTS (fp8; 16-bit: 158 for 16), about 7 per copy (offset LDS, 2 for the
+//   validity predicate, 1 to clear the masked sign, 2 for the address add, the LDGSTS) plus the group's setup. With
+//   a loop over idx and src-size zero-fill it was 851 / 730 (+24), 1041 / 920 (+24) and 987 / 867 (+48): 349 slots
+//   for the 8 fp8 copies (~44 each: index math, the ring's run-time modulo, src-size arithmetic) and 609 for the 16
+//   16-bit ones. Estimate for fp8, B = 32, 8k keys, 32/8 heads (537 MB, one wave of 256 CTAs, 2 per SM): an SM
+//   takes a 16 KB tile per CTA, 32 KB per pair of tiles, 1.0 us = ~1990 clocks of its 1/132 share of 4.3 TB/s
+//   (1.98 GHz); the 8 warps' instructions for that pair on 4 schedulers were ~2010 clocks with bf16 queries (~1630
+//   with fp16): at or past the memory time, so issue-bound at ~65-75% of copy bandwidth once stalls are counted; now
+//   ~1400 (~1010), 70% (51%) of it, leaving HBM the limiter: est. ~80-85%, as the 16-bit row (which takes ~960 of
+//   ~3980 clocks per pair). Bytes in flight are unchanged (up to 3 tiles of 16 KB requested per CTA, 96 KB per SM).
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
 #pragma once
@@ -60,6 +77,11 @@ constexpr int kDecodeWarps = kAttnThreads / 32;     // 4; warp w owns keys [16w,
 constexpr int kDecodeMaxStages = 4;
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
+// A masked key's K/V offset (decode's koff_s / voff_s): the sign marks it masked, and the other bits are 0, so
+// `offset & kOffBits` is 0 for it -- a copy's source address stays inside the cache while the copy zero-fills and
+// reads nothing -- and the offset itself for a visible key (offsets are >= 0).
+constexpr int64_t kMaskedOff = -0x7fffffffffffffffll - 1;
+constexpr int64_t kOffBits = 0x7fffffffffffffffll;
 
 // Dynamic shared memory of a decode CTA (bytes): `stages` K/V tile pairs as stored (rows padded by 16 bytes: 16-bit
 // rows of D + 8 elements, fp8 rows of D + 16 bytes), the query tile, per-stage K offsets (their sign is the key's
@@ -330,7 +352,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   const DecodeLayout lay = decode_layout(D, stages, kFp8);
   AK_DYNAMIC_SHARED(unsigned char, smem);
   T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
-  int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; -1: masked key
+  int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; kMaskedOff: masked key
   int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [decode_voff_sets(stages)][64]
   const int vsets = decode_voff_sets(stages);
 
@@ -386,12 +408,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   const KV* kc = static_cast<const KV*>(p.k_cache);
   const KV* vc = static_cast<const KV*>(p.v_cache);
 
-  // Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[t % stages][k] / voff_s[t % vsets][k]; -1 when
-  // masked. A V slot is reused stages - 1 tiles later, after at least one barrier (the one closing the prologue, or
-  // those of a loop trip).
-  auto resolve = [&](int t, int k) {
+  // Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[kslot][k] / voff_s[vslot][k] (kslot = t % stages,
+  // vslot = t % vsets: the callers track them without a division); kMaskedOff when masked. A V slot is reused
+  // stages - 1 tiles later, after at least one barrier (the one closing the prologue, or those of a loop trip).
+  auto resolve = [&](int t, int k, int kslot, int vslot) {
     const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + k;
-    int64_t ko = -1, vo = -1;
+    int64_t ko = kMaskedOff, vo = kMaskedOff;
     if (t < ntiles && j <= s_hi) {
       const int32_t j32 = int32_t(j);
       const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
@@ -402,32 +424,54 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
         vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
       }
     }
-    koff_s[(t % stages) * kDecodeTileKeys + k] = ko;
-    voff_s[(t % vsets) * kDecodeTileKeys + k] = vo;
+    koff_s[kslot * kDecodeTileKeys + k] = ko;
+    voff_s[vslot * kDecodeTileKeys + k] = vo;
   };
-  // Copies of tile t into its stage: K, then V, each its own commit group (empty groups past the last tile keep the
-  // group count uniform for the waits).
-  auto issue = [&](int t) {
-    const int st = t % stages;
-    KV* k_dst = reinterpret_cast<KV*>(smem + st * lay.stage);
-    auto copy = [&](KV* dst, const KV* src, const int64_t* offs) {
-      if (t < ntiles) {
-        for (int idx = tid; idx < kDecodeTileKeys * kChunks; idx += kAttnThreads) {
-          const int k = idx / kChunks, c = idx % kChunks;
-          const int64_t o = offs[k];
-          dev::cp_async_16(dst + k * SLD + c * kChunkElems, o >= 0 ? src + o + c * kChunkElems : src, o >= 0 ? 16 : 0);
+  // Fixed (key, chunk) ownership of the tile copies: copy i of this thread moves chunk own_c(i) of key own_k(i) of
+  // every tile, K and V alike, so the shared-memory destination, the column and the offset slot depend on the thread
+  // only (computed once per kernel: a base register plus immediates when 128 % chunks == 0, every D but 80 and 96),
+  // and a copy costs its key's offset load (LDS.64), the validity test, the 64-bit address add and the LDGSTS; the
+  // src-size arithmetic and the per-copy index math of a loop over idx are gone. Consecutive threads still cover
+  // whole rows (8 per 128-byte fp8 row at D = 128, 16 per 16-bit row), so each warp-wide copy moves 4 (2) whole rows,
+  // coalesced as before, and each visible byte is still copied once per tile.
+  constexpr int kOwn = (kDecodeTileKeys * kChunks + kAttnThreads - 1) / kAttnThreads;  // copies per thread, tensor, tile
+  constexpr bool kOwnAffine = kAttnThreads % kChunks == 0;  // chunk fixed, key + 128 / chunks per copy
+  auto own_k = [&](int i) {
+    return kOwnAffine ? tid / kChunks + i * (kAttnThreads / kChunks) : (tid + i * kAttnThreads) / kChunks;
+  };
+  auto own_c = [&](int i) { return kOwnAffine ? tid % kChunks : (tid + i * kAttnThreads) % kChunks; };
+  auto own_live = [&](int i) {  // D = 80 fp8 (5 chunks): the last copy of threads >= 64 has no chunk
+    return kDecodeTileKeys * kChunks % kAttnThreads == 0 || i + 1 < kOwn ||
+           tid + i * kAttnThreads < kDecodeTileKeys * kChunks;
+  };
+  // Copies of a tile into stage kslot from the offsets of koff_s[kslot] / voff_s[vslot] (live: the tile exists): K, then
+  // V, each its own commit group (empty groups past the last tile keep the group count uniform for the waits).
+  auto issue = [&](bool live, int kslot, int vslot) {
+    auto copy = [&](unsigned char* dst, const KV* src, const int64_t* offs) {
+      if (live) {
+        int64_t o[kOwn];  // sign set: masked, and o & kOffBits = 0 (the cache's first row, never read)
+#pragma unroll
+        for (int i = 0; i < kOwn; ++i) o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;
+#pragma unroll
+        for (int i = 0; i < kOwn; ++i) {
+          if (own_live(i)) {
+            const int k = own_k(i), c = own_c(i);
+            dev::cp_async_16_or_zero(dst + (k * SLD + c * kChunkElems) * int(sizeof(KV)),
+                                     src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);
+          }
         }
       }
       dev::cp_async_commit();
     };
-    copy(k_dst, kc, koff_s + st * kDecodeTileKeys);
-    copy(k_dst + kDecodeTileKeys * SLD, vc, voff_s + (t % vsets) * kDecodeTileKeys);
+    unsigned char* k_dst = smem + kslot * L.stage;
+    copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);
+    copy(k_dst + kDecodeTileKeys * SLD * int(sizeof(KV)), vc, voff_s + vslot * kDecodeTileKeys);
   };
 
   // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
   // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
   for (int idx = tid; idx < (stages - 1) * kDecodeTileKeys; idx += kAttnThreads)
-    resolve(idx / kDecodeTileKeys, idx % kDecodeTileKeys);
+    resolve(idx / kDecodeTileKeys, idx % kDecodeTileKeys, idx / kDecodeTileKeys, idx / kDecodeTileKeys);  // t < vsets
 #pragma unroll
   for (int k = 0; k < kQPer; ++k) {
     const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
@@ -443,7 +487,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     }
   }
   __syncthreads();  // the prologue's offsets and q_s are ready
-  for (int t = 0; t < stages - 1; ++t) issue(t);
+  for (int t = 0; t < stages - 1; ++t) issue(t < ntiles, t, t);
   __syncthreads();  // tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
   // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
   // addresses row l % 16 at column 8 (l / 16).
@@ -474,11 +518,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   // column (l / 16) * 16: registers {keys 0-7, keys 8-15} x {first 16 dims, next 16 dims}.
   const int f_col = (lane / 16) * 16;
 
+  // Ring positions without divisions: tile t is in stage st = t % stages; tile t + stages - 1, resolved and issued in
+  // trip t, goes to stage st_new = (t + stages - 1) % stages with its V offsets in set vs_new = (t + stages - 1) % vsets.
+  int st = 0, st_new = stages - 1, vs_new = 0;
   for (int t = 0; t < ntiles; ++t) {
-    const int st = t % stages;
-    if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid);
+    if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid, st_new, vs_new);
     __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
-    issue(t + stages - 1);
+    issue(t + stages - 1 < ntiles, st_new, vs_new);
     cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
     __syncthreads();                  // ... and everyone's
     const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
@@ -597,6 +643,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
         dev::mma_m16n8k16<T>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
       }
     }
+    st = st + 1 == stages ? 0 : st + 1;
+    st_new = st_new + 1 == stages ? 0 : st_new + 1;
+    vs_new = vs_new + 1 == vsets ? 0 : vs_new + 1;
   }
 
   // Merge the 4 warps' (m, l, O) through shared memory (the tile ring, drained): M = max m_w,
@@ -688,9 +737,10 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 
 // CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
 // 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: sm_90 SASS (`python
-// scripts/sass_report.py`) gives D <= 128 118..166 registers per thread (>= 3 CTAs of 128 threads in 64K registers;
-// 4 only below 128, fp8 D <= 80: left on the table) and D = 256 217..240 (2 CTAs), where shared memory already allows
-// at most 2 (fp8, 112.8 KB) or 1 (208.8 KB). So the planned CTAs per SM never exceed what is resident.
+// scripts/sass_report.py`) gives D <= 96 120..156 registers per thread (>= 3 CTAs of 128 threads in 64K registers: at
+// most 168; 4 only up to 128, D = 64: left on the table), D = 128 168..176 (2 CTAs; shared memory allows 2: 79.8 or
+// 108.8 KB), and D = 256 215..242 (2 CTAs), where shared memory allows at most 2 (fp8, 112.8 KB) or 1
+// (208.8 KB). So the planned CTAs per SM never exceed what is resident.
 constexpr int kDecodeCtasPerSmMax = 3;
 inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
   const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);

@@ -217,8 +217,8 @@ FAULTS += [
                   "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
                   "const int64_t per_split = tiles / p.num_splits;"),
     _decode_fault("masked keys read anyway (src_bytes 16)",
-                  "o >= 0 ? src + o + c * kChunkElems : src, o >= 0 ? 16 : 0);",
-                  "o >= 0 ? src + o + c * kChunkElems : src, 16);"),
+                  "src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);",
+                  "src + (o[i] & kOffBits) + c * kChunkElems, true);"),
     _decode_fault("fp8 v_scale not applied", "Conv<T>::from_float(acc * inv * v_scale)",
                   "Conv<T>::from_float(acc * inv)"),
     _decode_fault("fp8 V: wrong byte permute in fp8_pv (keys of one dim not paired; shared with prefill)",
@@ -407,6 +407,20 @@ def _apply(fault: Fault):
     return edit
 
 
+# Fixed (key, chunk) ownership of the decode tile copies (issue 26): copy i of a thread always moves chunk own_c(i) of
+# key own_k(i); the offsets come from the tile's own slot of the per-tile block lookup.
+FAULTS += [
+    _decode_fault("fixed ownership: a thread's copy takes the offset of another of its keys (wrong key's row)",
+                  "o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;",
+                  "o[i] = own_live(i) ? offs[own_k((i + 1) % kOwn)] : kMaskedOff;"),
+    _decode_fault("fixed ownership: K copies reuse the previous tile's block lookup (offset slot of tile t - 1)",
+                  "copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);",
+                  "copy(k_dst, kc, koff_s + (kslot == 0 ? stages - 1 : kslot - 1) * kDecodeTileKeys);"),
+    _decode_fault("fixed ownership: the ring's issue stage not advanced (tiles copied over one stage)",
+                  "    st_new = st_new + 1 == stages ? 0 : st_new + 1;\n", ""),
+]
+
+
 def main() -> int:
     global CSRC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -456,4 +470,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
