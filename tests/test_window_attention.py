@@ -793,9 +793,10 @@ def test_window_attention_prefill_traffic(device, heads, window, fp8):
 @pytest.mark.parametrize("gpu", ["sm_80", "sm_89", "sm_90"])
 def test_window_attention_planning_per_gpu(device, gpu):
     """The launch planning of each GPU in the emulator's table runs and stays right: split counts follow the SM
-    count (108 / 142 / 132); prefill head_dim 128 takes 64-key tiles in a 3-stage ring where 136 KB fit (sm_80, sm_90)
-    and 32-key tiles on a 99 KB GPU (sm_89); head_dim 256 takes (64 keys, 2 stages, 165 KB) on sm_90, (32, 3,
-    132 KB) on sm_80 and (32, 2, exactly 99 KB) on sm_89 (the emulator refuses a launch above the device's limit)."""
+    count (108 / 142 / 132); prefill head_dim 128 takes 32-key tiles (32 rows per warp), a 3-stage ring of 85 KB on
+    sm_89 and sm_90 and a 2-stage one of 68 KB on sm_80 (2 CTAs per SM); head_dim 256 takes (64 keys, 2 stages,
+    165 KB) on sm_90, (32, 3, 132 KB) on sm_80 and (32, 2, exactly 99 KB) on sm_89 (the emulator refuses a launch
+    above the device's limit)."""
     import arkernels.simt
 
     gen = torch.Generator().manual_seed(31)
