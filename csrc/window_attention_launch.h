@@ -185,8 +185,11 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     }
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
+    // The prefill kernel indexes packed rows (token * group + head) in 32 bits.
+    AK_CHECK("window_attention", rows * hq <= int64_t(0x7fffffff),
+             "prefill needs num_tokens * num_q_heads < 2^31 on CUDA, got ", rows, " * ", hq);
     AK_CHECK("window_attention", plan.pre.bn > 0, "prefill with head_dim ", d, " needs at least ",
-             prefill_smem(int(d), d < 128 ? 64 : 32, 2, fp8), " bytes of shared memory per block but this GPU allows ",
+             prefill_smem(int(d), d < 96 ? 64 : 32, 2, fp8), " bytes of shared memory per block but this GPU allows ",
              apply_smem_knob(props).smem_optin);
   }
   cudaError_t err = cudaSuccess;

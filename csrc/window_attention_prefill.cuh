@@ -1,77 +1,83 @@
 // window_attention prefill kernel and its launch planning; included by window_attention_kernels.cuh (after the shared
-// definitions), never on its own.
+// definitions and the decode kernel, whose smem_per_sm it uses), never on its own.
 //
 // Prefill (cu_seqlens_q given): window_attention_prefill_kernel, FlashAttention-2 style on mma.sync.m16n8k16.
 //   Packed GQA: a CTA owns one KV head and BM "packed rows" of one sequence, row R = token * group + head-in-group, so
 //   the `group` query heads of a KV head share every K/V tile: each K/V byte is staged once per KV head per query
 //   tile (a per-query-head grid stages it `group` times). Grid (ceil(max_q_len * group / BM), Hkv, batch); CTA x
 //   takes tile gridDim.x - 1 - x first (longest first), then strides by gridDim.x over its sequence's packed tiles
-//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). BM/16 warps, each owning
-//   16 packed rows: BM = 128 (8 warps) for D <= 128, 64 (4 warps) for D = 256.
-//   - Q tile -> shared (cp.async) -> A fragments by ldmatrix.x4, once per query tile into registers (D <= 128: D/4
-//     registers; D = 256 re-reads them from shared memory per key tile: 64 more registers would spill).
+//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). Packed rows are indexed in
+//   32 bits (tokens x query heads < 2^31, checked at launch: 64-bit divisions are called subroutines).
+//   4 warps per CTA. D <= 128: BM = 128, each warp owning 32 packed rows as two m16 halves (FlashAttention-2's
+//   layout): every K and V fragment a warp loads by ldmatrix feeds one mma per half, so a key tile is read from
+//   shared memory once per 32 rows instead of once per 16. D = 256: BM = 64, 16 rows per warp (32 rows' O alone would
+//   be 2 x 32 n8 tiles x 4 = 256 fp32 registers per thread, past the 255 cap before S and P).
+//   - Q tile -> shared (cp.async), re-read as A fragments by ldmatrix.x4 per key tile and k-step, as FlashAttention-2
+//     does (32 rows of Q in registers are D / 2 more per thread: they do not fit beside O and S).
 //   - K/V tiles of BN keys in a STAGES-deep cp.async ring (2 or 3, from the plan): per-key block-table lookups once
 //     per tile by the threads that copy that key (32-bit division), src_bytes 0 for keys outside the tile's visible
 //     range [klo, khi] or under an invalid block id (zeros land, nothing is read). Shared rows are D + 8 elements
 //     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
-//     conflict free; the padding of each K row carries that key's valid flag (1: block id in range).
+//     conflict free; the padding of each K row carries that key's valid flag (1: block id in range). BN = 64, but 32
+//     at D = 96 and 128 (prefill_bn_max): O + S of 32 rows stay within 160 fp32 registers per thread there.
 //   - fp8 caches (KV = uint8_t: float8_e4m3fn, key = stored * k_scale, value = stored * v_scale): the ring holds the
 //     tiles as stored, unpadded rows of D bytes (half the bytes of a 16-bit tile in flight), and each key's valid flag
 //     in a byte per ring stage. Once a tile has landed the CTA converts it once (each thread 8 bytes at a time:
-//     e4m3x2 -> f16x2, exact for fp16 and bf16) into a 16-bit K and V tile of padded rows, the flags into the K rows'
-//     padding, and after a barrier the warps run the 16-bit path on it unchanged. Where Q lives in registers (D <=
-//     128) that copy takes the Q tile's bytes (2 BN <= BM rows; one more barrier per query tile, after the warps'
-//     Q fragments are loaded); at D = 256 it follows the Q tile. The ring stage is free once converted, so the
-//     barrier that ends a 16-bit tile is not needed: 2 barriers per tile either way. k_scale is folded into the score
-//     scale (scale * k_scale), O / l is multiplied by v_scale at the end.
+//     e4m3x2 -> f16x2, exact for fp16 and bf16) into a 16-bit K and V tile of padded rows after the Q tile, the flags
+//     into the K rows' padding, and after a barrier the warps run the 16-bit path on it unchanged. The ring stage is
+//     free once converted, so the barrier that ends a 16-bit tile is not needed: 2 barriers per tile either way.
+//     k_scale is folded into the score scale (scale * k_scale), O / l is multiplied by v_scale at the end.
 //   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
 //     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
-//     (g = lane / 4) of its warp's 16, the row max needs two quad shuffles, the row sum stays per lane until the end.
-//     Causal / window / kv_start masks only on tiles straddling a boundary of some row of the CTA; tiles wholly
-//     outside every row's range are never visited (nor read); the valid flags are checked on every tile. softcap is
-//     uniform over a launch: one branch per tile picks the score loop with or without tanh (no per-score select).
+//     (g = lane / 4) of each m16 half, the row max needs two quad shuffles, the row sum stays per lane until the end.
+//     Causal / window / kv_start masks only on tiles straddling a boundary of some row of the CTA (the rows' ranges
+//     are formed there, relative to the lane's first key, not kept in registers across the loop); tiles wholly outside
+//     every row's range are never visited (nor read); the valid flags are checked on every tile. softcap is uniform
+//     over a launch: one branch per tile picks the score loop with or without tanh (no per-score select).
 //   - O += P V: P converted from the S accumulators straight into A fragments (the m16n8 accumulator layout of two
-//     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans; O in fp32 registers, rescaled there.
+//     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans, each feeding both halves; O in fp32
+//     registers, rescaled there.
 //   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
 //     sees no key); an attention sink adds its term to l and lse there (zeros / the sink for a row with no key).
 //   - Chunked attention (chunk_size) and windows only move a row's first key (window_attention_first_key): tiles
 //     before the first key of every row of the CTA are never visited, so keys of earlier chunks are never read.
 // Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2, fp8: 2 * BN * D; FLOPs = 4 * BM * BN * D):
-//   D=128, BM=128, BN=64: 32 KB staged (fp8: 16 KB), 4.2 MFLOP -> 128 FLOP per staged byte (fp8: 256; the WMMA
-//   kernel's 64-row tiles: 64).
+//   D=128, BM=128: 128 FLOP per staged byte (fp8: 256; the WMMA kernel's 64-row tiles: 64), whatever BN.
 //     Packed GQA: a tile serves 128 / G tokens of all G heads. For long prompts that stages as many K/V bytes per
 //     token as a per-head grid with 128-row tiles (2x fewer than the WMMA kernel's 64-row per-head tiles: emulator,
 //     B=1, 256 tokens, GQA 32/8, D=128: 2.36 MB of k_cache reads instead of 5.24 MB); for short q_len (chunked
 //     prefill, speculative or decode-like calls, q_len * G <= 128) the G heads fill the rows and each K/V byte is
 //     staged once instead of G times.
 //   Shared memory per CTA = BM * (D + 8) * 2 (Q) + STAGES * 2 * BN * (D + 8) * 2 (K, V ring), no static smem:
-//     D=64: 18 KB + 3 x 18 KB = 72 KB      D=80: 22 KB + 3 x 22 KB = 88 KB     D=96: 26 KB + 3 x 26 KB = 104 KB
-//     D=128: 34 KB + 3 x 34 KB = 136 KB (sm_80, sm_90); 99 KB GPUs: BN=32, 34 KB + 3 x 17 KB = 85 KB
-//     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
+//     D=64: 18 KB + 3 x 18 KB = 72 KB     D=80: 22 KB + 3 x 22 KB = 88 KB (sm_80: 2 stages, 66 KB)     D=96 (BN=32):
+//     26 KB + 3 x 13 KB = 65 KB     D=128 (BN=32): 34 KB + 3 x 17 KB = 85 KB (also on 99 KB GPUs; sm_80: 2 stages,
+//     68 KB)     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
 //       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-//   fp8 caches: prefill_tile_rows * (D + 8) * 2 (Q; the 16-bit K, V copy over it at D <= 128, after it at 256)
-//   + STAGES * BN * (2 * D + 1) (K, V ring as stored, a flag byte per key):
-//     D=64: 18 + 3 x 8.1 = 42.2 KB     D=80: 22 + 3 x 10.1 = 52.2 KB     D=96: 26 + 3 x 12.1 = 62.2 KB     D=128: 34 +
-//     3 x 16.1 = 82.2 KB (every GPU; BN=32: 58.1 KB)     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32.1 = 195.2 KB;
-//     sm_80 BN=32, 33 + 33 + 3 x 16 = 114.1 KB; 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98.1 KB (BN=64, 2 stages:
-//     163.1 KB, 128 bytes past sm_80's 163 KB).
-//   Shared-memory traffic per key tile (D=128, BN=64, 8 warps of 16 rows; ldmatrix reads, cp.async and st.shared
-//   writes): 16-bit caches 32 KB landed + 8 warps x (16 KB K + 16 KB V) = 288 KB; fp8 16 KB landed + 16 KB read and
-//   32 KB written by the conversion + 256 KB = 320 KB (before: 144 KB, the warps reading the e4m3 tiles, but each
-//   thread converting the whole tile: 560 F2FP + 512 HADD2 per tile for bf16 in the SASS; now 8 8-byte reads,
-//   32 cvt e4m3x2 and 8 16-byte writes per thread per tile). Q: 32 KB of ldmatrix once per query tile.
-// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v; no spills, no local memory in any of the 28 per arch;
+//   fp8 caches: (BM + 2 BN) * (D + 8) * 2 (Q, then the 16-bit K, V copy) + STAGES * BN * (2 * D + 1) (K, V ring as
+//   stored, a flag byte per key):
+//     D=64: 36 + 3 x 8.1 = 60.2 KB     D=80: 44 + 3 x 10.1 = 74.2 KB     D=96 (BN=32): 39 + 3 x 6 = 57.1 KB     D=128
+//     (BN=32): 51 + 3 x 8 = 75.1 KB (every GPU)     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32.1 = 195.2 KB; sm_80
+//     BN=32, 33 + 33 + 3 x 16 = 114.1 KB; 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98.1 KB (BN=64, 2 stages: 163.1 KB,
+//     128 bytes past sm_80's 163 KB).
+//   The plan (plan_prefill) takes the widest key tile that fits, and the ring depth giving the most CTAs per SM: every
+//   D <= 128 variant runs 2 CTAs of 4 warps per SM on sm_80 and sm_90 (registers allow 2: 128 threads x <= 256).
+//   Shared-memory traffic per 64 keys (ldmatrix reads, cp.async and st.shared writes), D=128, 128 rows: 16-bit caches
+//   32 KB landed + 4 warps x 96 LDSM x 512 B (16 KB K + 16 KB V + 2 x 8 KB Q: two 32-key tiles) = 224 KB (16 rows
+//   per warp, 8 warps, BN=64: 288 KB; BN=64 at 32 rows would be 192 KB but spills); fp8 16 KB landed + 16 KB read and
+//   32 KB written by the conversion + 192 KB = 256 KB (before: 320 KB). D=64, BN=64: 16 KB + 4 x 40 LDSM x 512 B =
+//   96 KB (before: 144 KB). Estimate, not run on a GPU: at ~128 B/clk per SM, 224 KB is ~1750 clk against ~1650 clk
+//   of MMA per 64 keys at D=128 (288 KB: ~2250 clk).
+// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v; no spills, no local memory in any of the 24 per arch;
 // `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
-//   registers sm_90 (sm_80), fp16 = bf16: D=64 169 (165), D=80 183 (177), D=96 195 (191), D=128 BN=64 222 (219),
-//   D=128 BN=32 213 (207), D=256 BN=32 244 (240), D=256 BN=64 251 (249; launched on sm_90 only) -- 2-4 more than
-//   with the softcap select per score (two score loops); fp8 caches, fp16 (bf16) on sm_90: D=64 168 (164), D=80 180
-//   (174), D=96 191 (185), D=128 BN=64 218 (212), BN=32 211 (205), D=256 BN=32 241 (239), BN=64 244 (242); sm_80
-//   165-246. So 1 CTA per SM everywhere: 8 warps (D <= 128; 256 threads x >= 164 registers > 32K) or 4 warps
-//   (D = 256). __launch_bounds__(256, 2), i.e. <= 128 registers for 2 CTAs per SM, spills 24-192 bytes at D =
-//   64..96, so the min-blocks hint is 1.
-//   Per key tile and warp (D=128, BN=64): 128 HMMA.16816 and 64 LDSM (+8 for Q once per query tile), all unrolled in
-//   the SASS, for 16-bit and fp8 caches alike; each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
-//   fp8 bf16 D=128 kernel, static SASS counts: 72 F2FP + 24 HADD2 (before: 560 + 512), 4 barriers (16-bit: 3).
+//   registers sm_90 (sm_80), fp16 = bf16: D=64 219 (217), D=80 238 (243), D=96 BN=32 212 (218), D=128 BN=32 251 (248),
+//   D=256 BN=32 242 (240), D=256 BN=64 242 (240; launched on sm_90 only); fp8 caches, fp16 (bf16) on sm_90: D=64
+//   223 (217), D=80 240 (236), D=96 216 (210), D=128 255 (245), D=256 BN=32 242 (240), BN=64 246 (240); sm_80
+//   215-246. The 16-row layout (3aa67bc): 164-251 on both archs (D <= 128: 164-222), 8 warps per CTA at D <= 128
+//   and 1 CTA per SM.
+//   Per key tile and warp (D=128, BN=32, 32 rows): 128 HMMA.16816 and 48 LDSM (32 of them in the k-step loop, left
+//   rolled: unrolled, ptxas hoisted its Q and K loads and spilled), 1.5 LDSM per 4 HMMA where 16 rows took 2; static
+//   SASS counts 72 HMMA, 20 LDSM (D=64: 80, 22). Each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
+//   Barriers: 2 per key tile, so 4 per 64 keys at D = 96 and 128 (16-row layout: 2).
 #pragma once
 
 #include <cstring>
@@ -82,22 +88,22 @@
 namespace arkernels {
 
 // ------------------------------------------------------------------------------------------------ prefill
-// Packed query rows per CTA (16 per warp): 128 for D <= 128, 64 for D = 256 (its O accumulators alone take 128
-// registers per thread).
+// Packed query rows per CTA: 128 for D <= 128, 64 for D = 256.
 constexpr int prefill_rows(int d) { return d <= 128 ? 128 : 64; }
-constexpr int prefill_threads(int d) { return prefill_rows(d) / 16 * 32; }
-// Q's A fragments stay in registers for the whole query tile (D <= 128: D / 4 registers); D = 256 re-reads them from
-// shared memory per key tile (64 more registers would spill).
-constexpr bool prefill_q_in_regs(int d) { return d <= 128; }
+// Packed rows per warp (FlashAttention-2's layout): 32, two m16 halves, for D <= 128, so each ldmatrix of a K or V
+// fragment feeds two mma (half the shared-memory reads per row of the 16-row layout); 16 at D = 256, where 32 rows'
+// O accumulators alone would be 2 x 32 n8 tiles x 4 = 256 fp32 registers per thread (the 255 cap, before S and P).
+constexpr int prefill_warp_rows(int d) { return d <= 128 ? 32 : 16; }
+constexpr int prefill_threads(int d) { return prefill_rows(d) / prefill_warp_rows(d) * 32; }  // 128: 4 warps
+// The widest key tile: 64, but 32 where a warp owns 32 rows at D >= 96, so that its O and S accumulators stay within
+// 160 fp32 registers per thread (D=128: O 2 x 16 x 4 = 128 + S 2 x 4 x 4 = 32; BN=64 would make S 64: ptxas
+// spilled 16-330 bytes per kernel at D = 96 and 128 with it, sm_80 and sm_90). Q's A fragments are re-read from shared
+// memory per key tile in every layout (FlashAttention-2 does too): 32 rows of Q in registers are D / 2 more per thread.
+constexpr int prefill_bn_max(int d) { return prefill_warp_rows(d) == 32 && d >= 96 ? 32 : 64; }
 
-// Rows of D + 8 16-bit elements at the start of a prefill CTA's shared memory: the Q tile [BM], and for fp8 caches the
-// 16-bit copy of the current K and V tiles [2 BN] that the conversion pass writes once per CTA -- over the Q tile
-// where Q lives in registers after the first key tile (2 BN <= BM there), after it otherwise (D = 256).
-constexpr int prefill_tile_rows(int d, int bn, bool fp8) {
-  return !fp8                    ? prefill_rows(d)
-         : prefill_q_in_regs(d) ? (prefill_rows(d) > 2 * bn ? prefill_rows(d) : 2 * bn)
-                                : prefill_rows(d) + 2 * bn;
-}
+// Rows of D + 8 16-bit elements at the start of a prefill CTA's shared memory: the Q tile [BM], and for fp8 caches
+// after it the 16-bit copy of the current K and V tiles [2 BN] that the conversion pass writes once per CTA.
+constexpr int prefill_tile_rows(int d, int bn, bool fp8) { return prefill_rows(d) + (fp8 ? 2 * bn : 0); }
 
 // Dynamic shared memory of a prefill CTA (bytes), one formula for the kernel and the plan: prefill_tile_rows rows of
 // D + 8 elements (16 bytes of padding: conflict-free ldmatrix), then the ring of `stages` x (K tile, V tile) as stored:
@@ -116,24 +122,31 @@ struct PrefillPlan {
 };
 
 // Tile width and ring depth for head_dim d and the caches' layout (fp8 or 16-bit) under a per-block shared-memory
-// limit: the first of (BN 64, 3 stages), (64, 2), (32, 3), (32, 2) that fits (32-key tiles are compiled for D >= 128
-// only: smaller D always fit 64). Three stages keep two tiles in flight while one is consumed; the ring never limits
-// occupancy below what registers allow (registers already hold every variant to 1 CTA per SM).
+// limit: the widest key tile that fits (64, then 32, from prefill_bn_max(d) down; 32-key tiles are compiled for D >=
+// 96 only: D = 64 and 80 always fit 64), and at that width the ring depth, 3 or 2, that gives the most CTAs per SM, 3
+// on a tie. At most 2 CTAs of 4 warps fit an SM by registers (128 threads x up to 256 registers), and 2 CTAs are 8
+// warps per SM, 2 per scheduler, one's MMAs covering the other's softmax and barriers (FlashAttention-2 runs 2 CTAs of
+// 4 warps too); with 1 CTA the third stage keeps two tiles in flight while one is consumed. sm_80 (164 KB per SM):
+// 16-bit D = 80 and 128 take 2 stages for 2 CTAs (66 KB, 68 KB instead of 88 KB, 85 KB).
 inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, bool fp8, int64_t max_q_len,
                                 const DeviceProps& props) {
   (void)hq;
   PrefillPlan plan;
   plan.batch = batch;
   plan.max_q_len = max_q_len;
-  static constexpr int kCands[4][2] = {{64, 3}, {64, 2}, {32, 3}, {32, 2}};
-  for (const auto& c : kCands) {
-    if (c[0] == 32 && d < 128) break;
-    const size_t bytes = prefill_smem(int(d), c[0], c[1], fp8);
-    if (bytes <= size_t(props.smem_optin)) {
-      plan.bn = c[0];
-      plan.stages = c[1];
-      plan.smem = bytes;
-      break;
+  constexpr int64_t kMaxCtas = 2;
+  for (int bn = prefill_bn_max(int(d)); bn >= (d < 96 ? 64 : 32) && plan.bn == 0; bn /= 2) {
+    int64_t best = 0;
+    for (int stages = 3; stages >= 2; --stages) {
+      const size_t bytes = prefill_smem(int(d), bn, stages, fp8);
+      if (bytes > size_t(props.smem_optin)) continue;
+      const int64_t ctas = std::min<int64_t>(kMaxCtas, smem_per_sm(props) / (int64_t(bytes) + 1024));
+      if (ctas > best) {
+        best = ctas;
+        plan.bn = bn;
+        plan.stages = stages;
+        plan.smem = bytes;
+      }
     }
   }
   return plan;
@@ -160,15 +173,16 @@ __device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, i
     ranges[1][0] = min64(max64(dev::ld_global(p.cu_seqlens_q + gridDim.z), 0), p.rows);
     ranges[1][1] = p.rows;
   }
-  const int64_t per_row = int64_t(p.group) * (D / 2);  // 2-element words of this KV head's query heads in a row
+  // A row per CTA, its words over the threads: no 64-bit division (a called subroutine; ptxas saved registers
+  // around it for the whole kernel).
+  const int per_row = p.group * (D / 2);  // 2-element words of this KV head's query heads in a row (< 2^23)
   for (const auto& range : ranges) {
-    const int64_t n = (range[1] - range[0]) * per_row;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-      const int64_t row = range[0] + i / per_row;
-      const int h = kvh * p.group + static_cast<int>(i % per_row / (D / 2));
-      const int x = static_cast<int>(i % (D / 2));
-      dev::st_global(reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + (row * p.hq + h) * D) + x, 0u);
-      if (x == 0) dev::st_global(p.lse + row * p.hq + h, neg_inf());
+    for (int64_t row = range[0] + blockIdx.x; row < range[1]; row += gridDim.x) {
+      for (int i = threadIdx.x; i < per_row; i += blockDim.x) {
+        const int h = kvh * p.group + i / (D / 2), x = i % (D / 2);
+        dev::st_global(reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + (row * p.hq + h) * D) + x, 0u);
+        if (x == 0) dev::st_global(p.lse + row * p.hq + h, neg_inf());
+      }
     }
   }
 }
@@ -181,6 +195,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   constexpr bool kFp8 = sizeof(KV) == 1;
   static_assert(kFp8 || std::is_same_v<KV, T>, "16-bit caches have the query's dtype");
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
+  constexpr int WM = prefill_warp_rows(D), MT = WM / 16;  // packed rows per warp, its m16 halves
   constexpr int SLD = kFp8 ? D : LD;  // row stride of the ring's tiles, cache elements (fp8: unpadded)
   constexpr int KD = D / 16;          // k-steps of S = Q K^T
   constexpr int NS = BN / 8;          // n8 tiles of S
@@ -189,13 +204,12 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   constexpr int kChunks = D / kChunkElems;  // 16-byte chunks per cached row
   constexpr int kQChunks = D / 8;     // 16-byte chunks per query row
   constexpr int TPK = NT / BN;        // threads copying one key's rows
-  constexpr bool kQInRegs = prefill_q_in_regs(D);
   static_assert(NT % BN == 0 && NS % 2 == 0 && ND % 2 == 0, "threads per key, n8 tile pairs");
   static_assert(!kFp8 || BN <= NT, "one thread per key copies the fp8 valid flags");
   AK_DYNAMIC_SHARED(T, smem);
   T* const q_s = smem;  // [BM][LD]
-  // fp8: the 16-bit K and V tiles [2 * BN][LD] the warps read (K rows, then V rows); over q_s when Q is in registers.
-  T* const cv_s = smem + (kQInRegs ? 0 : BM * LD);
+  // fp8: the 16-bit K and V tiles [2 * BN][LD] the warps read (K rows, then V rows).
+  T* const cv_s = smem + BM * LD;
   // Ring stage s: K at kv_s + s * 2 * BN * SLD, V after it; fp8: then flag_s [stages][BN] (1: block id in range).
   KV* const kv_s = reinterpret_cast<KV*>(smem + prefill_tile_rows(D, BN, kFp8) * LD);
   uint8_t* const flag_s = reinterpret_cast<uint8_t*>(kv_s + stages * 2 * BN * SLD);
@@ -221,37 +235,50 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
        R0 += int64_t(gridDim.x) * BM) {
     const int64_t first = prefill_first_row(p, b);
     const int q_len = prefill_q_len(p, b);
-    // Positions in 64 bits: with check=False seq_len and kv_start are any int32 (seq_len INT32_MIN: len - q_len and
-    // cap - 1 would wrap in int). Key bounds come out in [-1, 2^31 - 1 - BN]: keys are >= 0, and keys at or past
-    // 2^31 - BN are masked so that every key index of a tile (j0 + BN - 1) fits int32.
+    // 32-bit row and key arithmetic only (a 64-bit division is a called subroutine, and ptxas spilled the 32-row
+    // layout's O around such calls): packed rows < rows * hq < 2^31 (checked at launch), so R0 fits int here.
+    // Positions: with check=False seq_len and kv_start are any int32 (seq_len INT32_MIN: len - q_len wraps in int),
+    // so a token's position is formed in 64 bits and clamped to [-1, 2^31 - 1] (a row at position < 0 sees no key
+    // either way). Key bounds come out in [-1, 2^31 - 1 - BN]: keys are >= 0, and keys at or past 2^31 - BN are
+    // masked so that every key index of a tile (j0 + BN - 1) fits int32.
+    const int r0 = static_cast<int>(R0);
     const int64_t len = dev::ld_global(p.seq_lens + b);
-    const int64_t kstart = p.kv_start ? max64(dev::ld_global(p.kv_start + b), 0) : 0;
-    const int64_t cap = min64(min64(cap64, len), int64_t(0x7fffffff) - BN + 1);  // keys >= cap: masked
-    const int64_t pos0 = len - q_len;                                              // position of query token 0
-    const int64_t nrows = int64_t(q_len) * group;
-    const int t_first = static_cast<int>(R0 / group);
-    const int t_last = static_cast<int>((min64(R0 + BM, nrows) - 1) / group);
-    auto first_key = [&](int64_t pos) {  // in [0, 2^31): at most max(kstart, pos)
-      return static_cast<int>(window_attention_first_key<int64_t>(pos, kstart, p.window, p.chunk));
+    const int kstart = p.kv_start ? static_cast<int>(max64(dev::ld_global(p.kv_start + b), 0)) : 0;
+    const int cap = static_cast<int>(min64(min64(cap64, len), int64_t(0x7fffffff) - BN + 1));  // keys >= cap: masked
+    const int64_t pos0 = len - q_len;                                                           // token 0's position
+    const int nrows = q_len * group;
+    const int t_first = r0 / group, h_first = r0 - t_first * group;
+    // Packed row R0 + x (0 <= x < BM): token t_first + u / group, head kvh * group + u % group with u = h_first + x <
+    // group + BM. Live iff token < q_len.
+    auto split_row = [&](int x, int& tok, int& hig) {
+      const int u = h_first + x, du = u / group;
+      tok = t_first + du;
+      hig = u - du * group;
     };
-    auto last_key = [&](int64_t pos) { return static_cast<int>(max64(min64(pos, cap - 1), -1)); };
+    const int t_last = (nrows - r0 > BM ? r0 + BM - 1 : nrows - 1) / group;  // no r0 + BM: it may pass 2^31
+    auto position = [&](int tok) { return static_cast<int>(max64(pos0 + tok, -1)); };
+    auto first_key = [&](int tok) {  // in [0, 2^31): at most max(kstart, position)
+      return window_attention_first_key<int>(position(tok), kstart, p.window, p.chunk);
+    };
+    auto last_key = [&](int tok) { return static_cast<int>(max64(min64(position(tok), cap - 1), -1)); };
     // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all] (a row's first key never
     // decreases with its position: window and chunk bounds alike).
-    const int klo = first_key(pos0 + t_first);
-    const int khi = last_key(pos0 + t_last);
-    const int lo_all = first_key(pos0 + t_last);
-    const int hi_all = last_key(pos0 + t_first);
+    const int klo = first_key(t_first);
+    const int khi = last_key(t_last);
+    const int lo_all = first_key(t_last);
+    const int hi_all = last_key(t_first);
     const int tile_first = klo / BN * BN;
     const int ntiles = klo <= khi ? (khi - tile_first) / BN + 1 : 0;
 
     __syncthreads();  // the previous query tile's last reads of the ring and of q_s are done
-    // Q tile: packed row r -> token R / group, head kvh * group + R % group; rows past the sequence: zeros.
+    // Q tile: packed row r (split_row); rows past the sequence: zeros.
     for (int idx = tid; idx < BM * kQChunks; idx += NT) {
       const int r = idx / kQChunks, c = idx % kQChunks;
-      const int64_t R = R0 + r;
+      int tok, hig;
+      split_row(r, tok, hig);
       T* dst = q_s + r * LD + c * 8;
-      const bool live = R < nrows;
-      const T* src = live ? qg + (first + R / group) * p.s.q0 + (kvh * group + R % group) * p.s.q1 + c * 8 : qg;
+      const bool live = tok < q_len;
+      const T* src = live ? qg + (first + tok) * p.s.q0 + (kvh * group + hig) * p.s.q1 + c * 8 : qg;
       if (p.q_vec) {
         dev::cp_async_16(dst, src, live ? 16 : 0);
       } else {
@@ -298,28 +325,25 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       dev::cp_async_commit();  // group 0 carries the Q tile too
     }
 
-    // Per-lane rows g and g + 8 of this warp: visible keys [lo_r, hi_r] (empty for rows past the sequence).
-    int lo_r[2], hi_r[2];
+    // Per-lane rows g and g + 8 of each m16 half mt of this warp: packed row R0 + lane_row(mt, r).
+    auto lane_row = [&](int mt, int r) { return warp * WM + mt * 16 + g + 8 * r; };
+    float o[MT][ND][4], m[MT][2], l[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t R = R0 + warp * 16 + g + 8 * r;
-      const int64_t pos = pos0 + R / group;
-      const bool live = R < nrows;
-      lo_r[r] = live ? first_key(pos) : 1;
-      hi_r[r] = live ? last_key(pos) : 0;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
+      m[mt][0] = m[mt][1] = neg_inf();
+      l[mt][0] = l[mt][1] = 0.f;
     }
-    float o[ND][4];
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
     const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
     // softcap: softcap * tanh(s * qk_scale / softcap), the division folded into the scale once per query tile.
     const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
-    uint32_t qf[kQInRegs ? KD : 1][4];
-    const T* const q_warp = q_s + (warp * 16 + lane % 16) * LD + (lane / 16) * 8;  // ldmatrix.x4 row address
+    // ldmatrix.x4 row address of m16 half mt's A fragment (rows lane % 16, columns (lane / 16) * 8 of each k-step).
+    const T* const q_warp = q_s + (warp * WM + lane % 16) * LD + (lane / 16) * 8;
+    constexpr int kQHalf = 16 * LD;  // q_warp + mt * kQHalf: half mt
 
 #pragma unroll 1
     for (int it = 0; it < ntiles; ++it) {
@@ -331,13 +355,6 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         dev::cp_async_wait<1>();
       }
       __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies
-      if constexpr (kQInRegs) {
-        if (it == 0) {
-#pragma unroll
-          for (int kk = 0; kk < KD; ++kk) dev::ldmatrix_x4(qf[kk], q_warp + kk * 16);
-          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below writes over q_s
-        }
-      }
       const KV* const ring = kv_s + (it % stages) * 2 * BN * SLD;
       const T* ks;  // the K tile the warps read, [BN][LD]; the V tile follows it
       if constexpr (kFp8) {
@@ -362,35 +379,63 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       }
       const T* const vs = ks + BN * LD;
       const int j0 = tile_first + it * BN;
-      // S = Q K^T for this warp's 16 rows x BN keys.
-      float s[NS][4];
+      // S = Q K^T for this warp's WM rows x BN keys: each K fragment serves the MT m16 halves.
+      float s[MT][NS][4];
 #pragma unroll
-      for (int n = 0; n < NS; ++n)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+        for (int n = 0; n < NS; ++n)
 #pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
+      // k-steps not unrolled: each one's Q and K fragments are loaded in it, and unrolled ptxas hoisted them.
+#pragma unroll 1
       for (int kk = 0; kk < KD; ++kk) {
-        uint32_t a[4];
-        if constexpr (kQInRegs) {
+        uint32_t a[MT][4];
 #pragma unroll
-          for (int x = 0; x < 4; ++x) a[x] = qf[kk][x];
-        } else {
-          dev::ldmatrix_x4(a, q_warp + kk * 16);
-        }
+        for (int mt = 0; mt < MT; ++mt) dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);
 #pragma unroll
         for (int n = 0; n < NS; n += 2) {
           // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
           uint32_t r[4];
           dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-          dev::mma_m16n8k16<T>(s[n], a, b0, s[n]);
-          dev::mma_m16n8k16<T>(s[n + 1], a, b1, s[n + 1]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            dev::mma_m16n8k16<T>(s[mt][n], a[mt], b0, s[mt][n]);
+            dev::mma_m16n8k16<T>(s[mt][n + 1], a[mt], b1, s[mt][n + 1]);
+          }
         }
       }
       // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary). softcap is
       // uniform over the launch: one branch per tile picks the variant with or without tanh, so the scores of a
       // launch without softcap carry no tanh and no per-score select.
+      // A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row (mt, r) sees it iff lo_c <= c <=
+      // hi_c, its range made relative to the lane's first key once per tile (tiles inside every row's range: [0, BN),
+      // no test). c is a compile-time constant: 2 compares with immediates per score, and 4 registers per m16 half
+      // instead of a key index per score (the 32-row layout spilled with those).
+      // The rows' ranges are formed here, on straddling tiles only (a few per query tile), not kept in registers
+      // across the loop (4 per m16 half: the 32-row layout spilled with them); rows past the sequence see nothing.
       const bool ranged = j0 < lo_all || j0 + BN - 1 > hi_all;
+      int lo_c[MT][2], hi_c[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          lo_c[mt][r] = 0;
+          hi_c[mt][r] = BN;
+        }
+      if (ranged) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            int tok, hig;
+            split_row(lane_row(mt, r), tok, hig);
+            const bool live = tok < q_len;
+            lo_c[mt][r] = (live ? first_key(tok) : 1) - (j0 + 2 * t4);
+            hi_c[mt][r] = (live ? last_key(tok) : 0) - (j0 + 2 * t4);
+          }
+      }
       auto scale_and_mask = [&](auto capped) {
 #pragma unroll
         for (int n = 0; n < NS; ++n) {
@@ -399,14 +444,15 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
           memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
           memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = j0 + n * 8 + 2 * t4 + (e & 1);
-            bool vis = flag[e & 1] != 0;
-            if (ranged) vis = vis && j >= lo_r[e / 2] && j <= hi_r[e / 2];
-            float v = s[n][e] * score_mul;
-            if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
-            s[n][e] = vis ? v : neg_inf();
-          }
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = n * 8 + (e & 1);
+              const bool vis = flag[e & 1] != 0 && c >= lo_c[mt][e / 2] && c <= hi_c[mt][e / 2];
+              float v = s[mt][n][e] * score_mul;
+              if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
+              s[mt][n][e] = vis ? v : neg_inf();
+            }
         }
       };
       if (p.softcap > 0.f) {
@@ -414,48 +460,59 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       } else {
         scale_and_mask(std::false_type{});
       }
-      // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); the row's 4 lanes are a quad.
+      // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half; the row's 4 lanes are a quad.
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = neg_inf();
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[r], mx);
-        const float alpha = m[r] == neg_inf() ? 0.f : __expf(m[r] - m_new);
-        float sum = 0.f;
+        for (int r = 0; r < 2; ++r) {
+          float mx = neg_inf();
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
+          for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[mt][r], mx);
+          const float alpha = m[mt][r] == neg_inf() ? 0.f : __expf(m[mt][r] - m_new);
+          float sum = 0.f;
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float pr = s[n][e] == neg_inf() ? 0.f : __expf(s[n][e] - m_new);
-            s[n][e] = pr;
-            sum += pr;  // fp32, as FlashAttention: lse exact to fp32
+          for (int n = 0; n < NS; ++n) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              const float pr = s[mt][n][e] == neg_inf() ? 0.f : __expf(s[mt][n][e] - m_new);
+              s[mt][n][e] = pr;
+              sum += pr;  // fp32, as FlashAttention: lse exact to fp32
+            }
+          }
+          l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share; the quad's shares are added at the end
+          m[mt][r] = m_new;
+#pragma unroll
+          for (int n = 0; n < ND; ++n) {
+            o[mt][n][2 * r] *= alpha;
+            o[mt][n][2 * r + 1] *= alpha;
           }
         }
-        l[r] = l[r] * alpha + sum;  // this lane's share; the quad's shares are added at the end
-        m[r] = m_new;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-          o[n][2 * r] *= alpha;
-          o[n][2 * r + 1] *= alpha;
-        }
-      }
-      // O += P V: P's A fragment for keys 16kk..16kk+15 is the accumulators of n-tiles 2kk and 2kk+1.
+      // O += P V: P's A fragment for keys 16kk..16kk+15 is the accumulators of n-tiles 2kk and 2kk+1; each V
+      // fragment serves the MT m16 halves.
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint32_t a[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]), pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
-                               pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int n = 0; n < ND; n += 2) {
           // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
           uint32_t r[4];
           dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-          dev::mma_m16n8k16<T>(o[n], a, b0, o[n]);
-          dev::mma_m16n8k16<T>(o[n + 1], a, b1, o[n + 1]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            dev::mma_m16n8k16<T>(o[mt][n], a[mt], b0, o[mt][n]);
+            dev::mma_m16n8k16<T>(o[mt][n + 1], a[mt], b1, o[mt][n + 1]);
+          }
         }
       }
       // 16-bit caches: the warps read the ring stage itself, refilled by the next iteration's cp.async. fp8: they
@@ -468,26 +525,32 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 
     // Write this lane's rows: O / l, lse (zeros and -inf for a row with no visible key).
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float lr = l[r];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-      const int64_t R = R0 + warp * 16 + g + 8 * r;
-      if (R < nrows) {
-        const int h = kvh * group + static_cast<int>(R % group);
-        const int64_t oh = (first + R / group) * p.hq + h;
-        float lse = lr > 0.f ? m[r] + __logf(lr) : neg_inf();
-        float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
-        if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
-        const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
-        T* const out = static_cast<T*>(p.out) + oh * D;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < ND; ++n)
-          dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
-                         pack_pair<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv));
-        if (t4 == 0) dev::st_global(p.lse + oh, lse);
+      for (int r = 0; r < 2; ++r) {
+        float lr = l[mt][r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        // Formed here from r0 (not split_row's form: the compiler would keep the prologue's values live across the key
+        // loop instead, 8 registers the 32-row layout has not got).
+        // Unsigned: r0 + lane_row may pass 2^31 - 1 (rows past the sequence of the last tile).
+        const unsigned row = unsigned(r0) + unsigned(lane_row(mt, r));
+        const unsigned tok = row / unsigned(group), hig = row - tok * unsigned(group);
+        if (tok < unsigned(q_len)) {
+          const int h = kvh * group + static_cast<int>(hig);
+          const int64_t oh = (first + int64_t(tok)) * p.hq + h;
+          float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();
+          float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
+          if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
+          const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
+          T* const out = static_cast<T*>(p.out) + oh * D;
+#pragma unroll
+          for (int n = 0; n < ND; ++n)
+            dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
+                           pack_pair<T>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv));
+          if (t4 == 0) dev::st_global(p.lse + oh, lse);
+        }
       }
-    }
   }
 }
 
@@ -505,8 +568,10 @@ cudaError_t run_prefill(const AttnParams& p, const PrefillPlan& plan, cudaStream
     AK_LAUNCH(prefill, grid, prefill_threads(D), plan.smem, stream, p, plan.stages);
     return AK_LAST_ERROR();
   };
-  if (plan.bn == 64) return go(std::integral_constant<int, 64>{});
-  if constexpr (D >= 128) {  // 32-key tiles only where 64 may not fit (99 KB GPUs, sm_80 at D = 256)
+  if constexpr (prefill_bn_max(D) == 64) {
+    if (plan.bn == 64) return go(std::integral_constant<int, 64>{});
+  }
+  if constexpr (D >= 96) {  // 32-key tiles: the widest at D = 96 and 128, else where 64 may not fit (D = 256)
     if (plan.bn == 32) return go(std::integral_constant<int, 32>{});
   }
   return cudaErrorInvalidValue;

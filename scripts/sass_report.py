@@ -53,7 +53,7 @@ GPU_SPECS = {
 # prefix of the kernel's short name that matches. Keep in step with each launcher's block size.
 FALLBACK_THREADS = [
     ("paged_kv_", 256),          # kThreads in the paged_kv launcher
-    ("window_attention_", 128),  # kAttnThreads (every kernel also declares __launch_bounds__: prefill 256 or 128)
+    ("window_attention_", 128),  # kAttnThreads (every kernel also declares __launch_bounds__: prefill 128)
 ]
 
 
@@ -63,12 +63,12 @@ def prefill_smem(d: int, bn: int, stages: int, fp8: bool = False) -> int:
     A Q tile of 128 packed rows (64 for head_dim 256) of head_dim + 8 halves (16 bytes of padding: conflict-free
     ldmatrix) and a ring of `stages` (K, V) tiles of `bn` keys as stored: 16-bit rows padded like Q (the K row's
     padding holds the key's valid flag). fp8: the 16-bit copy of the current K and V tiles (2 * bn rows of head_dim +
-    8, converted once per CTA) over the Q tile where Q lives in registers (head_dim <= 128), after it at 256; ring rows
-    of head_dim bytes, then one valid-flag byte per key and stage.
+    8, converted once per CTA) after the Q tile; ring rows of head_dim bytes, then one valid-flag byte per key and
+    stage.
     """
     rows, ld = (128 if d <= 128 else 64), d + 8
     if fp8:
-        return (max(rows, 2 * bn) if d <= 128 else rows + 2 * bn) * ld * 2 + stages * bn * (2 * d + 1)
+        return (rows + 2 * bn) * ld * 2 + stages * bn * (2 * d + 1)
     return (rows + stages * 2 * bn) * ld * 2
 
 
@@ -91,16 +91,22 @@ def decode_smem(d: int, fp8: bool, spec: dict) -> int:
     return next(layout(s) for s in (4, 3, 2, 1) if layout(s) <= spec["smem_block"])
 
 
-def prefill_plan_smem(d: int, bn: int, smem_block: int, fp8: bool = False) -> int:
-    """The bytes plan_prefill gives kernel <T, KV, D, BN> under a per-block limit: 3 stages if they fit, else 2.
+def prefill_plan_smem(d: int, bn: int, smem_block: int, fp8: bool = False, smem_sm: int | None = None) -> int:
+    """The bytes plan_prefill gives kernel <T, KV, D, BN> under a per-block limit: of 3 and 2 stages, those that fit;
+    with `smem_sm` (shared memory per SM, the per-CTA reservations included) the one giving the most CTAs per SM (at
+    most 2), 3 on a tie; without it, 3 if they fit. 16-bit D=80 and D=128 on sm_80 take 2 stages (2 CTAs per SM).
 
-    16-bit: D=64: 73728 (72 KB); D=128, BN=64: 139264 (136 KB) on sm_80 and sm_90; D=256: BN=64 168960 (165 KB,
-    sm_90), BN=32 135168 (132 KB, sm_80). fp8: D=64: 43200 (42.2 KB); D=128, BN=64: 84160 (82.2 KB); D=256, BN=64:
+    16-bit: D=64: 73728 (72 KB); D=128, BN=32: 87040 (85 KB) on sm_80 and sm_90; D=256: BN=64 168960 (165 KB,
+    sm_90), BN=32 135168 (132 KB, sm_80). fp8: D=64: 61632 (60.2 KB); D=128, BN=32: 76896 (75.1 KB); D=256, BN=64:
     199872 (195.2 KB, sm_90), BN=32: 116832 (114.1 KB, sm_80). A variant the arch never launches (16-bit or fp8 D=256,
     BN=64 on sm_80) shows its 2-stage bytes.
     """
-    three = prefill_smem(d, bn, 3, fp8)
-    return three if three <= smem_block else prefill_smem(d, bn, 2, fp8)
+    fits = [s for s in (3, 2) if prefill_smem(d, bn, s, fp8) <= smem_block]
+    if not fits:
+        return prefill_smem(d, bn, 2, fp8)
+    if smem_sm is None:
+        return prefill_smem(d, bn, fits[0], fp8)
+    return prefill_smem(d, bn, max(fits, key=lambda s: min(2, smem_sm // (prefill_smem(d, bn, s, fp8) + 1024))), fp8)
 
 
 # Dynamic shared memory per launch: (regex on the short name, bytes from the match and the arch's GPU_SPECS entry).
@@ -109,7 +115,7 @@ def prefill_plan_smem(d: int, bn: int, smem_block: int, fp8: bool = False) -> in
 DYNAMIC_SMEM = [
     (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, ([^,<>]+), (\d+), (\d+)>$"),
      lambda m, spec: prefill_plan_smem(int(m.group(2)), int(m.group(3)), spec["smem_block"],
-                                       m.group(1) == "unsigned char")),
+                                       m.group(1) == "unsigned char", spec["smem_sm"])),
     (re.compile(r"^window_attention_decode_kernel<[^,<>]+, ([^,<>]+), (\d+)>$"),
      lambda m, spec: decode_smem(int(m.group(2)), m.group(1) == "unsigned char", spec)),
 ]

@@ -241,7 +241,8 @@ FAULTS += [
                    "dev::cp_async_wait<3>();"),
     _prefill_fault("__syncthreads before the refill removed", "      if constexpr (!kFp8) __syncthreads();\n", ""),
     _prefill_fault("P.V k-step reads the wrong S tile pair",
-                   "pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),", "pack_pair<T>(s[2 * kk][0], s[2 * kk][1]),"),
+                   "a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);",
+                   "a[mt][2] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);"),
     _prefill_fault("fp8 v_scale not applied", "const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;",
                    "const float out_scale = 1.f;"),
     _prefill_fault("fp8 k_scale not folded into the score scale",
@@ -314,12 +315,10 @@ FAULTS += [
 # ---- prefill tile machinery (issue 26): the per-tile softcap variants and the fp8 tiles converted once per CTA,
 # caught by tests/test_window_attention_prefill_layout.py (and the prefill slice above).
 _LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
-_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn64 or dtype0-256-sm_89) or softcap_variants and 128"
-_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn64 or dtype0-256-sm_89)"
+_LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn32 or dtype0-256-sm_89) or softcap_variants and 128"
+_LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn32 or dtype0-256-sm_89)"
 _PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
                 "refilled from here on\n")
-_PF_Q_SYNC = ("          if constexpr (kFp8) __syncthreads();  // every warp holds its Q: the conversion below "
-              "writes over q_s\n")
 _PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
 
 
@@ -346,10 +345,29 @@ FAULTS += [
                   "flag_s[tid];"),
     _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, ""),
     _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, "", tsan=True),
-    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, ""),
-    _layout_fault("fp8 barrier before the conversion writes over the Q tile removed", _PF_Q_SYNC, "", tsan=True),
 ]
 
+
+# ---- the 32-row warp layout of prefill (issue 26): a warp's two m16 halves share each K / V fragment but own their
+# rows' Q fragments, masks, max and sum; caught by test_window_attention_prefill_warp_halves.
+_HALVES = "warp_halves"
+
+
+def _halves_fault(what: str, find: str, replace: str) -> Fault:
+    return Fault(f"prefill 32-row warp: {what}", _PF, find, replace, build=KERNEL_BUILD,
+                 run=_kernel_run(_HALVES, tests=_LAYOUT_TESTS))
+
+
+FAULTS += [
+    _halves_fault("second m16 half reads the first half's Q rows",
+                  "dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);",
+                  "dev::ldmatrix_x4(a[mt], q_warp + kk * 16);"),
+    _halves_fault("second m16 half masked with the first half's row ranges",
+                  "split_row(lane_row(mt, r), tok, hig);", "split_row(lane_row(0, r), tok, hig);"),
+    _halves_fault("second m16 half's lse from the first half's row max",
+                  "float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();",
+                  "float lse = lr > 0.f ? m[0][r] + __logf(lr) : neg_inf();"),
+]
 
 def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
     t0 = time.time()

@@ -185,28 +185,34 @@ def test_short_name():
 
 
 def test_prefill_smem_matches_source_comment():
-    # window_attention_prefill.cuh's header: D=64 72 KB (3 stages), D=128 136 KB (BN=64, 3 stages) and 85 KB (BN=32,
-    # 3 stages, 99 KB GPUs), D=256 165 KB (BN=64, 2 stages, sm_90), 132 KB (BN=32, 3, sm_80), 99 KB (BN=32, 2)
-    assert [sr.prefill_smem(d, bn, st) for d, bn, st in [(64, 64, 3), (128, 64, 3), (128, 32, 3), (256, 64, 2),
+    # window_attention_prefill.cuh's header: D=64 72 KB (3 stages), D=96 65 KB (BN=32, 3 stages), D=128 85 KB (BN=32,
+    # 3 stages, every GPU), D=256 165 KB (BN=64, 2 stages, sm_90), 132 KB (BN=32, 3, sm_80), 99 KB (BN=32, 2)
+    assert [sr.prefill_smem(d, bn, st) for d, bn, st in [(64, 64, 3), (96, 32, 3), (128, 32, 3), (256, 64, 2),
                                                          (256, 32, 3), (256, 32, 2)]] == \
-        [73728, 139264, 87040, 168960, 135168, 101376]
+        [73728, 66560, 87040, 168960, 135168, 101376]
     sm80, sm90 = sr.GPU_SPECS["sm_80"]["smem_block"], sr.GPU_SPECS["sm_90"]["smem_block"]
     assert [sr.prefill_plan_smem(256, 64, sm90), sr.prefill_plan_smem(256, 32, sm80),
-            sr.prefill_plan_smem(128, 64, sm80)] == [168960, 135168, 139264]
+            sr.prefill_plan_smem(128, 32, sm80)] == [168960, 135168, 87040]
+    # with the SM's shared memory: the ring depth that gives the most CTAs per SM (sm_80 D=128: 2 stages, 68 KB, 2
+    # CTAs instead of 85 KB and 1; sm_90: 3 stages and 2 CTAs; D=256 on sm_80: 1 CTA either way, 3 stages)
+    sm80_sm, sm90_sm = sr.GPU_SPECS["sm_80"]["smem_sm"], sr.GPU_SPECS["sm_90"]["smem_sm"]
+    assert [sr.prefill_plan_smem(128, 32, sm80, smem_sm=sm80_sm), sr.prefill_plan_smem(128, 32, sm90, smem_sm=sm90_sm),
+            sr.prefill_plan_smem(80, 64, sm80, smem_sm=sm80_sm), sr.prefill_plan_smem(256, 32, sm80, smem_sm=sm80_sm)] \
+        == [69632, 87040, 67584, 135168]
 
 
 def test_prefill_smem_fp8_matches_source_comment():
-    # fp8 caches: the 16-bit K/V copy (converted once per CTA) over the Q tile at d <= 128, after it at 256; ring rows
-    # of d bytes + a flag byte per key and stage. D=64 42.2 KB, D=128 82.2 KB (BN=64, 3 stages, every GPU) and 58.1 KB
-    # (BN=32, 3), D=256 195.2 KB (BN=64, 3: sm_90), 163.1 KB (BN=64, 2: 128 bytes over sm_80's limit), 114.1 KB
-    # (BN=32, 3: sm_80), 98.1 KB (BN=32, 2: 99 KB GPUs, the smallest plan)
-    assert [sr.prefill_smem(d, bn, st, fp8=True) for d, bn, st in [(64, 64, 3), (128, 64, 3), (128, 32, 3),
+    # fp8 caches: the 16-bit K/V copy (converted once per CTA) after the Q tile; ring rows of d bytes + a flag byte
+    # per key and stage. D=64 60.2 KB, D=96 57.1 KB (BN=32, 3 stages), D=128 75.1 KB (BN=32, 3 stages, every GPU),
+    # D=256 195.2 KB (BN=64, 3: sm_90), 163.1 KB (BN=64, 2: 128 bytes over sm_80's limit), 114.1 KB (BN=32, 3:
+    # sm_80), 98.1 KB (BN=32, 2: 99 KB GPUs, the smallest plan)
+    assert [sr.prefill_smem(d, bn, st, fp8=True) for d, bn, st in [(64, 64, 3), (96, 32, 3), (128, 32, 3),
                                                                    (256, 64, 3), (256, 64, 2), (256, 32, 3),
                                                                    (256, 32, 2)]] == \
-        [43200, 84160, 59488, 199872, 167040, 116832, 100416]
+        [61632, 58464, 76896, 199872, 167040, 116832, 100416]
     sm80, sm90 = sr.GPU_SPECS["sm_80"]["smem_block"], sr.GPU_SPECS["sm_90"]["smem_block"]
     assert [sr.prefill_plan_smem(256, 64, sm90, fp8=True), sr.prefill_plan_smem(256, 32, sm80, fp8=True),
-            sr.prefill_plan_smem(128, 64, sm80, fp8=True)] == [199872, 116832, 84160]
+            sr.prefill_plan_smem(128, 32, sm80, fp8=True)] == [199872, 116832, 76896]
 
 
 def _dynamic_smem(name, arch):
@@ -216,9 +222,9 @@ def _dynamic_smem(name, arch):
 
 def test_dynamic_smem_table_tells_fp8_from_16bit_prefill():
     # The report's short names carry the caches' element type (unsigned char: float8_e4m3fn): each gets its layout.
-    assert _dynamic_smem("window_attention_prefill_kernel<__half, __half, 128, 64>", "sm_90") == 139264
+    assert _dynamic_smem("window_attention_prefill_kernel<__half, __half, 128, 32>", "sm_90") == 87040
     assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, __nv_bfloat16, 256, 64>", "sm_90") == 168960
-    assert _dynamic_smem("window_attention_prefill_kernel<__half, unsigned char, 128, 64>", "sm_90") == 84160
+    assert _dynamic_smem("window_attention_prefill_kernel<__half, unsigned char, 128, 32>", "sm_90") == 76896
     assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 64>", "sm_90") == 199872
     assert _dynamic_smem("window_attention_prefill_kernel<__nv_bfloat16, unsigned char, 256, 32>", "sm_80") == 116832
 
@@ -255,7 +261,8 @@ def test_build_rows():
     assert (dec90["threads"], dec90["threads_from"]) == (128, "launch_bounds")  # 64 x 2 x 1
     assert (dec80["threads"], dec80["threads_from"]) == (128, "fallback")
     pre = rows[("sm_90", "window_attention_prefill_kernel<__half, __half, 128, 64>")]
-    assert (pre["static_smem"], pre["dynamic_smem"], pre["ctas_per_sm"], pre["hmma"]) == (0, 139264, 1, 1)
+    # a stored 16-row-era kernel (D=128, BN=64): the plan's rule gives it 2 stages, 102 KB, for 2 CTAs per SM
+    assert (pre["static_smem"], pre["dynamic_smem"], pre["ctas_per_sm"], pre["hmma"]) == (0, 104448, 2, 1)
     gat = rows[("sm_90", "paged_kv_gather_kernel<uint4>")]
     assert (gat["threads"], gat["threads_from"], gat["dynamic_smem"]) == (256, "fallback", 0)
     assert [k for k, r in rows.items() if r["local_memory"]] == [("sm_90", "spilly_kernel")]

@@ -338,7 +338,7 @@ def test_window_attention_cuda_prefill_max_q_len_too_small(device, max_q_len):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_window_attention_cuda_prefill_on_a_99kb_gpu(device, monkeypatch, dtype):
     """A GPU with 99 KB of shared memory per block (sm_86/sm_89, emulated with ARKERNELS_MAX_SMEM_PER_BLOCK): the
-    prefill plan takes 32-key tiles for head_dim 128 (85 KB with 3 stages instead of 136 KB) and for head_dim 256
+    prefill plan takes 32-key tiles for head_dim 128 (85 KB with 3 stages, as on every GPU) and for head_dim 256
     (2 stages: exactly 101376 bytes) and stays right; below that head_dim 256 is refused with a message naming the op
     and the sizes."""
     monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(99 * 1024))
@@ -593,21 +593,22 @@ def test_window_attention_fp8_cache(device, head_dim, prefill):
 def _prefill_smem(d, bn, stages, fp8=False):
     """Dynamic shared memory of a prefill CTA (csrc/window_attention_prefill.cuh, prefill_smem): the Q tile of 128
     packed rows (64 at head_dim 256) of d + 8 16-bit elements, and the ring of `stages` K/V tile pairs of `bn` keys:
-    16-bit rows padded like Q. fp8: the converted 16-bit K and V tiles (2 * bn rows of d + 8) over the Q tile where Q
-    lives in registers (d <= 128), after it at 256; ring rows of d bytes and a valid-flag byte per key and stage."""
+    16-bit rows padded like Q. fp8: the converted 16-bit K and V tiles (2 * bn rows of d + 8) after the Q tile (the
+    warps re-read Q from it per key tile); ring rows of d bytes and a valid-flag byte per key and stage."""
     rows, ld = (128 if d <= 128 else 64), d + 8
     if fp8:
-        return (max(rows, 2 * bn) if d <= 128 else rows + 2 * bn) * ld * 2 + stages * bn * (2 * d + 1)
+        return (rows + 2 * bn) * ld * 2 + stages * bn * (2 * d + 1)
     return (rows + stages * 2 * bn) * ld * 2
 
 
 # (key-tile width, ring depth) of the fp8 prefill plan per emulated GPU and head_dim: the first of (64, 3), (64, 2),
-# (32, 3), (32, 2) that fits the per-block limit (sm_80 166912, sm_89 101376, sm_90 232448 bytes). At 256: (64, 3)
-# needs 199872 (sm_90), (64, 2) 167040, (32, 3) 116832 (sm_80), (32, 2) 100416 (sm_89).
+# (32, 3), (32, 2) that fits the per-block limit (sm_80 166912, sm_89 101376, sm_90 232448 bytes), 32-key tiles only
+# at 96 and 128 (32 rows per warp: prefill_bn_max). At 256: (64, 3) needs 199872 (sm_90), (64, 2) 167040, (32, 3)
+# 116832 (sm_80), (32, 2) 100416 (sm_89).
 FP8_PREFILL_PLANS = {
-    "sm_80": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (32, 3)},
-    "sm_89": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (32, 2)},
-    "sm_90": {64: (64, 3), 80: (64, 3), 96: (64, 3), 128: (64, 3), 256: (64, 3)},
+    "sm_80": {64: (64, 3), 80: (64, 3), 96: (32, 3), 128: (32, 3), 256: (32, 3)},
+    "sm_89": {64: (64, 3), 80: (64, 3), 96: (32, 3), 128: (32, 3), 256: (32, 2)},
+    "sm_90": {64: (64, 3), 80: (64, 3), 96: (32, 3), 128: (32, 3), 256: (64, 3)},
 }
 FP8_GROUPS = [(3, 3), (6, 2), (8, 1), (10, 2), (16, 1)]
 
@@ -655,8 +656,8 @@ def test_window_attention_prefill_fp8(device, gpu, head_dim):
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_window_attention_prefill_fp8_bn32(device, monkeypatch, dtype):
-    """head_dim 128 over fp8 caches with 32-key tiles (the plan under a 61 KB per-block limit: no GPU in the table is
-    that small, so the knob forces it): GQA 8/1, block size 13, a window, softcap, chunked and whole prompts."""
+    """head_dim 128 over fp8 caches with 32-key tiles (the plan everywhere since 32 rows per warp; here exactly at
+    its per-block limit, set by the knob): GQA 8/1, block size 13, a window, softcap, chunked and whole prompts."""
     import arkernels.simt
 
     smem = _prefill_smem(128, 32, 3, fp8=True)
@@ -792,9 +793,10 @@ def test_window_attention_prefill_traffic(device, heads, window, fp8):
 @pytest.mark.parametrize("gpu", ["sm_80", "sm_89", "sm_90"])
 def test_window_attention_planning_per_gpu(device, gpu):
     """The launch planning of each GPU in the emulator's table runs and stays right: split counts follow the SM
-    count (108 / 142 / 132); prefill head_dim 128 takes 64-key tiles in a 3-stage ring where 136 KB fit (sm_80, sm_90)
-    and 32-key tiles on a 99 KB GPU (sm_89); head_dim 256 takes (64 keys, 2 stages, 165 KB) on sm_90, (32, 3,
-    132 KB) on sm_80 and (32, 2, exactly 99 KB) on sm_89 (the emulator refuses a launch above the device's limit)."""
+    count (108 / 142 / 132); prefill head_dim 128 takes 32-key tiles (32 rows per warp), a 3-stage ring of 85 KB on
+    sm_89 and sm_90 and a 2-stage one of 68 KB on sm_80 (2 CTAs per SM); head_dim 256 takes (64 keys, 2 stages,
+    165 KB) on sm_90, (32, 3, 132 KB) on sm_80 and (32, 2, exactly 99 KB) on sm_89 (the emulator refuses a launch
+    above the device's limit)."""
     import arkernels.simt
 
     gen = torch.Generator().manual_seed(31)

@@ -32,13 +32,12 @@ def _fp8(k, v, dtype):
 
 
 # (head_dim, emulated GPU, bn, fp8 stages, 16-bit stages, per-block limits of the fp8 and the 16-bit call or None):
-# every shared-memory layout of the fp8 path -- the 16-bit copy over the Q tile (D <= 128; D = 80: 10 row chunks,
-# not a power of two), after it (D = 256), 32- and 64-key tiles, 2- and 3-stage rings -- with the 16-bit kernel on the
-# same tile width (the yardstick of the bitwise check). D = 128 with 32-key tiles: no GPU of the table plans both
-# kernels on BN = 32 (fp8 fits 64 keys in 99 KB), so the knob lowers the limit per call (fp8 32/3 59488 bytes,
-# 16-bit 32/3 87040).
-FP8_LAYOUTS = [(64, "sm_90", 64, 3, 3, None), (80, "sm_89", 64, 3, 3, None), (128, "sm_90", 64, 3, 3, None),
-               (128, "sm_90", 32, 3, 3, (59488, 87040)), (256, "sm_90", 64, 3, 2, None),
+# every shared-memory layout of the fp8 path -- the 16-bit copy after the Q tile (D = 80: 10 row chunks, not a power
+# of two), 32- and 64-key tiles, 2- and 3-stage rings, 32-row warps (D <= 128) and 16-row warps (D = 256) -- with the
+# 16-bit kernel on the same tile width (the yardstick of the bitwise check). D = 96 with 2-stage rings: no GPU of the
+# table plans them, so the knob lowers the limit per call (fp8 32/2 52288 bytes, 16-bit 32/2 53248).
+FP8_LAYOUTS = [(64, "sm_90", 64, 3, 3, None), (80, "sm_89", 64, 3, 3, None), (128, "sm_90", 32, 3, 3, None),
+               (96, "sm_90", 32, 2, 2, (52288, 53248)), (256, "sm_90", 64, 3, 2, None),
                (256, "sm_89", 32, 2, 2, None), (256, "sm_80", 32, 3, 3, None)]
 
 
@@ -150,3 +149,48 @@ def test_window_attention_prefill_fp8_traffic_head_dim_256(device, gpu):
     assert int(want.sum()) > 0
     assert totals["query"] == (query.numel() * 2, 0)
     assert totals["other"] == (0, out.numel() * 2 + lse.numel() * 4)
+
+
+# 32 packed rows per warp at head_dim <= 128 (csrc/window_attention_prefill.cuh, prefill_warp_rows): two m16 halves
+# that share each K / V fragment but own their rows' Q fragments, masks, max and sum. (head_dim, Hq, Hkv, q_lens,
+# window): a query tile's live rows (q_len * group of them, a prefix of the tile's 128) end inside a warp's first
+# half, inside its second half, or on a half's edge; groups of 3, 5, 6 and 7 put several tokens in each half and
+# split a token's heads across the two halves and across warps. Chunked over a cache (each row at its own position)
+# with a short window, so neighbouring rows see different keys on the straddling tiles.
+WARP_HALF_CASES = [
+    (64, 6, 2, [11, 6, 43], 9),       # group 3: 33 rows (1 in warp 1), 18 (2 in warp 0's 2nd half), 129 (2 tiles)
+    (128, 10, 2, [7, 13, 3], 0),      # group 5: 35, 65, 15 rows (the last ends in warp 0's first half)
+    (80, 7, 1, [5, 19], 5),           # group 7: 35, 133
+    (128, 12, 2, [4, 21, 9], 40),     # group 6: 24 (8 rows in warp 0's 2nd half), 126, 54
+    (96, 4, 4, [16, 17, 31, 48], 3),  # group 1: exactly one half, a half + 1 row, a warp - 1 row, a warp and a half
+]
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("case", WARP_HALF_CASES, ids=lambda c: f"{c[0]}-g{c[1] // c[2]}")
+def test_window_attention_prefill_warp_halves(device, fp8, case):
+    """Each m16 half of a 32-row warp against the fp64 reference: outputs and lse of every packed row, fp16 / bf16,
+    16-bit and fp8 caches, softcap on half the cases (a half reading the other's Q rows, taking its masks, max or sum,
+    or writing to its rows is off by far more than the tolerance)."""
+    head_dim, hq, hkv, q_lens, window = case
+    ci = WARP_HALF_CASES.index(case)
+    dtype = _pick([torch.float16, torch.bfloat16], ci, int(fp8))
+    softcap = _pick([0.0, 3.0], ci)
+    gen = torch.Generator().manual_seed(800 + 10 * ci + int(fp8))
+    lens = [q + 23 * (i + 1) for i, q in enumerate(q_lens)]  # a cache before every prompt
+    cu = _cu(q_lens)
+    k, v, table = _paged(lens, 16, hkv, head_dim, torch.float32, "cpu", gen)
+    query = torch.randn(cu[-1], hq, head_dim, generator=gen).to(dtype)
+    scales = {}
+    if fp8:
+        k, v, kd, vd = _fp8(k, v, dtype)
+        scales = dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor([V_SCALE]))
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+        kd, vd = k, v
+    _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
+                                softcap=softcap, return_lse=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                                **scales)
+    _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap)
