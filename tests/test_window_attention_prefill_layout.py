@@ -31,6 +31,18 @@ def _fp8(k, v, dtype):
     return k8, v8, k8.to(dtype) * K_SCALE, v8.to(dtype) * V_SCALE
 
 
+def _prefill_inputs(lens, cu, hq, hkv, head_dim, dtype, fp8, gen, q_scale=1.0):
+    """A paged cache of ``lens`` tokens (16-token blocks) and ``cu[-1]`` queries of ``dtype`` (times ``q_scale``):
+    (query, k, v, k as the reference reads it, v likewise, block table, the op's fp8 scale arguments)."""
+    k, v, table = _paged(lens, 16, hkv, head_dim, torch.float32, "cpu", gen)
+    query = (torch.randn(cu[-1], hq, head_dim, generator=gen) * q_scale).to(dtype)
+    if fp8:
+        k, v, kd, vd = _fp8(k, v, dtype)
+        return query, k, v, kd, vd, table, dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor([V_SCALE]))
+    k, v = k.to(dtype), v.to(dtype)
+    return query, k, v, k, v, table, {}
+
+
 # (head_dim, emulated GPU, bn, fp8 stages, 16-bit stages, per-block limits of the fp8 and the 16-bit call or None):
 # every shared-memory layout of the fp8 path -- the 16-bit copy after the Q tile (D = 80: 10 row chunks, not a power
 # of two), 32- and 64-key tiles, 2- and 3-stage rings, 32-row warps (D <= 128) and 16-row warps (D = 256) -- with the
@@ -101,15 +113,7 @@ def test_window_attention_prefill_softcap_variants(device, fp8, head_dim, softca
     gen = torch.Generator().manual_seed(600 + 10 * hi + 2 * int(fp8) + int(softcap > 0))
     lens, q_lens = [150, 33], [80, 33]
     cu = _cu(q_lens)
-    k, v, table = _paged(lens, 16, hkv, head_dim, torch.float32, "cpu", gen)
-    query = (torch.randn(cu[-1], hq, head_dim, generator=gen) * 4).to(dtype)
-    scales = {}
-    if fp8:
-        k, v, kd, vd = _fp8(k, v, dtype)
-        scales = dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor([V_SCALE]))
-    else:
-        k, v = k.to(dtype), v.to(dtype)
-        kd, vd = k, v
+    query, k, v, kd, vd, table, scales = _prefill_inputs(lens, cu, hq, hkv, head_dim, dtype, fp8, gen, q_scale=4)
     _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
     out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), softcap=softcap,
                                 return_lse=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), **scales)
@@ -180,15 +184,7 @@ def test_window_attention_prefill_warp_halves(device, fp8, case):
     gen = torch.Generator().manual_seed(800 + 10 * ci + int(fp8))
     lens = [q + 23 * (i + 1) for i, q in enumerate(q_lens)]  # a cache before every prompt
     cu = _cu(q_lens)
-    k, v, table = _paged(lens, 16, hkv, head_dim, torch.float32, "cpu", gen)
-    query = torch.randn(cu[-1], hq, head_dim, generator=gen).to(dtype)
-    scales = {}
-    if fp8:
-        k, v, kd, vd = _fp8(k, v, dtype)
-        scales = dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor([V_SCALE]))
-    else:
-        k, v = k.to(dtype), v.to(dtype)
-        kd, vd = k, v
+    query, k, v, kd, vd, table, scales = _prefill_inputs(lens, cu, hq, hkv, head_dim, dtype, fp8, gen)
     _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
     out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window,
                                 softcap=softcap, return_lse=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
