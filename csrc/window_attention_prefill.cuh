@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     auto first_key = [&](int tok) {  // in [0, 2^31): at most max(kstart, position)
       return window_attention_first_key<int>(position(tok), kstart, p.window, p.chunk);
     };
-    auto last_key = [&](int tok) { return static_cast<int>(max64(min64(position(tok), cap - 1), -1)); };
+    // (cap is INT32_MIN when seq_len is: cap - 1 in 64 bits)
+    auto last_key = [&](int tok) { return static_cast<int>(max64(min64(position(tok), int64_t(cap) - 1), -1)); };
     // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all] (a row's first key never
     // decreases with its position: window and chunk bounds alike).
     const int klo = first_key(t_first);
