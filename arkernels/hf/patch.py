@@ -229,21 +229,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
 
 @functools.cache
 def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What torch.compile raises when it cannot compile (dynamo's errors, Inductor's, a backend's)."""
-    errors: list[type[BaseException]] = []
-    try:
-        from torch._dynamo.exc import TorchDynamoException
+    """What torch.compile raises when it cannot compile: dynamo's errors (a backend's failure included) and
+    Inductor's (imported on first use: torch._dynamo is slow to import)."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
 
-        errors.append(TorchDynamoException)
-    except ImportError:  # pragma: no cover - torch without dynamo
-        pass
-    try:
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    return tuple(errors) or (RuntimeError,)
+    return TorchDynamoException, InductorError
 
 
 _warned: set[str] = set()
