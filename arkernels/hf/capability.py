@@ -65,7 +65,8 @@ HARMLESS = {
     "return_dict": "a model output flag, not attention math",
     "num_items_in_batch": "loss normalisation, not attention math",
     "deterministic": "a flash-attention determinism flag; arkernels' kernels are deterministic",
-    "output_attentions": "False / None: no weights requested (True refuses: arkernels returns no weights)",
+    "output_attentions": "False / None: no weights requested (a call that asks for them runs on the original "
+                         "attention, arkernels.hf.stock_call; True reaching arkernels_attention refuses)",
 }
 # keywords seen in transformers' modeling files that change the math and arkernels does not implement: the reason
 # goes into the refusal

@@ -40,10 +40,11 @@ _PATCH_ATTR = "_arkernels_patch"
 class PatchHandle:
     """Returned by ``patch``; ``undo()`` restores the model exactly (idempotent)."""
 
-    def __init__(self, model, saved_attn: str | None, attrs: list[str], fuse_handle=None):
+    def __init__(self, model, saved_attn: str | None, attrs: list[str], fuse_handle=None, shadowed=None):
         self.model = model
         self._saved_attn = saved_attn
         self._attrs = attrs
+        self._shadowed = shadowed or {}  # instance attributes a hook replaced (accelerate's forward): put back
         self._fuse = fuse_handle  # arkernels.fuse.FuseHandle when patch(fuse=True)
         self.active = True
 
@@ -57,6 +58,7 @@ class PatchHandle:
             unhook_continuous_batching(model)  # first: it stops a CB session still running on our attention
         for name in self._attrs:
             model.__dict__.pop(name, None)  # the class method shows through again
+        model.__dict__.update(self._shadowed)
         if self._saved_attn is not None:
             model.set_attn_implementation(self._saved_attn)
         if self._fuse is not None:
@@ -193,21 +195,28 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         from arkernels.fuse import fuse_projections
 
         fuse_handle = fuse_projections(model)
-    saved_attn, attrs = None, []
+    # mode: this call's generation mode (the cache hook runs before the logits-processor hook); tier: the "auto"
+    # rule's count of eager decode steps (see _Tier); stock: this call runs as the unpatched model (stock_call)
+    state = {"mode": None, "tier": _Tier(compile_after if compile == "auto" else None), "stock": False}
+    saved_attn, attrs, shadowed = None, [], {}
     if attention:
         from arkernels.hf.attention import register
+        from arkernels.hf.stock_call import AttentionSwap, wrap_forward, wrap_generate
 
         saved_attn = model.config._attn_implementation
+        swap = AttentionSwap(model)
         model.set_attn_implementation(register())
+        swap.record_after()
+        shadowed = {name: model.__dict__[name] for name in ("generate", "forward") if name in model.__dict__}
+        model.generate = wrap_generate(model, model.generate, swap, state)
+        model.forward = wrap_forward(model, model.forward, swap)
+        attrs += ["generate", "forward"]
         # continuous batching (generate_batch, init_continuous_batching, generate(cache_implementation="paged")):
         # its own instance hook, see arkernels.hf.cb
         from arkernels.hf.cb import hook_continuous_batching
 
         if hook_continuous_batching(model, sampler=sampler):
             attrs.append("init_continuous_batching")
-    # mode: this call's generation mode (the cache hook runs before the logits-processor hook); tier: the "auto"
-    # rule's count of eager decode steps (see _Tier)
-    state = {"mode": None, "tier": _Tier(compile_after if compile == "auto" else None)}
     if cache or sampler:
         model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
                                                           state, swap=cache,
@@ -222,7 +231,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
     if sampler:
         model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
         attrs.append("_get_logits_processor")
-    handle = PatchHandle(model, saved_attn, attrs, fuse_handle)
+    handle = PatchHandle(model, saved_attn, attrs, fuse_handle, shadowed)
     model.__dict__[_PATCH_ATTR] = handle
     return handle
 
@@ -263,6 +272,7 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
 
     from arkernels.hf.attention import NAME
     from arkernels.hf.cache import PagedCache
+    from arkernels.hf.stock_call import compile_forbidden
 
     signature = inspect.signature(original)
 
@@ -275,7 +285,7 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
         for name in ("cache", "past_key_values"):  # a cache passed back in: its decode masks were another call's
             if isinstance(model_kwargs.get(name), PagedCache):
                 model_kwargs[name].decode_masks = None
-        if not swap:
+        if not swap or state["stock"]:
             return
         if generation_config.cache_implementation not in (None, "dynamic"):
             # static / hybrid / offloaded / quantized caches exist for compiled forwards and memory layouts the paged
@@ -295,8 +305,9 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                 paged = model.config._attn_implementation == NAME
                 max_length = bound.arguments.get("max_cache_length")
                 fixed = (compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
-                         and _masks_for_generate_work(model.config))
-                if generation_config.compile_config is not None and not fixed:
+                         and _masks_for_generate_work(model.config) and not compile_forbidden(generation_config))
+                if generation_config.compile_config is not None and not fixed and not compile_forbidden(
+                        generation_config):
                     _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs "
                                "the paged cache eagerly (compile_config applies to greedy and sampling calls)")
                 tier = state["tier"]
@@ -604,6 +615,8 @@ def _wrap_logits_processor(original, state: dict):
 
     def _get_logits_processor(*args, **kwargs):
         processors = original(*args, **kwargs)
+        if state["stock"]:
+            return processors  # a call served as the unpatched model (arkernels.hf.stock_call)
         config = signature.bind(*args, **kwargs).arguments["generation_config"]
         # only plain sampling / greedy: beams draw several candidates from the warped scores, assisted decoding
         # compares distributions, output_scores returns the warped scores: a one-hot row would change all three
