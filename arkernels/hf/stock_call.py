@@ -8,6 +8,8 @@ original attention implementation gives, for that call only; the next call is ar
   before ``patch`` (``eager`` returns the weights, ``sdpa`` warns and returns None, exactly as unpatched), its
   ``DynamicCache`` (so a sliding layer's attention covers the keys stock's cache keeps) and stock's warpers. A
   direct forward that asks for them runs that forward on the original implementation.
+- a vision or audio tower (bidirectional attention): it keeps the original implementation for good (the patch
+  selects arkernels' attention on the decoder's configs only).
 - a call in training mode (``model.train()``: dropout): the original implementation (arkernels' kernels are
   inference kernels), ``generate`` and forward alike.
 
@@ -43,6 +45,13 @@ class AttentionSwap:
         self.generating = 0  # > 0 inside this model's generate (its forwards follow the call's decision)
 
     def record_after(self) -> None:
+        """After ``set_attn_implementation``: the configs outside the decoder (a vision or audio tower: bidirectional
+        attention, which arkernels does not implement) get their original implementation back for good, so images
+        run as unpatched; the rest is what ``stock`` swaps."""
+        decoder = _decoder_configs(self.model)
+        for config, value in zip(self.configs, self.before):
+            if id(config) not in decoder:
+                setattr(config, _INTERNAL, value)
         after = [getattr(c, _INTERNAL, None) for c in self.configs]
         keep = [i for i, (b, a) in enumerate(zip(self.before, after)) if b != a]
         self.configs = [self.configs[i] for i in keep]
@@ -79,6 +88,16 @@ def _configs(model) -> list:
         out.append(config)
         stack += [getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {}]
     return out
+
+
+def _decoder_configs(model) -> set[int]:
+    """ids of the configs arkernels' attention serves: the top config and those of the decoder's modules."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else model.modules()
+    ids = {id(model.config)} | {id(getattr(m, "config", None)) for m in modules}
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
+    return ids | {id(text)}
 
 
 def wants_attentions(model, signature: inspect.Signature, args, kwargs) -> bool:
