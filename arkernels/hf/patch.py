@@ -23,6 +23,10 @@ Three independent pieces, each undone by the handle:
   draw too, in transformers' order; otherwise they run as stock processors before our draw (sampling) or the call
   stays stock (greedy).
 
+A call none of them can serve exactly (``output_attentions=True``, training mode) runs as the unpatched model would,
+for that call (``arkernels.hf.stock_call``); a vision or audio tower keeps the model's own attention. A call that must
+not compile (``disable_compile``, ``torch.compiler.set_stance("force_eager")``) gets a cache that is not compileable.
+
 ``patch`` checks what it can before changing anything: the family, ``block_size``, the model's dtype and device.
 """
 from __future__ import annotations

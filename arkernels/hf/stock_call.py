@@ -140,7 +140,7 @@ def wrap_forward(model, original, swap: AttentionSwap):
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if swap.generating or swap.depth or torch.compiler.is_compiling() or not _needs_stock(model, kwargs):
+        if torch.compiler.is_compiling() or swap.generating or swap.depth or not _needs_stock(model, kwargs):
             return original(*args, **kwargs)
         _refuse_paged(kwargs)
         with swap.stock():
