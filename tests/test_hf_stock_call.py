@@ -232,3 +232,16 @@ def test_compile_config_compiles_and_the_cache_says_so():
     assert isinstance(out.past_key_values, PagedCache) and out.past_key_values.is_compileable
     assert hasattr(model, "_compiled_call")
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_arkernels_generate_on_a_patched_model_stays_on_arkernels():
+    """``arkernels.generate``'s forwards carry its PagedCache: a config that asks for attentions (or training mode)
+    does not move them to the original attention, which cannot read the cache's pools."""
+    model = _model("llama", "eager")
+    ref = arkernels.generate(model, [[5, 6, 7, 8]], max_new_tokens=3).tokens
+    model.config.output_attentions = True
+    try:
+        got = _patched(model, lambda: arkernels.generate(model, [[5, 6, 7, 8]], max_new_tokens=3).tokens)
+    finally:
+        model.config.output_attentions = False
+    assert got == ref

@@ -136,38 +136,43 @@ def wrap_generate(model, original, swap: AttentionSwap, state: dict):
 def wrap_forward(model, original, swap: AttentionSwap):
     """``forward``: a direct forward (outside ``generate``) that asks for attention weights (``output_attentions=True``,
     or the config's flag when the call does not say) or runs in training mode runs on the original implementation.
-    Inside ``generate`` (which decides per call) and while ``torch.compile`` traces it changes nothing."""
+    A forward over a PagedCache built for arkernels' attention (``arkernels.generate``'s) stays on arkernels: only
+    an explicit ``output_attentions=True`` refuses there. Inside ``generate`` (which decides per call) and while
+    ``torch.compile`` traces it changes nothing."""
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if torch.compiler.is_compiling() or swap.generating or swap.depth or not _needs_stock(model, kwargs):
+        if torch.compiler.is_compiling() or swap.generating or swap.depth:
             return original(*args, **kwargs)
-        _refuse_paged(kwargs)
+        attentions = _asks_attentions(model, kwargs)
+        if not (attentions or model.training):
+            return original(*args, **kwargs)
+        if _over_paged_cache(kwargs):
+            if kwargs.get("output_attentions"):
+                raise NotImplementedError(
+                    "arkernels.patch: a forward asks for attention weights (output_attentions=True) over a PagedCache "
+                    "built for arkernels' attention, which returns none; pass a transformers cache (or none) to that "
+                    "forward, or call generate(output_attentions=True), which runs on the model's own attention and "
+                    "cache")
+            return original(*args, **kwargs)
         with swap.stock():
             return original(*args, **kwargs)
 
     return forward
 
 
-def _needs_stock(model, kwargs) -> bool:
-    if model.training:
-        return True
+def _asks_attentions(model, kwargs) -> bool:
     flag = kwargs.get("output_attentions")
     if flag is None:
         flag = getattr(model.config, "output_attentions", False)
     return bool(flag)
 
 
-def _refuse_paged(kwargs) -> None:
+def _over_paged_cache(kwargs) -> bool:
     from arkernels.hf.cache import PagedCache
 
-    for name in ("cache", "past_key_values"):
-        cache = kwargs.get(name)
-        if isinstance(cache, PagedCache) and cache.paged_attention:
-            raise NotImplementedError(
-                "arkernels.patch: a forward asks for attention weights (output_attentions) over a PagedCache built "
-                "for arkernels' attention, which returns none; pass a transformers cache (or none) to that forward, "
-                "or call generate(output_attentions=True), which runs on the model's own attention and cache")
+    return any(isinstance(kwargs.get(name), PagedCache) and kwargs[name].paged_attention
+               for name in ("cache", "past_key_values"))
 
 
 def compile_forbidden(generation_config) -> bool:
