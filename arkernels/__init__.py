@@ -15,7 +15,7 @@ from arkernels.ops.window_attention import window_attention, window_attention_de
 from arkernels.quant import Int8Linear, load_quantized, quantize, save_quantized
 from arkernels.hf.patch import patch
 from arkernels.fuse import fuse_projections
-from arkernels.generate import generate
+from arkernels.decode import generate
 
 __version__ = "0.1.0"
 

@@ -126,7 +126,7 @@ def _one_line(e: BaseException) -> str:
 
 def _check_values(args) -> None:
     """Option values, with generate's own rules (one ValueError per bad value, renamed to the option's spelling)."""
-    from arkernels.generate import _check_args
+    from arkernels.decode.inputs import check_args
 
     if args.cmd == "demo":
         if args.repeats < 1:
@@ -136,8 +136,8 @@ def _check_values(args) -> None:
     sampling = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) if args.cmd == "demo" else dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     try:
-        _check_args(max_new_tokens=args.max_new_tokens, num_return_sequences=1, block_size=16, stream=None,
-                    **sampling)
+        check_args(max_new_tokens=args.max_new_tokens, num_return_sequences=1, block_size=16, stream=None,
+                   **sampling)
     except ValueError as e:  # "generate: top_p must be ..." -> "--top-p must be ..."
         raise UserError(re.sub(r"^generate: (\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
     try:

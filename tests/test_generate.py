@@ -3,7 +3,6 @@ block release, streaming, bad arguments; the static decode step of cuda_graphs=T
 to the default path, graph-safe op trace) and its CUDA-graph capture (GPU only); compile=True (that step under
 torch.compile: the same tokens, one graph per batch-size bucket)."""
 import functools
-import sys
 from collections import defaultdict
 
 import pytest
@@ -15,7 +14,8 @@ import arkernels
 from arkernels.hf.cache import SCRATCH_BLOCK, PagedLayer
 from arkernels.hf.tiny import FAMILIES, TINY_WINDOW, tiny_model
 
-GEN = sys.modules["arkernels.generate"]  # the module (arkernels.generate is the function)
+from arkernels.decode import step as STEP  # the decode step (arkernels.generate is the function)
+from arkernels.ops.sampling import SEED_STRIDE, wrap64
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23, 24, 25], [7]]  # ragged, longer than window 5
 NEW_TOKENS = 10
@@ -189,7 +189,7 @@ class _OpTrace(TorchDispatchMode):
 def static_steps(monkeypatch):
     """Records each static step: bucket, active rows, its op trace, its buffer's address, the cache's blocks in use."""
     calls = []
-    forward, step = GEN._StaticDecode._forward, GEN._StaticDecode.step
+    forward, step = STEP.StaticDecode._forward, STEP.StaticDecode.step
 
     def traced_forward(self, b):
         with _OpTrace() as trace:
@@ -202,8 +202,8 @@ def static_steps(monkeypatch):
         calls.append(dict(rows=list(rows)))
         return step(self, rows, *args)
 
-    monkeypatch.setattr(GEN._StaticDecode, "_forward", traced_forward)
-    monkeypatch.setattr(GEN._StaticDecode, "step", counted_step)
+    monkeypatch.setattr(STEP.StaticDecode, "_forward", traced_forward)
+    monkeypatch.setattr(STEP.StaticDecode, "step", counted_step)
     return calls
 
 
@@ -264,8 +264,8 @@ def test_generate_static_decode_is_graph_safe(static_steps, monkeypatch):
 
 
 def test_generate_static_bucket():
-    assert [GEN._bucket(n, 5) for n in range(1, 6)] == [1, 2, 4, 4, 5]
-    assert [GEN._bucket(n, 64) for n in (1, 3, 8, 9, 33, 64)] == [1, 4, 8, 16, 64, 64]
+    assert [STEP.bucket(n, 5) for n in range(1, 6)] == [1, 2, 4, 4, 5]
+    assert [STEP.bucket(n, 64) for n in (1, 3, 8, 9, 33, 64)] == [1, 4, 8, 16, 64, 64]
 
 
 @pytest.mark.cuda
@@ -276,16 +276,16 @@ def test_generate_cuda_graphs_capture_and_replay(monkeypatch):
               cuda_graphs=True)
     eos = _staggered_eos(arkernels.generate(model, STATIC_PROMPTS, eos_token_id=[], **kw))
     with monkeypatch.context() as m:  # the same static steps run eagerly: the same kernels on the same shapes
-        m.setattr(GEN._StaticDecode, "_replay", GEN._StaticDecode._forward)
+        m.setattr(STEP.StaticDecode, "_replay", STEP.StaticDecode._forward)
         ref = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, **kw)
     captured = []
-    capture = GEN._StaticDecode._capture
+    capture = STEP.StaticDecode._capture
 
     def counted(self, b):
         captured.append(b)
         return capture(self, b)
 
-    monkeypatch.setattr(GEN._StaticDecode, "_capture", counted)
+    monkeypatch.setattr(STEP.StaticDecode, "_capture", counted)
     res = arkernels.generate(model, STATIC_PROMPTS, eos_token_id=eos, **kw)
     assert res.tokens == ref.tokens
     assert len(captured) == len(set(captured)) >= 2  # one capture per bucket, replayed after
@@ -302,7 +302,7 @@ def test_generate_num_return_sequences_fork_the_prompt():
     assert res.tokens[0] == single.tokens[0] and res.tokens[3] == single.tokens[1]  # sample 0 = the plain call
     assert len({tuple(t) for t in res.tokens[:3]}) == 3  # own seed streams: 3 different samples at temperature 1.3
     # each sample equals that prompt generated alone with the sample's seed: forked blocks hold the prompt exactly
-    seed_1 = GEN._wrap64(11 + GEN._SEED_STRIDE)
+    seed_1 = wrap64(11 + SEED_STRIDE)
     alone = arkernels.generate(model, [prompts[0]], seed=seed_1, **kw)
     assert alone.tokens[0] == res.tokens[1]
     assert all(v == 0 for v in res.cache_blocks_in_use.values())
@@ -325,13 +325,13 @@ def test_generate_compiled_static_step(family, temperature, monkeypatch):
     from torch._dynamo.utils import counters
 
     buckets = []
-    step = GEN._StaticDecode.step
+    step = STEP.StaticDecode.step
 
     def counted_step(self, rows, *args):
-        buckets.append(GEN._bucket(len(rows), self.batch))
+        buckets.append(STEP.bucket(len(rows), self.batch))
         return step(self, rows, *args)
 
-    monkeypatch.setattr(GEN._StaticDecode, "step", counted_step)
+    monkeypatch.setattr(STEP.StaticDecode, "step", counted_step)
     model = tiny_model(family)
     kw = dict(max_new_tokens=STATIC_NEW_TOKENS, temperature=temperature, top_p=0.9, seed=[3, 1, 4, 1, 5],
               block_size=STATIC_BLOCK)

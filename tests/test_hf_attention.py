@@ -4,7 +4,7 @@ its 4D fallback, and prefill logits of every family against stock sdpa (fp32, 1e
 import pytest
 import torch
 
-from arkernels.generate import _cache_kwarg
+from arkernels.decode.inputs import cache_kwarg as _cache_kwarg
 from arkernels.hf.attention import NAME, arkernels_mask, register
 from arkernels.hf.cache import PagedCache
 from arkernels.hf.tiny import FAMILIES, tiny_model

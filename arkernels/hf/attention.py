@@ -165,7 +165,7 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 def _check_kwargs(module, **kwargs) -> None:
     """Refuse, naming the layer and the keyword, any keyword whose value arkernels does not implement."""
-    from arkernels.hf.capability import ALWAYS_HARMLESS, _who, attention_kwarg_problem
+    from arkernels.hf.capability import ALWAYS_HARMLESS, attention_kwarg_problem, describe_module
 
     if getattr(module, "is_causal", True) is False:
         kwargs["is_causal"] = False  # the module's own flag: sdpa would honour it, so it refuses the same way
@@ -177,7 +177,7 @@ def _check_kwargs(module, **kwargs) -> None:
             hint = (" (a vision or audio tower under the patch: run such inputs on the unpatched model)"
                     if name == "is_causal" else "")
             raise NotImplementedError(
-                f"arkernels attention: {_who(module)} passes {problem}, which arkernels attention does not "
+                f"arkernels attention: {describe_module(module)} passes {problem}, which arkernels attention does not "
                 f"implement{hint}; keep this model on transformers' attention (undo the patch)")
 
 
@@ -226,12 +226,12 @@ def _masked_fallback(module, query, key, value, mask, scaling, softcap, s_aux, *
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **kwargs)
     import sys
 
-    from arkernels.hf.capability import _who
+    from arkernels.hf.capability import describe_module
 
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         raise NotImplementedError(
-            f"arkernels attention: {_who(module)} needs a mask "
+            f"arkernels attention: {describe_module(module)} needs a mask "
             "the kernels cannot express (not left padding) together with sinks / softcap, and its model has no eager "
             "attention to fall back to")
     additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(

@@ -103,7 +103,7 @@ def attention_kwarg_problem(name: str, value) -> str | None:
     return f"{name} ({reason})" if reason else name
 
 
-def _who(module) -> str:
+def describe_module(module) -> str:
     idx = getattr(module, "layer_idx", None)
     return f"layer {idx} ({type(module).__name__})" if idx is not None else type(module).__name__
 
@@ -305,7 +305,7 @@ def check_model(model, who: str = "arkernels.patch") -> list[torch.nn.Module]:
 
 
 def _check_module(who: str, name: str, module, keywords: tuple[str, ...], layer_type: str) -> None:
-    where = f"{name}: {_who(module)}"
+    where = f"{name}: {describe_module(module)}"
     if getattr(module, "is_causal", True) is False:
         _refuse(who, f"{where} is bidirectional (is_causal=False); arkernels' kernels are causal")
     qk = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)
@@ -342,10 +342,35 @@ def _check_device(who: str, name: str, modules, model) -> None:
         if not isinstance(dim, int):
             continue
         if param.device.type == "cuda" and dim not in CUDA_HEAD_DIMS:
-            _refuse(who, f"{name}: {_who(m)} has head_dim {dim}; the CUDA kernels are built for "
+            _refuse(who, f"{name}: {describe_module(m)} has head_dim {dim}; the CUDA kernels are built for "
                          f"{', '.join(map(str, CUDA_HEAD_DIMS))} (the CPU kernel takes up to {CPU_MAX_HEAD_DIM})")
         if dim > CPU_MAX_HEAD_DIM:
-            _refuse(who, f"{name}: {_who(m)} has head_dim {dim}; arkernels' kernels take at most {CPU_MAX_HEAD_DIM}")
+            _refuse(who, f"{name}: {describe_module(m)} has head_dim {dim}; arkernels' kernels take at most {CPU_MAX_HEAD_DIM}")
     if param.device.type == "cuda" and param.dtype not in (torch.float16, torch.bfloat16):
         _refuse(who, f"{name} is {param.dtype} on CUDA; the CUDA kernels take float16 / bfloat16 (model.half() or "
                      "model.to(torch.bfloat16))")
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the attention kernels and the paged cache hold
+
+
+def check_model_tensors(model, op: str, attention: bool = True) -> None:
+    """The model's floating dtype and device are ones arkernels' kernels serve, checked up front: otherwise a float64
+    model fails inside the first attention call, mid-generate. ``attention``: arkernels' attention will run (its
+    CUDA kernels take float16 / bfloat16 only; float32 attention runs on the CPU)."""
+    dtype, device = getattr(model, "dtype", None), getattr(model, "device", None)
+    if dtype not in _DTYPES:
+        raise TypeError(f"{op}: the model's dtype is {dtype}; arkernels' kernels take float32, float16 or bfloat16 "
+                        "(convert it first, e.g. model.to(torch.float32))")
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: the model is on {device}; arkernels runs on cpu or cuda")
+    if kind == "cuda":
+        from arkernels._library import cuda_kernels_built
+
+        if not cuda_kernels_built():
+            raise RuntimeError(f"{op}: the model is on {device} but this arkernels build has no CUDA kernels (built "
+                               "CPU-only); rebuild with ARKERNELS_CUDA=1")
+        if attention and dtype == torch.float32:
+            raise TypeError(f"{op}: the CUDA attention kernels take float16 or bfloat16, the model is float32 on "
+                            f"{device} (model.to(torch.bfloat16), or patch(attention=False))")

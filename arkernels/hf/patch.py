@@ -77,33 +77,10 @@ class PatchHandle:
         self.undo()
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the attention kernels and the paged cache hold
-
-
-def _check_model_tensors(model, op: str, attention: bool = True) -> None:
-    """The model's floating dtype and device are ones arkernels' kernels serve, checked up front: otherwise a float64
-    model fails inside the first attention call, mid-generate. ``attention``: arkernels' attention will run (its
-    CUDA kernels take float16 / bfloat16 only; float32 attention runs on the CPU)."""
-    dtype, device = getattr(model, "dtype", None), getattr(model, "device", None)
-    if dtype not in _DTYPES:
-        raise TypeError(f"{op}: the model's dtype is {dtype}; arkernels' kernels take float32, float16 or bfloat16 "
-                        "(convert it first, e.g. model.to(torch.float32))")
-    kind = torch.device(device).type if device is not None else "cpu"
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"{op}: the model is on {device}; arkernels runs on cpu or cuda")
-    if kind == "cuda":
-        from arkernels import cuda_kernels_built
-
-        if not cuda_kernels_built():
-            raise RuntimeError(f"{op}: the model is on {device} but this arkernels build has no CUDA kernels (built "
-                               "CPU-only); rebuild with ARKERNELS_CUDA=1")
-        if attention and dtype == torch.float32:
-            raise TypeError(f"{op}: the CUDA attention kernels take float16 or bfloat16, the model is float32 on "
-                            f"{device} (model.to(torch.bfloat16), or patch(attention=False))")
-
-
 def _check_patch_args(model, block_size, attention: bool) -> None:
-    _check_model_tensors(model, "arkernels.patch", attention)
+    from arkernels.hf.capability import check_model_tensors
+
+    check_model_tensors(model, "arkernels.patch", attention)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"arkernels.patch: block_size must be an int >= 1 (tokens per cache block), got "
                          f"{block_size!r}")
@@ -458,10 +435,9 @@ class ArkernelsSampler:
         if self.seeds is None or self.seeds.shape[0] != batch or self.seeds.device != scores.device:
             # row r draws with seed + r * stride (arkernels.generate's stream per sample): the rows of
             # num_return_sequences share their logits, and one seed for all would make them identical samples
-            from arkernels.generate import _SEED_STRIDE, _wrap64
+            from arkernels.ops.sampling import seed_stream
 
-            self.seeds = torch.tensor([_wrap64(self.seed + r * _SEED_STRIDE) for r in range(batch)],
-                                      dtype=torch.int64, device=scores.device)
+            self.seeds = torch.tensor(seed_stream(self.seed, batch), dtype=torch.int64, device=scores.device)
         ids = sample(scores, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                      seed=self.seeds, step=self.step, **kw)
         self.step += 1

@@ -592,3 +592,19 @@ def top_logprobs(lp: torch.Tensor, ids: torch.Tensor, n: int):
     n = min(n, vocab)
     top_ids = torch.topk(key, n, dim=1).indices if n > 0 else ids.new_empty(batch, 0)
     return chosen[:, 0], rank, top_ids, lp.gather(1, top_ids)
+
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive samples' seeds land far apart
+
+
+def wrap64(x: int) -> int:
+    """``x`` modulo 2**64 as a signed int64."""
+    x &= 2**64 - 1
+    return x - 2**64 if x >= 2**63 else x
+
+
+def seed_stream(seed: int, n: int) -> list[int]:
+    """The seeds of ``n`` samples that share one seed: sample ``j`` draws with ``seed + j * SEED_STRIDE`` (int64,
+    wrapping), so sample 0 keeps ``seed`` and every sample has its own random stream (``arkernels.generate``'s
+    ``num_return_sequences``, the patched sampler's rows)."""
+    return [wrap64(seed + j * SEED_STRIDE) for j in range(n)]
