@@ -48,8 +48,8 @@ from __future__ import annotations
 import torch
 
 from arkernels.hf.attention import KV_SCALES_ATTR, PAGED_ATTR
-from arkernels.kv_cache import (K_RANGE, V_RANGE, BlockAllocator, calibrate_kv_scale, kv_cache_dtype_of,
-                                per_layer_scales)
+from arkernels.cache.allocator import SCRATCH_BLOCK, BlockAllocator
+from arkernels.cache.fp8 import K_RANGE, V_RANGE, calibrate_kv_scale, kv_cache_dtype_of, per_layer_scales
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 
 try:
@@ -64,8 +64,6 @@ try:
     _LEGACY_POSITIVE_CROP = Version(_tf.__version__) < Version("5.18")  # 5.17: crop(n > 0) = keep n positions
 except Exception:  # pragma: no cover
     _LEGACY_POSITIVE_CROP = False
-
-SCRATCH_BLOCK = 0  # reserved in every group, never handed to a row: freed / unused table entries point here
 
 
 def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -727,7 +725,7 @@ class PagedCache(DynamicCache):
             K and a V scale per layer (vLLM's convention; dense views are dequantized to the model's dtype).
         k_scale, v_scale: fp8 only: a float for every layer, one float per layer, or None: calibrated per layer on
             its first update (the prefill): ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults:
-            headroom for later tokens; ``arkernels.kv_cache.calibrate_kv_scale``).
+            headroom for later tokens; ``arkernels.cache.fp8.calibrate_kv_scale``).
         compileable: fixed shapes for one ``model.generate`` call (needs ``max_length``): every block reserved at the
             first forward, lengths advanced on the device, ``is_compileable`` True (with ``paged_attention``) until
             the cache moves to the host path (a reorder, a crop, a forward longer than ``max_length``, dense K/V asked).

@@ -161,7 +161,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
                                       or compile_after < 0):
         raise ValueError(f"arkernels.patch: compile_after must be an int >= 0 (decode steps) or None, got "
                          f"{compile_after!r}")
-    from arkernels.kv_cache import kv_cache_dtype_of, per_layer_scales
+    from arkernels.cache.fp8 import kv_cache_dtype_of, per_layer_scales
 
     kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)  # refuse bad values before changing anything
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):

@@ -1,9 +1,7 @@
-"""A paged KV cache in Python: a reference-counted block pool and per-layer cache tensors.
+"""A paged KV cache in Python: per-layer cache tensors over one ``BlockAllocator``.
 
-One ``BlockAllocator`` hands out block ids; a block id addresses the same block in every layer's
-``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (the vLLM design: one table per sequence, not
-one per layer). Sequences own lists of blocks; ``fork`` shares a prefix by reference count and copies a
-shared, partly filled last block on the first write (copy-on-write).
+Sequences own lists of blocks; ``fork`` shares a prefix by reference count and copies a shared, partly filled last
+block on the first write (copy-on-write).
 """
 from __future__ import annotations
 
@@ -11,100 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arkernels.cache.allocator import BlockAllocator, OutOfBlocksError
+from arkernels.cache.fp8 import per_layer_scales
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
-
-
-# fp8 KV cache (vLLM's convention): stored = saturate_e4m3(x / scale). A calibrated scale maps the prompt's absmax to
-# K_RANGE (keys) / V_RANGE (values) rather than to e4m3's largest value 448: vLLM's calculate_kv_scales defaults
-# (K_SCALE_CONSTANT=200, V_SCALE_CONSTANT=100), which leave 2.2x / 4.5x headroom for decode tokens larger than any in
-# the prompt before they saturate; e4m3's relative precision is the same across its normal range, so the headroom
-# costs only the smallest values (below 2^-6 * scale they become subnormal). Floored so that an all-zero layer does
-# not divide by 0.
-FP8_MAX = 448.0
-K_RANGE = 200.0
-V_RANGE = 100.0
-MIN_KV_SCALE = 1e-6
-
-
-def calibrate_kv_scale(x: torch.Tensor, target: float = FP8_MAX) -> torch.Tensor:
-    """fp32 ``[1]`` on ``x``'s device: ``max(absmax(x) / target, 1e-6)``, computed there (no host sync)."""
-    return (x.detach().abs().amax().float() / target).clamp(min=MIN_KV_SCALE).reshape(1)
-
-
-def kv_cache_dtype_of(owner: str, kv_cache_dtype) -> torch.dtype | None:
-    """"auto" / None -> None (the model's dtype); "fp8" / "fp8_e4m3" / torch.float8_e4m3fn -> float8_e4m3fn."""
-    if kv_cache_dtype in (None, "auto"):
-        return None
-    if kv_cache_dtype in ("fp8", "fp8_e4m3", torch.float8_e4m3fn):
-        return torch.float8_e4m3fn
-    raise ValueError(f"{owner}: kv_cache_dtype must be 'auto' or 'fp8' (float8_e4m3fn), got {kv_cache_dtype!r}")
-
-
-def per_layer_scales(owner: str, name: str, scale, num_layers: int, dtype: torch.dtype | None) -> list:
-    """A float, one float per layer, or None (calibrate) -> a list of ``num_layers`` floats or Nones."""
-    if scale is None:
-        return [None] * num_layers
-    if dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{owner}: {name} is only taken with an fp8 KV cache (kv_cache_dtype='fp8')")
-    values = [float(scale)] * num_layers if isinstance(scale, (int, float)) else [float(x) for x in scale]
-    if len(values) != num_layers:
-        raise ValueError(f"{owner}: {name} must be a float or one float per layer ({num_layers}), got {len(values)}")
-    bad = [v for v in values if not (v > 0 and v < float("inf"))]
-    if bad:
-        raise ValueError(f"{owner}: {name} must be positive and finite, got {bad[0]}")
-    return values
-
-
-class OutOfBlocksError(RuntimeError):
-    """The pool has fewer free blocks than a request needs. Nothing was allocated or changed."""
-
-
-class BlockAllocator:
-    """Reference-counted pool of block ids ``0 .. num_blocks-1``."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks <= 0:
-            raise ValueError(f"BlockAllocator: num_blocks must be > 0, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._refs = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def refcount(self, block: int) -> int:
-        return self._refs[block]
-
-    def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks (refcount 1), or ``OutOfBlocksError`` with nothing taken."""
-        if n > len(self._free):
-            raise OutOfBlocksError(
-                f"BlockAllocator: need {n} blocks but only {len(self._free)} of {self.num_blocks} are free"
-            )
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._refs[b] = 1
-        return blocks
-
-    def fork(self, blocks: list[int]) -> list[int]:
-        """Share ``blocks`` with one more owner (each refcount + 1); returns a new list of the same ids."""
-        for b in blocks:
-            if self._refs[b] <= 0:
-                raise ValueError(f"BlockAllocator.fork: block {b} is not allocated")
-        for b in blocks:
-            self._refs[b] += 1
-        return list(blocks)
-
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; a block whose count reaches 0 returns to the pool."""
-        for b in blocks:
-            if self._refs[b] <= 0:
-                raise ValueError(f"BlockAllocator.free: block {b} is not allocated (double free?)")
-        for b in blocks:
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
 
 
 @dataclass
