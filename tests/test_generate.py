@@ -372,3 +372,14 @@ def test_generate_compiled_static_step_cuda_graphs():
     finally:
         torch._dynamo.reset()
     assert res.tokens == ref.tokens
+
+
+def test_generate_logprobs_past_the_vocabulary_refuses():
+    """No top-n beyond the vocabulary (vLLM refuses past its max_logprobs): the whole vocabulary is the most."""
+    model = tiny_model("llama")
+    vocab = model.get_input_embeddings().num_embeddings
+    res = arkernels.generate(model, [[5, 6]], max_new_tokens=1, logprobs=vocab)
+    assert len(res.logprobs[0][0].top) == vocab
+    with pytest.raises(ValueError, match=f"generate: logprobs={vocab + 1} asks for more top tokens than the "
+                                         f"vocabulary's {vocab}"):
+        arkernels.generate(model, [[5, 6]], max_new_tokens=1, logprobs=vocab + 1)

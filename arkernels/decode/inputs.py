@@ -342,7 +342,7 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
     check_model_tensors(model, "generate")
     check_args(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)
-    _check_logprobs(logprobs, logprobs_mode, cuda_graphs or compile)
+    _check_logprobs(logprobs, logprobs_mode, cuda_graphs or compile, vocab_size_of(model))
     # composite configs (Gemma 3, Fuyu: a text config inside) keep the token ids on the text config
     bos_id = (getattr(tokenizer, "bos_token_id", None) if tokenizer is not None
               else getattr(model.config.get_text_config(decoder=True), "bos_token_id", None))
@@ -368,9 +368,12 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                 logprobs_mode)
 
 
-def _check_logprobs(logprobs, logprobs_mode, static: bool) -> None:
+def _check_logprobs(logprobs, logprobs_mode, static: bool, vocab: int | None) -> None:
     if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
         raise ValueError(f"generate: logprobs must be None or an int >= 0, got {logprobs!r}")
+    if logprobs is not None and vocab is not None and logprobs > vocab:
+        # (vLLM refuses more than its max_logprobs; there is no top-n past the vocabulary)
+        raise ValueError(f"generate: logprobs={logprobs} asks for more top tokens than the vocabulary's {vocab}")
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"generate: logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     if logprobs is not None and static:
