@@ -264,3 +264,19 @@ def test_compile_fullgraph_attention_defaults():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)  # the same kernel, a larger grid bound: fp32 noise only
     with pytest.raises(ValueError, match="out of range"):
         _attend(q, kc, vc, torch.tensor([[2, 9, 1], [6, 0, 0]], dtype=torch.int32), lens, cu)
+
+
+def test_model_as_its_own_assistant_past_the_window():
+    """Assisted decoding with the model as its own assistant (transformers' test_assisted_decoding_with_logits_to_keep)
+    on sliding layers past their window: the assistant's cache is rolled back by ``crop``, which transformers allows
+    because it marks an assistant's cache for past recording; the paged cache that replaces it must be marked too."""
+    model = _model("gemma3_text")
+    ids = torch.arange(3, 15)[None]  # 12 positions > the window of 5
+    kw = dict(max_new_tokens=8, do_sample=False, assistant_model=model, return_dict_in_generate=True,
+              output_scores=True, eos_token_id=None, pad_token_id=0)
+    ref = model.generate(input_ids=ids, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with arkernels.patch(model, block_size=BLOCK):
+            out = model.generate(input_ids=ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)

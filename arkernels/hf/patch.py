@@ -307,6 +307,9 @@ def _wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache
                                    compileable=fixed, **(cache_kwargs or {}))
                 if cpu_eager:
                     cache.step_counter = tier  # an eager call: its decode steps count towards the "auto" rule
+                if getattr(generation_config, "is_assistant", False):
+                    # what transformers did to the cache it built (an assistant's cache is rolled back by crop)
+                    cache.activate_past_recording()
                 model_kwargs[name] = cache
 
     return _prepare_cache_for_generation
