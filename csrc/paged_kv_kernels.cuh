@@ -45,7 +45,9 @@ __device__ __forceinline__ void paged_kv_for_each_unit(const Slot* slot_mapping,
     const int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_cta + i / (units * heads);
     if (t >= num_tokens) return;  // i only grows, so t does too
     const int64_t slot = static_cast<int64_t>(dev::ld_global(slot_mapping + t));
+    // FAULT(append_slot_check)
     if (slot < 0 || slot >= num_slots) continue;  // padding (or past the cache): never written
+    // FAULT(append_row)
     const int64_t row = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2;
     unit(t, h, u, row + int64_t(u) * unit_elems);
   }
@@ -136,6 +138,7 @@ __global__ void __launch_bounds__(kPagedKvThreads)
       continue;
     }
     const int64_t off = t % block_size;
+    // FAULT(gather_offset)
     dev::st_global(k_out + dst, dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u));
     dev::st_global(v_out + dst, dev::ld_global(v_cache + blk * vcache_s0 + off * vcache_s1 + h * vcache_s2 + u));
   }

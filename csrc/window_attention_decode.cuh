@@ -155,6 +155,7 @@ __host__ __device__ constexpr int fp8_o_dim(int block, int n) {  // dim of colum
 template <typename T>
 __device__ __forceinline__ void fp8_pv(float (&o_even)[4], float (&o_odd)[4], const uint32_t (&pa)[4],
                                        uint32_t lo_keys, uint32_t hi_keys) {
+  // FAULT(fp8_pv_permute)
   const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
   const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
   const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
@@ -205,6 +206,7 @@ __device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w
 // replay starts clean whatever the previous replay did.
 __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long long* counter) {
   const unsigned long long base = p.epoch * kMaxSplits;
+  // FAULT(split_arrive)
   dev::atomic_max(counter, base);
   return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;
 }
@@ -232,6 +234,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   float* lse_s = w_s + kMaxSplits * kDecodeRows;  // [16] lse, log2 units
   int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
   float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc][D] fp32
+  // FAULT(split_fence)
   dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
   if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
@@ -274,11 +277,13 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     // The attention sink joins the head's denominator here, once (the splits' partials leave it out): one more
     // term 2^sink2 with no value, added by lane 0 before the sum over lanes.
+    // FAULT(combine_sink_head)
     const float sink2 = p.sinks ? dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();
     m = fmaxf(m, sink2);
     float sum = 0.f;
     if (m != neg_inf())
       for (int s = lane; s < ns; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
+    // FAULT(combine_sink)
     if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -304,7 +309,9 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
       const int slot = tid + k * kAttnThreads;
       if (slot < row4) {
         const int r = slot / (D / 4);
+        // FAULT(combine_splits)
         for (int s = 0; s < n; ++s) {
+          // FAULT(combine_weights)
           const float w = w_s[(s0 + s) * kDecodeRows + r];
           if (w != 0.f) {  // an empty split's partial is 0 and its weight 0; skipping keeps a 0 x inf out
             const float4 x = *reinterpret_cast<const float4*>(part_s + 4 * (s * row4 + slot));
@@ -388,12 +395,14 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   }
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
+  // FAULT(decode_first_key)
   const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b) : 0,
                                                          p.window, p.chunk);  // window, kv_start and chunk bounds
   const int64_t hi = min64(i, p.max_blocks * p.block_size - 1);  // last visible key
   const int64_t n = hi - lo + 1;                                  // visible keys (<= 0: none)
   // This split's keys: whole tiles, so splits never share a tile.
   const int64_t tiles = n > 0 ? (n + kDecodeTileKeys - 1) / kDecodeTileKeys : 0;
+  // FAULT(decode_per_split)
   const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;
   const int64_t s_lo = lo + split * per_split * kDecodeTileKeys;
   const int64_t s_hi = min64(hi, s_lo + per_split * kDecodeTileKeys - 1);
@@ -420,6 +429,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
       const int64_t blk = dev::ld_global(table + jb);
       if (blk >= 0 && blk < p.num_blocks) {
+        // FAULT(decode_kv_offsets)
         ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
         vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
       }
@@ -451,12 +461,14 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       if (live) {
         int64_t o[kOwn];  // sign set: masked, and o & kOffBits = 0 (the cache's first row, never read)
 #pragma unroll
+        // FAULT(decode_copy_offsets)
         for (int i = 0; i < kOwn; ++i) o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;
 #pragma unroll
         for (int i = 0; i < kOwn; ++i) {
           if (own_live(i)) {
             const int k = own_k(i), c = own_c(i);
             dev::cp_async_16_or_zero(dst + (k * SLD + c * kChunkElems) * int(sizeof(KV)),
+                                     // FAULT(decode_masked_copy)
                                      src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);
           }
         }
@@ -464,6 +476,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       dev::cp_async_commit();
     };
     unsigned char* k_dst = smem + kslot * L.stage;
+    // FAULT(decode_k_copy)
     copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);
     copy(k_dst + kDecodeTileKeys * SLD * int(sizeof(KV)), vc, voff_s + vslot * kDecodeTileKeys);
   };
@@ -480,6 +493,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
         T e[8];
         memcpy(e, &qv[k], 16);
 #pragma unroll
+        // FAULT(decode_fp8_q_cols)
         for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
       } else {
         *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = qv[k];
@@ -525,7 +539,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid, st_new, vs_new);
     __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
     issue(t + stages - 1 < ntiles, st_new, vs_new);
+    // FAULT(decode_k_wait)
     cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
+    // FAULT(decode_k_sync)
     __syncthreads();                  // ... and everyone's
     const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
     const KV* v_s = k_s + kDecodeTileKeys * SLD;
@@ -590,6 +606,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      // FAULT(decode_row_max)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       const float m_new = fmaxf(m_run[r], mx[r]);
       const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no visible key yet: p = 0, nothing to rescale
@@ -609,6 +626,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
 #pragma unroll
     for (int nb = 0; nb < 2 * kKSteps; ++nb) {
+      // FAULT(decode_o_rescale)
       o[nb][0] *= alpha[0];
       o[nb][1] *= alpha[0];
       o[nb][2] *= alpha[1];
@@ -637,6 +655,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
 #pragma unroll
       for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
         uint32_t vf[4];
+        // FAULT(decode_v_ldmatrix)
         dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16 + v_col);
         const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
         dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
@@ -644,6 +663,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       }
     }
     st = st + 1 == stages ? 0 : st + 1;
+    // FAULT(decode_ring_advance)
     st_new = st_new + 1 == stages ? 0 : st_new + 1;
     vs_new = vs_new + 1 == vsets ? 0 : vs_new + 1;
   }
@@ -666,6 +686,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   for (int nb = 0; nb < 2 * kKSteps; ++nb) {
     float* row0 = mo_s + (warp * kDecodeRows + g) * MLD;
     if constexpr (kFp8) {  // dims 2 apart (fp8_o_dim): scalar stores
+      // FAULT(decode_fp8_o_dims)
       const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);
       row0[d0] = o[nb][0];
       row0[d1] = o[nb][1];
@@ -705,11 +726,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     float w = 1.f;
     // The attention sink joins the denominator once: here when this CTA holds the whole key range, else in the
     // combine (a partial that added it too would count it num_splits + 1 times).
+    // FAULT(decode_sink_here)
     const bool sink_here = p.sinks != nullptr && p.num_splits == 1;
     if (sink_here) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h0 + r) * kLog2e, w);
     const float inv = l > 0.f ? w / l : 0.f;
     const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
     if (p.num_splits == 1) {
+      // FAULT(decode_out_scale)
       dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
       if (x == 0) dev::st_global(p.lse + oh, lse2 / kLog2e);  // natural log (partials: log2)
     } else {
@@ -776,6 +799,7 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
   plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeRows));
   const int64_t cap = max_blocks * block_size;
   int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
+  // FAULT(split_plan_chunk)
   if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;

@@ -217,6 +217,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
+  // FAULT(prefill_zero_unowned)
   if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);
   const int group = p.group;
   const int bs = static_cast<int>(p.block_size);
@@ -339,8 +340,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       l[mt][0] = l[mt][1] = 0.f;
     }
     // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
+    // FAULT(prefill_qk_scale)
     const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
     // softcap: softcap * tanh(s * qk_scale / softcap), the division folded into the scale once per query tile.
+    // FAULT(prefill_score_mul)
     const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
     // ldmatrix.x4 row address of m16 half mt's A fragment (rows lane % 16, columns (lane / 16) * 8 of each k-step).
     const T* const q_warp = q_s + (warp * WM + lane % 16) * LD + (lane / 16) * 8;
@@ -350,6 +353,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     for (int it = 0; it < ntiles; ++it) {
       if (it + stages - 1 < ntiles) load_tile(it + stages - 1);
       dev::cp_async_commit();  // possibly empty: wait_group counts groups
+      // FAULT(prefill_tile_wait)
       if (stages == 3) {
         dev::cp_async_wait<2>();
       } else {
@@ -362,17 +366,22 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         // The stage's e4m3 K and V rows -> 16-bit rows of cv_s, once per CTA (each thread 8 bytes -> one 16-byte
         // chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt each), and the keys' valid flags into the K rows' padding.
         // e4m3 -> fp16 / bf16 is exact, so the warps then run the 16-bit path on the same values.
+        // FAULT(prefill_fp8_convert_rows)
         for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {
           const int row = idx / (D / 8), c = idx % (D / 8);
           const uint2 w = *reinterpret_cast<const uint2*>(ring + row * SLD + c * 8);
           const uint4 h = make_uint4(fp8x2_to<T>(uint16_t(w.x)), fp8x2_to<T>(uint16_t(w.x >> 16)),
                                      fp8x2_to<T>(uint16_t(w.y)), fp8x2_to<T>(uint16_t(w.y >> 16)));
+          // FAULT(prefill_fp8_convert_store)
           *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;
         }
         if (tid < BN) {
+          // FAULT(prefill_fp8_flags)
           const uint16_t flag = flag_s[(it % stages) * BN + tid];
+          // FAULT(prefill_fp8_flag_copy)
           memcpy(cv_s + tid * LD + D, &flag, 2);
         }
+        // FAULT(prefill_fp8_convert_sync)
         __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from here on
         ks = cv_s;
       } else {
@@ -393,11 +402,13 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       for (int kk = 0; kk < KD; ++kk) {
         uint32_t a[MT][4];
 #pragma unroll
+        // FAULT(prefill_q_frags)
         for (int mt = 0; mt < MT; ++mt) dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);
 #pragma unroll
         for (int n = 0; n < NS; n += 2) {
           // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
           uint32_t r[4];
+          // FAULT(prefill_k_ldmatrix)
           dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
@@ -431,6 +442,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             int tok, hig;
+            // FAULT(prefill_row_mask)
             split_row(lane_row(mt, r), tok, hig);
             const bool live = tok < q_len;
             lo_c[mt][r] = (live ? first_key(tok) : 1) - (j0 + 2 * t4);
@@ -456,6 +468,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
             }
         }
       };
+      // FAULT(prefill_softcap)
       if (p.softcap > 0.f) {
         scale_and_mask(std::true_type{});
       } else {
@@ -500,6 +513,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         for (int mt = 0; mt < MT; ++mt) {
           a[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
           a[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          // FAULT(prefill_pv_pair)
           a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
           a[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
         }
@@ -507,6 +521,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         for (int n = 0; n < ND; n += 2) {
           // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
           uint32_t r[4];
+          // FAULT(prefill_v_ldmatrix)
           dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
@@ -519,9 +534,11 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       // 16-bit caches: the warps read the ring stage itself, refilled by the next iteration's cp.async. fp8: they
       // read cv_s; the stage was free after the conversion's barrier, and the next conversion writes cv_s only after
       // the next iteration's first barrier, which every warp reaches after these reads.
+      // FAULT(prefill_refill_sync)
       if constexpr (!kFp8) __syncthreads();
     }
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
+    // FAULT(prefill_out_scale)
     const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;  // fp8: value = stored * v_scale
 
     // Write this lane's rows: O / l, lse (zeros and -inf for a row with no visible key).
@@ -540,8 +557,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         if (tok < unsigned(q_len)) {
           const int h = kvh * group + static_cast<int>(hig);
           const int64_t oh = (first + int64_t(tok)) * p.hq + h;
+          // FAULT(prefill_lse)
           float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();
           float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
+          // FAULT(prefill_sink)
           if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
           const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
           T* const out = static_cast<T*>(p.out) + oh * D;
