@@ -10,8 +10,7 @@
 // over (row, head, unit). Offsets are int64: num_blocks * block_size * heads * head_dim passes 2^31 on real caches.
 // Bytes: append reads each given K/V byte once and writes it once (plus one slot id per token); gather reads each
 // visible cache byte once and writes the output once (zeros past a sequence's length). The emulator's traffic meter
-// checks both ratios in tests/test_paged_kv.py. Resources: see scripts/sass_report.py (copy kernels < 32 registers,
-// fp8 append 30-34 registers on sm_90, 28-37 on sm_80 (nvcc 13.0), no smem, no spills).
+// checks both ratios in tests/test_paged_kv.py. Resources: `python scripts/sass_report.py` (figures: docs/kernels.md).
 // fp8 caches (float8_e4m3fn, vLLM's convention): paged_kv_append_fp8_kernel converts instead of copying: each element
 // of the fp32/fp16/bf16 key/value becomes saturate_e4m3(x / scale) (IEEE division __fdiv_rn, not fast-math's
 // approximation, so the GPU, the emulator and the CPU kernel store the same bytes; cvt.rn.satfinite: round to nearest

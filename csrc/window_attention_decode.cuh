@@ -1,70 +1,16 @@
 // window_attention decode kernel and its launch planning; included by window_attention_kernels.cuh (after the shared
-// definitions), never on its own.
+// definitions), never on its own. Design, arithmetic and measured SASS figures: docs/kernels.md ("Decode").
 //
 // Decode (cu_seqlens_q None, one query per sequence at i = seq_len - 1): window_attention_decode_kernel, FlashInfer's
-// tensor-core decode structure.
-//   Grid (num_splits, Hkv * head_chunks, batch), 128 threads = 4 warps. A CTA owns one KV head, up to 16 of its
-//   query heads (the GQA group, zero-padded to the M = 16 rows of mma.m16n8k16; groups above 16 take
-//   ceil(group / 16) CTAs) and one split of the visible range [max(kv_start, i - W + 1, chunk start, 0), i], so every
-//   visible K/V byte is read from memory once per KV head (and per 16 query heads), and no key outside the window or
-//   the query's chunk is read. Attention sinks join each head's denominator once, after the merge of the 4 warps
-//   (num_splits 1) or in the split-KV combine (the partials leave them out).
-//   K/V move in 64-key tiles through a ring of `stages` shared-memory buffers (1..4, planned from the shared-memory
-//   budget) with cp.async: K and V of a tile are separate commit groups, so S = Q K^T of tile t runs while V of
-//   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
-//   keys under an invalid block id are zero-filled (cp.async with ignore-src: never read) and masked to -inf.
-//   Per-key row offsets are resolved once per tile by 64 threads (a shift when block_size is a power of two,
-//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued;
-//   the copies have fixed (key, chunk) ownership: copy i of a thread moves the same 16-byte chunk of the same key row
-//   of every tile (K and V), so a copy is its key's offset load, the 64-bit address add and the LDGSTS against a
-//   destination fixed per kernel (a base register plus immediates), and the ring's stage indices advance by compare
-//   and reset, not by division;
-//   the prologue resolves its stages - 1 tiles at once (one block-table round trip, not one per tile), and the query
-//   rows are loaded into registers before seq_len is, so the chain before the first K/V copy is seq_len -> block
-//   table -> cp.async (about 2 L2/DRAM latencies, ~1 us; it was seq_len -> query -> block table per tile).
-//   Each warp owns 16 keys of a tile: S (16 heads x 16 keys) = Q K^T with K fragments from ldmatrix (rows padded to
-//   D + 8 elements: conflict-free), the query's A fragments loaded once into registers (D <= 128; D = 256 reloads
-//   them from shared memory per tile to stay under the register budget); scale, softcap and mask on the fp32
-//   accumulators; online softmax per row in registers (row max over a quad with two shuffles, exp2 with the
-//   log2(e) folded into the scale); P packed from the accumulators straight into A fragments; O += P V with V
-//   fragments from ldmatrix.trans. Each warp keeps its own (m, l, O) for its keys; the 4 warps merge through
-//   shared memory at the end (the tile ring is reused for it; rows of D + 8 floats: conflict-free stores).
-//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the CTAs per SM that the
-//   planned shared memory allows, decode_ctas_per_sm):
-//   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
-//   own sum, and the last split CTA of each (sequence, KV head, head chunk) to finish merges them (combine_if_last:
-//   an epoch-stamped atomic counter per column (decode_arrive), so the combine costs no second launch and a launch
-//   that aborted leaves nothing a later one could mis-count; ~num_splits x 16 x D x 4 bytes of partials,
-//   L2-resident, against the K/V bytes of the split).
-// Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
-//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.3 KB) + offsets (2.5 KB) = 108.8 KB,
-//   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
-//   at 4.3 TB/s on 132 SMs. Splits sized to one wave: 2 CTAs per SM x 132 SMs = 264 slots / 8 columns = 33 splits
-//   of ceil(128 tiles / 33) = 4 tiles (256 keys); 32 of them hold keys: 256 CTAs, one wave (the plan of 4 per SM
-//   before gave 64 splits in 2 waves). The tail: 33 x 4 heads x 128 x 4 B = 66 KB of partials, one round of the
-//   combine (its 108.8 KB of shared memory hold 52 splits of 2 KB), so about one L2 round trip after the last split.
-//   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
-//   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
-//   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
-// fp8 caches (same shape): K+V = 16.8 MB. Tiles are staged as stored (rows of D + 16 bytes: a stage is 18 KB; 4
-//   stages + Q + offsets = 79.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
-//   ldmatrix.x4 (K, two k-steps each) + 4 ldmatrix.x4.trans (V, 32 dims each), 64 cvt (e4m3x2 -> f16x2) and 16 prmt,
-//   the same 64 mma. Shared memory moves each cache byte twice (cp.async in, ldmatrix out), as for 16-bit caches; a
-//   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
-//   (5.5 bytes of shared-memory traffic per byte from HBM instead of 2).
-// Issue slots (sm_90 SASS, one steady-state tile of the main loop, power-of-two block size, warps 0-1 also resolve
-//   the next tile's offsets; warps 0-1 / 2-3, @!PT scheduling pads apart). D 128: fp8 with fp16 queries 536 / 466
-//   (+6 pads), fp8 with bf16 queries 725 / 658 (+6; 260 of them the e4m3 -> bf16 conversion), bf16 508 / 441 (+6).
-//   The tile copy is 86 slots for 8 LDGSTS (fp8; 16-bit: 158 for 16), about 7 per copy (offset LDS, 2 for the
-//   validity predicate, 1 to clear the masked sign, 2 for the address add, the LDGSTS) plus the group's setup. With
-//   a loop over idx and src-size zero-fill it was 851 / 730 (+24), 1041 / 920 (+24) and 987 / 867 (+48): 349 slots
-//   for the 8 fp8 copies (~44 each: index math, the ring's run-time modulo, src-size arithmetic) and 609 for the 16
-//   16-bit ones. Estimate for fp8, B = 32, 8k keys, 32/8 heads (537 MB, one wave of 256 CTAs, 2 per SM): an SM
-//   takes a 16 KB tile per CTA, 32 KB per pair of tiles, 1.0 us = ~1990 clocks of its 1/132 share of 4.3 TB/s
-//   (1.98 GHz); the 8 warps' instructions for that pair on 4 schedulers were ~2010 clocks with bf16 queries (~1630
-//   with fp16): at or past the memory time, so issue-bound at ~65-75% of copy bandwidth once stalls are counted; now
-//   ~1400 (~1010), 70% (51%) of it, leaving HBM the limiter: est. ~80-85%, as the 16-bit row (which takes ~960 of
-//   ~3980 clocks per pair). Bytes in flight are unchanged (up to 3 tiles of 16 KB requested per CTA, 96 KB per SM).
+// tensor-core decode structure. Grid (num_splits, Hkv * head_chunks, batch), 128 threads = 4 warps. A CTA owns one KV
+// head, up to 16 of its query heads (the M = 16 rows of mma.m16n8k16, zero-padded) and one split of the visible range
+// [max(kv_start, i - W + 1, chunk start, 0), i]: each visible K/V byte is read once per KV head (and 16 query heads).
+// K/V move in 64-key tiles through a ring of 1..4 cp.async stages (rows of D + 8 elements, fp8: D + 16 bytes), each
+// warp owning 16 keys of a tile: S = Q K^T, online softmax and O += P V in registers; the 4 warps merge through shared
+// memory. num_splits comes from shapes only (one wave of CTAs, graph-capturable); with num_splits > 1 the last split
+// CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last).
+// fp8 caches are staged as stored and converted in the MMA operand registers.
+// Shared memory per CTA: stages x 2 x 64 x (D + 8) x 2 B (K, V ring) + the query tile and the per-tile key offsets.
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
 #pragma once
