@@ -288,9 +288,9 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
 // KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
 // MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
 // v_scale into the output).
-// __launch_bounds__(threads, 1): without the minimum, ptxas 13.0 capped the sm_80 fp8 head_dim-96 kernels at 128
-// registers and spilled 20 bytes (sass_report fails on any spill); with it they take 144 and nothing spills. The
-// CTAs per SM come from shared memory and the planner (decode_ctas_per_sm), not from this bound.
+// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
+// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
+// memory and the planner (decode_ctas_per_sm), not from this bound.
 template <typename T, typename KV, int D>
 __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
                                                                                   const int stages) {
@@ -705,11 +705,9 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 }
 
 // CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
-// 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: sm_90 SASS (`python
-// scripts/sass_report.py`) gives D <= 96 120..156 registers per thread (>= 3 CTAs of 128 threads in 64K registers: at
-// most 168; 4 only up to 128, D = 64: left on the table), D = 128 168..176 (2 CTAs; shared memory allows 2: 79.8 or
-// 108.8 KB), and D = 256 215..242 (2 CTAs), where shared memory allows at most 2 (fp8, 112.8 KB) or 1
-// (208.8 KB). So the planned CTAs per SM never exceed what is resident.
+// 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: 3 CTAs of 128 threads fit 64K registers
+// at <= 168 registers per thread. Where a head dim takes more (`python scripts/sass_report.py`; the figures and why
+// the plan never exceeds what is resident: docs/kernels.md), shared memory already limits it to 2 or 1.
 constexpr int kDecodeCtasPerSmMax = 3;
 inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
   const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);
