@@ -5,8 +5,9 @@ paged_kv_append, paged_kv_gather, window_attention, window_attention_dense, samp
 quantize_per_channel, quantize_per_token, int8_matmul, w8a16_matmul.
 Modules: PagedKVCache, BlockAllocator, Int8Linear. Model-level: patch, generate, quantize, fuse_projections.
 """
-from arkernels._library import cuda_kernels_built, kernels_report
+from arkernels._library import cuda_kernels_built
 from arkernels.cache import BlockAllocator, OutOfBlocksError, PagedKVCache
+from arkernels.ops import kernels_report
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 from arkernels.ops.sampling import (logit_bias_table, sample, sampling_probs, sampling_rules, token_state,

@@ -277,7 +277,7 @@ def _explain(device: torch.device) -> str:
                 "tested without a GPU: the ratios here, above or below 1x, say nothing about GPU speed.")
     return textwrap.fill(here + " Greedy tokens must match stock on every device. GPU figures come from "
                          "benchmarks/gpu_check.sh (kernels against torch baselines and end-to-end decode, on a CUDA "
-                         "machine); see the README's \"Benchmarks and the GPU check\".", width=100,
+                         "machine); see the README's \"Testing, benchmarks and the GPU check\".", width=100,
                          break_on_hyphens=False)
 
 

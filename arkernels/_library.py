@@ -1,12 +1,15 @@
-"""Loads the compiled op library (``arkernels._C``) and reports what it holds."""
+"""Loads the compiled op library (``arkernels._C``) and names the ops it defines (``kernels_report`` lives in
+``arkernels.ops``: it needs the Triton registrations, and ops/* import this module)."""
 import torch
 
 from arkernels import _C  # noqa: F401  (registers the arkernels:: ops with torch)
 
+# every arkernels:: schema of csrc/torch_bindings.cpp, in its order (tests/test_imports.py checks it)
 OPS = (
     "paged_kv_append",
     "paged_kv_gather",
     "window_attention",
+    "sampling_rules",
     "sampling_probs",
     "sample",
     "quantize_rowwise",
@@ -15,18 +18,12 @@ OPS = (
 )
 
 
-def _has_kernel(op: str, key: str) -> bool:
+def has_kernel(op: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"arkernels::{op}", key)
 
 
 def cuda_kernels_built() -> bool:
     """True when this build carries the hand-written CUDA kernels (decided by the toolkit at build time,
     not by a visible GPU)."""
-    return _has_kernel("paged_kv_append", "CUDA")
+    return has_kernel("paged_kv_append", "CUDA")
 
-
-def kernels_report() -> dict:
-    """``{op: [dispatch keys with a kernel]}`` for every arkernels op (after the Python registrations)."""
-    import arkernels.ops  # noqa: F401  (Triton ops register their kernels on import)
-
-    return {op: [k for k in ("CPU", "CUDA") if _has_kernel(op, k)] for op in OPS}

@@ -88,6 +88,7 @@ __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      // FAULT(ptx_mma_f16_operands)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 template <>
@@ -121,6 +122,7 @@ __device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* 
                : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* p) {
+  // FAULT(ptx_ldmatrix_x2_trans)
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(smem_addr(p))

@@ -10,8 +10,7 @@
 // over (row, head, unit). Offsets are int64: num_blocks * block_size * heads * head_dim passes 2^31 on real caches.
 // Bytes: append reads each given K/V byte once and writes it once (plus one slot id per token); gather reads each
 // visible cache byte once and writes the output once (zeros past a sequence's length). The emulator's traffic meter
-// checks both ratios in tests/test_paged_kv.py. Resources: see scripts/sass_report.py (copy kernels < 32 registers,
-// fp8 append 30-34 registers on sm_90, 28-37 on sm_80 (nvcc 13.0), no smem, no spills).
+// checks both ratios in tests/test_paged_kv.py. Resources: `python scripts/sass_report.py` (figures: docs/kernels.md).
 // fp8 caches (float8_e4m3fn, vLLM's convention): paged_kv_append_fp8_kernel converts instead of copying: each element
 // of the fp32/fp16/bf16 key/value becomes saturate_e4m3(x / scale) (IEEE division __fdiv_rn, not fast-math's
 // approximation, so the GPU, the emulator and the CPU kernel store the same bytes; cvt.rn.satfinite: round to nearest
@@ -45,7 +44,9 @@ __device__ __forceinline__ void paged_kv_for_each_unit(const Slot* slot_mapping,
     const int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_cta + i / (units * heads);
     if (t >= num_tokens) return;  // i only grows, so t does too
     const int64_t slot = static_cast<int64_t>(dev::ld_global(slot_mapping + t));
+    // FAULT(append_slot_check)
     if (slot < 0 || slot >= num_slots) continue;  // padding (or past the cache): never written
+    // FAULT(append_row)
     const int64_t row = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2;
     unit(t, h, u, row + int64_t(u) * unit_elems);
   }
@@ -136,6 +137,7 @@ __global__ void __launch_bounds__(kPagedKvThreads)
       continue;
     }
     const int64_t off = t % block_size;
+    // FAULT(gather_offset)
     dev::st_global(k_out + dst, dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u));
     dev::st_global(v_out + dst, dev::ld_global(v_cache + blk * vcache_s0 + off * vcache_s1 + h * vcache_s2 + u));
   }

@@ -1,70 +1,16 @@
 // window_attention decode kernel and its launch planning; included by window_attention_kernels.cuh (after the shared
-// definitions), never on its own.
+// definitions), never on its own. Design, arithmetic and measured SASS figures: docs/kernels.md ("Decode").
 //
 // Decode (cu_seqlens_q None, one query per sequence at i = seq_len - 1): window_attention_decode_kernel, FlashInfer's
-// tensor-core decode structure.
-//   Grid (num_splits, Hkv * head_chunks, batch), 128 threads = 4 warps. A CTA owns one KV head, up to 16 of its
-//   query heads (the GQA group, zero-padded to the M = 16 rows of mma.m16n8k16; groups above 16 take
-//   ceil(group / 16) CTAs) and one split of the visible range [max(kv_start, i - W + 1, chunk start, 0), i], so every
-//   visible K/V byte is read from memory once per KV head (and per 16 query heads), and no key outside the window or
-//   the query's chunk is read. Attention sinks join each head's denominator once, after the merge of the 4 warps
-//   (num_splits 1) or in the split-KV combine (the partials leave them out).
-//   K/V move in 64-key tiles through a ring of `stages` shared-memory buffers (1..4, planned from the shared-memory
-//   budget) with cp.async: K and V of a tile are separate commit groups, so S = Q K^T of tile t runs while V of
-//   tile t and K/V of tiles t+1 .. t+stages-1 are in flight. Keys outside the split, the window or the sequence and
-//   keys under an invalid block id are zero-filled (cp.async with ignore-src: never read) and masked to -inf.
-//   Per-key row offsets are resolved once per tile by 64 threads (a shift when block_size is a power of two,
-//   otherwise one 32-bit division; one block-table load per key, L1-resident), before the tile's copies are issued;
-//   the copies have fixed (key, chunk) ownership: copy i of a thread moves the same 16-byte chunk of the same key row
-//   of every tile (K and V), so a copy is its key's offset load, the 64-bit address add and the LDGSTS against a
-//   destination fixed per kernel (a base register plus immediates), and the ring's stage indices advance by compare
-//   and reset, not by division;
-//   the prologue resolves its stages - 1 tiles at once (one block-table round trip, not one per tile), and the query
-//   rows are loaded into registers before seq_len is, so the chain before the first K/V copy is seq_len -> block
-//   table -> cp.async (about 2 L2/DRAM latencies, ~1 us; it was seq_len -> query -> block table per tile).
-//   Each warp owns 16 keys of a tile: S (16 heads x 16 keys) = Q K^T with K fragments from ldmatrix (rows padded to
-//   D + 8 elements: conflict-free), the query's A fragments loaded once into registers (D <= 128; D = 256 reloads
-//   them from shared memory per tile to stay under the register budget); scale, softcap and mask on the fp32
-//   accumulators; online softmax per row in registers (row max over a quad with two shuffles, exp2 with the
-//   log2(e) folded into the scale); P packed from the accumulators straight into A fragments; O += P V with V
-//   fragments from ldmatrix.trans. Each warp keeps its own (m, l, O) for its keys; the 4 warps merge through
-//   shared memory at the end (the tile ring is reused for it; rows of D + 8 floats: conflict-free stores).
-//   num_splits comes from shapes only (batch, heads, table width, window, SM count and the CTAs per SM that the
-//   planned shared memory allows, decode_ctas_per_sm):
-//   no host sync, graph-capturable. With num_splits > 1 each split writes fp32 (out, lse) partials, normalised by its
-//   own sum, and the last split CTA of each (sequence, KV head, head chunk) to finish merges them (combine_if_last:
-//   an epoch-stamped atomic counter per column (decode_arrive), so the combine costs no second launch and a launch
-//   that aborted leaves nothing a later one could mis-count; ~num_splits x 16 x D x 4 bytes of partials,
-//   L2-resident, against the K/V bytes of the split).
-// Arithmetic (batch 1, Hq/Hkv 32/8, D 128, bf16, 8k keys, sm_90): K+V = 8 heads x 8192 x 256 B x 2 = 33.5 MB, read
-//   once. A 64-key stage is 2 x 64 x 136 x 2 B = 34.8 KB of shared memory; 3 stages + Q (4.3 KB) + offsets (2.5 KB) = 108.8 KB,
-//   2 CTAs per SM (228 KB): up to 2 x 2 tiles = 128 KB requested in flight per SM, where ~23 KB covers HBM latency
-//   at 4.3 TB/s on 132 SMs. Splits sized to one wave: 2 CTAs per SM x 132 SMs = 264 slots / 8 columns = 33 splits
-//   of ceil(128 tiles / 33) = 4 tiles (256 keys); 32 of them hold keys: 256 CTAs, one wave (the plan of 4 per SM
-//   before gave 64 splits in 2 waves). The tail: 33 x 4 heads x 128 x 4 B = 66 KB of partials, one round of the
-//   combine (its 108.8 KB of shared memory hold 52 splits of 2 KB), so about one L2 round trip after the last split.
-//   Per tile per warp: 8 ldmatrix.x4 + 16 mma (QK^T), 8 ldmatrix.x4.trans + 16 mma (PV), 8 exp2 per thread: the
-//   tensor cores do 2 x 16 x 64 x 128 x 2 = 0.5 MFLOP per tile against 32 KB of data (16 FLOP/B at 16 rows; only
-//   `group` of the 16 rows are real, so 4 FLOP/B of useful work at group 4) -- memory-bound by a wide margin.
-// fp8 caches (same shape): K+V = 16.8 MB. Tiles are staged as stored (rows of D + 16 bytes: a stage is 18 KB; 4
-//   stages + Q + offsets = 79.8 KB, 2 CTAs per SM) and converted in the operand registers: per tile per warp 4
-//   ldmatrix.x4 (K, two k-steps each) + 4 ldmatrix.x4.trans (V, 32 dims each), 64 cvt (e4m3x2 -> f16x2) and 16 prmt,
-//   the same 64 mma. Shared memory moves each cache byte twice (cp.async in, ldmatrix out), as for 16-bit caches; a
-//   conversion pass through shared memory would add a read of the fp8 tile and a write and read of its 16-bit copy
-//   (5.5 bytes of shared-memory traffic per byte from HBM instead of 2).
-// Issue slots (sm_90 SASS, one steady-state tile of the main loop, power-of-two block size, warps 0-1 also resolve
-//   the next tile's offsets; warps 0-1 / 2-3, @!PT scheduling pads apart). D 128: fp8 with fp16 queries 536 / 466
-//   (+6 pads), fp8 with bf16 queries 725 / 658 (+6; 260 of them the e4m3 -> bf16 conversion), bf16 508 / 441 (+6).
-//   The tile copy is 86 slots for 8 LDGSTS (fp8; 16-bit: 158 for 16), about 7 per copy (offset LDS, 2 for the
-//   validity predicate, 1 to clear the masked sign, 2 for the address add, the LDGSTS) plus the group's setup. With
-//   a loop over idx and src-size zero-fill it was 851 / 730 (+24), 1041 / 920 (+24) and 987 / 867 (+48): 349 slots
-//   for the 8 fp8 copies (~44 each: index math, the ring's run-time modulo, src-size arithmetic) and 609 for the 16
-//   16-bit ones. Estimate for fp8, B = 32, 8k keys, 32/8 heads (537 MB, one wave of 256 CTAs, 2 per SM): an SM
-//   takes a 16 KB tile per CTA, 32 KB per pair of tiles, 1.0 us = ~1990 clocks of its 1/132 share of 4.3 TB/s
-//   (1.98 GHz); the 8 warps' instructions for that pair on 4 schedulers were ~2010 clocks with bf16 queries (~1630
-//   with fp16): at or past the memory time, so issue-bound at ~65-75% of copy bandwidth once stalls are counted; now
-//   ~1400 (~1010), 70% (51%) of it, leaving HBM the limiter: est. ~80-85%, as the 16-bit row (which takes ~960 of
-//   ~3980 clocks per pair). Bytes in flight are unchanged (up to 3 tiles of 16 KB requested per CTA, 96 KB per SM).
+// tensor-core decode structure. Grid (num_splits, Hkv * head_chunks, batch), 128 threads = 4 warps. A CTA owns one KV
+// head, up to 16 of its query heads (the M = 16 rows of mma.m16n8k16, zero-padded) and one split of the visible range
+// [max(kv_start, i - W + 1, chunk start, 0), i]: each visible K/V byte is read once per KV head (and 16 query heads).
+// K/V move in 64-key tiles through a ring of 1..4 cp.async stages (rows of D + 8 elements, fp8: D + 16 bytes), each
+// warp owning 16 keys of a tile: S = Q K^T, online softmax and O += P V in registers; the 4 warps merge through shared
+// memory. num_splits comes from shapes only (one wave of CTAs, graph-capturable); with num_splits > 1 the last split
+// CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last).
+// fp8 caches are staged as stored and converted in the MMA operand registers.
+// Shared memory per CTA: stages x 2 x 64 x (D + 8) x 2 B (K, V ring) + the query tile and the per-tile key offsets.
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
 #pragma once
@@ -155,6 +101,7 @@ __host__ __device__ constexpr int fp8_o_dim(int block, int n) {  // dim of colum
 template <typename T>
 __device__ __forceinline__ void fp8_pv(float (&o_even)[4], float (&o_odd)[4], const uint32_t (&pa)[4],
                                        uint32_t lo_keys, uint32_t hi_keys) {
+  // FAULT(fp8_pv_permute)
   const uint32_t p0 = __byte_perm(lo_keys, 0u, 0x3120u), p1 = __byte_perm(hi_keys, 0u, 0x3120u);
   const uint32_t be[2] = {fp8x2_to<T>(uint16_t(p0)), fp8x2_to<T>(uint16_t(p1))};
   const uint32_t bo[2] = {fp8x2_to<T>(uint16_t(p0 >> 16)), fp8x2_to<T>(uint16_t(p1 >> 16))};
@@ -205,6 +152,7 @@ __device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w
 // replay starts clean whatever the previous replay did.
 __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long long* counter) {
   const unsigned long long base = p.epoch * kMaxSplits;
+  // FAULT(split_arrive)
   dev::atomic_max(counter, base);
   return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;
 }
@@ -232,6 +180,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   float* lse_s = w_s + kMaxSplits * kDecodeRows;  // [16] lse, log2 units
   int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
   float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc][D] fp32
+  // FAULT(split_fence)
   dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
   if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
@@ -274,11 +223,13 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     // The attention sink joins the head's denominator here, once (the splits' partials leave it out): one more
     // term 2^sink2 with no value, added by lane 0 before the sum over lanes.
+    // FAULT(combine_sink_head)
     const float sink2 = p.sinks ? dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();
     m = fmaxf(m, sink2);
     float sum = 0.f;
     if (m != neg_inf())
       for (int s = lane; s < ns; s += 32) sum += exp2f(w_s[s * kDecodeRows + r] - m);
+    // FAULT(combine_sink)
     if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -304,7 +255,9 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
       const int slot = tid + k * kAttnThreads;
       if (slot < row4) {
         const int r = slot / (D / 4);
+        // FAULT(combine_splits)
         for (int s = 0; s < n; ++s) {
+          // FAULT(combine_weights)
           const float w = w_s[(s0 + s) * kDecodeRows + r];
           if (w != 0.f) {  // an empty split's partial is 0 and its weight 0; skipping keeps a 0 x inf out
             const float4 x = *reinterpret_cast<const float4*>(part_s + 4 * (s * row4 + slot));
@@ -335,9 +288,9 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
 // KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
 // MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
 // v_scale into the output).
-// __launch_bounds__(threads, 1): without the minimum, ptxas 13.0 capped the sm_80 fp8 head_dim-96 kernels at 128
-// registers and spilled 20 bytes (sass_report fails on any spill); with it they take 144 and nothing spills. The
-// CTAs per SM come from shared memory and the planner (decode_ctas_per_sm), not from this bound.
+// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
+// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
+// memory and the planner (decode_ctas_per_sm), not from this bound.
 template <typename T, typename KV, int D>
 __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
                                                                                   const int stages) {
@@ -388,12 +341,14 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   }
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
+  // FAULT(decode_first_key)
   const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b) : 0,
                                                          p.window, p.chunk);  // window, kv_start and chunk bounds
   const int64_t hi = min64(i, p.max_blocks * p.block_size - 1);  // last visible key
   const int64_t n = hi - lo + 1;                                  // visible keys (<= 0: none)
   // This split's keys: whole tiles, so splits never share a tile.
   const int64_t tiles = n > 0 ? (n + kDecodeTileKeys - 1) / kDecodeTileKeys : 0;
+  // FAULT(decode_per_split)
   const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;
   const int64_t s_lo = lo + split * per_split * kDecodeTileKeys;
   const int64_t s_hi = min64(hi, s_lo + per_split * kDecodeTileKeys - 1);
@@ -420,6 +375,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
       const int64_t blk = dev::ld_global(table + jb);
       if (blk >= 0 && blk < p.num_blocks) {
+        // FAULT(decode_kv_offsets)
         ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
         vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
       }
@@ -451,12 +407,14 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       if (live) {
         int64_t o[kOwn];  // sign set: masked, and o & kOffBits = 0 (the cache's first row, never read)
 #pragma unroll
+        // FAULT(decode_copy_offsets)
         for (int i = 0; i < kOwn; ++i) o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;
 #pragma unroll
         for (int i = 0; i < kOwn; ++i) {
           if (own_live(i)) {
             const int k = own_k(i), c = own_c(i);
             dev::cp_async_16_or_zero(dst + (k * SLD + c * kChunkElems) * int(sizeof(KV)),
+                                     // FAULT(decode_masked_copy)
                                      src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);
           }
         }
@@ -464,6 +422,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       dev::cp_async_commit();
     };
     unsigned char* k_dst = smem + kslot * L.stage;
+    // FAULT(decode_k_copy)
     copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);
     copy(k_dst + kDecodeTileKeys * SLD * int(sizeof(KV)), vc, voff_s + vslot * kDecodeTileKeys);
   };
@@ -480,6 +439,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
         T e[8];
         memcpy(e, &qv[k], 16);
 #pragma unroll
+        // FAULT(decode_fp8_q_cols)
         for (int x = 0; x < 8; ++x) q_s[r * LD + (c / 2) * 16 + fp8_k_col((c % 2) * 8 + x)] = e[x];
       } else {
         *reinterpret_cast<uint4*>(q_s + r * LD + c * 8) = qv[k];
@@ -525,7 +485,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid, st_new, vs_new);
     __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
     issue(t + stages - 1 < ntiles, st_new, vs_new);
+    // FAULT(decode_k_wait)
     cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
+    // FAULT(decode_k_sync)
     __syncthreads();                  // ... and everyone's
     const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
     const KV* v_s = k_s + kDecodeTileKeys * SLD;
@@ -590,6 +552,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      // FAULT(decode_row_max)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       const float m_new = fmaxf(m_run[r], mx[r]);
       const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no visible key yet: p = 0, nothing to rescale
@@ -609,6 +572,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
 #pragma unroll
     for (int nb = 0; nb < 2 * kKSteps; ++nb) {
+      // FAULT(decode_o_rescale)
       o[nb][0] *= alpha[0];
       o[nb][1] *= alpha[0];
       o[nb][2] *= alpha[1];
@@ -637,6 +601,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
 #pragma unroll
       for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
         uint32_t vf[4];
+        // FAULT(decode_v_ldmatrix)
         dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16 + v_col);
         const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
         dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
@@ -644,6 +609,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       }
     }
     st = st + 1 == stages ? 0 : st + 1;
+    // FAULT(decode_ring_advance)
     st_new = st_new + 1 == stages ? 0 : st_new + 1;
     vs_new = vs_new + 1 == vsets ? 0 : vs_new + 1;
   }
@@ -666,6 +632,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   for (int nb = 0; nb < 2 * kKSteps; ++nb) {
     float* row0 = mo_s + (warp * kDecodeRows + g) * MLD;
     if constexpr (kFp8) {  // dims 2 apart (fp8_o_dim): scalar stores
+      // FAULT(decode_fp8_o_dims)
       const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);
       row0[d0] = o[nb][0];
       row0[d1] = o[nb][1];
@@ -705,11 +672,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     float w = 1.f;
     // The attention sink joins the denominator once: here when this CTA holds the whole key range, else in the
     // combine (a partial that added it too would count it num_splits + 1 times).
+    // FAULT(decode_sink_here)
     const bool sink_here = p.sinks != nullptr && p.num_splits == 1;
     if (sink_here) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h0 + r) * kLog2e, w);
     const float inv = l > 0.f ? w / l : 0.f;
     const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
     if (p.num_splits == 1) {
+      // FAULT(decode_out_scale)
       dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
       if (x == 0) dev::st_global(p.lse + oh, lse2 / kLog2e);  // natural log (partials: log2)
     } else {
@@ -736,11 +705,9 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 }
 
 // CTAs of `smem` bytes of dynamic shared memory resident per SM: what shared memory allows (each CTA also takes the
-// 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: sm_90 SASS (`python
-// scripts/sass_report.py`) gives D <= 96 120..156 registers per thread (>= 3 CTAs of 128 threads in 64K registers: at
-// most 168; 4 only up to 128, D = 64: left on the table), D = 128 168..176 (2 CTAs; shared memory allows 2: 79.8 or
-// 108.8 KB), and D = 256 215..242 (2 CTAs), where shared memory allows at most 2 (fp8, 112.8 KB) or 1
-// (208.8 KB). So the planned CTAs per SM never exceed what is resident.
+// 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: 3 CTAs of 128 threads fit 64K registers
+// at <= 168 registers per thread. Where a head dim takes more (`python scripts/sass_report.py`; the figures and why
+// the plan never exceeds what is resident: docs/kernels.md), shared memory already limits it to 2 or 1.
 constexpr int kDecodeCtasPerSmMax = 3;
 inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
   const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);
@@ -776,6 +743,7 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
   plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeRows));
   const int64_t cap = max_blocks * block_size;
   int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
+  // FAULT(split_plan_chunk)
   if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;

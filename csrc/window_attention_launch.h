@@ -78,6 +78,7 @@ inline void split_counters(const at::Tensor& like, int64_t n, const void* stream
   }
   out.hold = e.t;
   out.ptr = reinterpret_cast<unsigned long long*>(e.t.data_ptr<int64_t>());
+  // FAULT(split_epoch)
   out.epoch = ++e.epoch;
   AK_TRACK_SCRATCH("split_counters", out.ptr, size_t(e.t.numel()) * 8);
 }

@@ -18,8 +18,10 @@ template <typename I>
 AK_HOST_DEVICE inline I window_attention_first_key(I i, I kv_start, I window, I chunk) {
   const I s = kv_start > 0 ? kv_start : I(0);
   I lo = s;
+  // FAULT(window_lo)
   if (window > 0 && i - window + 1 > lo) lo = i - window + 1;
   if (chunk > 0 && i > s) {  // i < s: nothing is visible anyway (lo = s > i)
+    // FAULT(chunk_lo)
     const I c = s + (i - s) / chunk * chunk;
     if (c > lo) lo = c;
   }

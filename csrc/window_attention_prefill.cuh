@@ -1,83 +1,20 @@
 // window_attention prefill kernel and its launch planning; included by window_attention_kernels.cuh (after the shared
-// definitions and the decode kernel, whose smem_per_sm it uses), never on its own.
+// definitions and the decode kernel, whose smem_per_sm it uses), never on its own. Design, arithmetic and measured
+// SASS figures: docs/kernels.md ("Prefill").
 //
 // Prefill (cu_seqlens_q given): window_attention_prefill_kernel, FlashAttention-2 style on mma.sync.m16n8k16.
-//   Packed GQA: a CTA owns one KV head and BM "packed rows" of one sequence, row R = token * group + head-in-group, so
-//   the `group` query heads of a KV head share every K/V tile: each K/V byte is staged once per KV head per query
-//   tile (a per-query-head grid stages it `group` times). Grid (ceil(max_q_len * group / BM), Hkv, batch); CTA x
-//   takes tile gridDim.x - 1 - x first (longest first), then strides by gridDim.x over its sequence's packed tiles
-//   (once with a right max_q_len; a too-small max_q_len costs time, never unwritten rows). Packed rows are indexed in
-//   32 bits (tokens x query heads < 2^31, checked at launch: 64-bit divisions are called subroutines).
-//   4 warps per CTA. D <= 128: BM = 128, each warp owning 32 packed rows as two m16 halves (FlashAttention-2's
-//   layout): every K and V fragment a warp loads by ldmatrix feeds one mma per half, so a key tile is read from
-//   shared memory once per 32 rows instead of once per 16. D = 256: BM = 64, 16 rows per warp (32 rows' O alone would
-//   be 2 x 32 n8 tiles x 4 = 256 fp32 registers per thread, past the 255 cap before S and P).
-//   - Q tile -> shared (cp.async), re-read as A fragments by ldmatrix.x4 per key tile and k-step, as FlashAttention-2
-//     does (32 rows of Q in registers are D / 2 more per thread: they do not fit beside O and S).
-//   - K/V tiles of BN keys in a STAGES-deep cp.async ring (2 or 3, from the plan): per-key block-table lookups once
-//     per tile by the threads that copy that key (32-bit division), src_bytes 0 for keys outside the tile's visible
-//     range [klo, khi] or under an invalid block id (zeros land, nothing is read). Shared rows are D + 8 elements
-//     (16 bytes of padding): the 8 row addresses of an ldmatrix fall in 8 distinct 16-byte bank groups, so it is
-//     conflict free; the padding of each K row carries that key's valid flag (1: block id in range). BN = 64, but 32
-//     at D = 96 and 128 (prefill_bn_max): O + S of 32 rows stay within 160 fp32 registers per thread there.
-//   - fp8 caches (KV = uint8_t: float8_e4m3fn, key = stored * k_scale, value = stored * v_scale): the ring holds the
-//     tiles as stored, unpadded rows of D bytes (half the bytes of a 16-bit tile in flight), and each key's valid flag
-//     in a byte per ring stage. Once a tile has landed the CTA converts it once (each thread 8 bytes at a time:
-//     e4m3x2 -> f16x2, exact for fp16 and bf16) into a 16-bit K and V tile of padded rows after the Q tile, the flags
-//     into the K rows' padding, and after a barrier the warps run the 16-bit path on it unchanged. The ring stage is
-//     free once converted, so the barrier that ends a 16-bit tile is not needed: 2 barriers per tile either way.
-//     k_scale is folded into the score scale (scale * k_scale), O / l is multiplied by v_scale at the end.
-//   - S = Q K^T: mma.m16n8k16 with K fragments by ldmatrix.x4 (non-trans: K rows are B's columns). S stays in the
-//     accumulator registers; scale, softcap, masks and the online softmax run on them: a lane holds rows g and g + 8
-//     (g = lane / 4) of each m16 half, the row max needs two quad shuffles, the row sum stays per lane until the end.
-//     Causal / window / kv_start masks only on tiles straddling a boundary of some row of the CTA (the rows' ranges
-//     are formed there, relative to the lane's first key, not kept in registers across the loop); tiles wholly outside
-//     every row's range are never visited (nor read); the valid flags are checked on every tile. softcap is uniform
-//     over a launch: one branch per tile picks the score loop with or without tanh (no per-score select).
-//   - O += P V: P converted from the S accumulators straight into A fragments (the m16n8 accumulator layout of two
-//     adjacent n-tiles is the m16k16 A layout), V fragments by ldmatrix.x4.trans, each feeding both halves; O in fp32
-//     registers, rescaled there.
-//   - End: row sums reduced over the quad, O / l stored as 2-element words, lse = m + log(l) (zeros / -inf when a row
-//     sees no key); an attention sink adds its term to l and lse there (zeros / the sink for a row with no key).
-//   - Chunked attention (chunk_size) and windows only move a row's first key (window_attention_first_key): tiles
-//     before the first key of every row of the CTA are never visited, so keys of earlier chunks are never read.
-// Arithmetic (per CTA and key tile, bytes of K + V staged = 2 * BN * D * 2, fp8: 2 * BN * D; FLOPs = 4 * BM * BN * D):
-//   D=128, BM=128: 128 FLOP per staged byte (fp8: 256; the WMMA kernel's 64-row tiles: 64), whatever BN.
-//     Packed GQA: a tile serves 128 / G tokens of all G heads. For long prompts that stages as many K/V bytes per
-//     token as a per-head grid with 128-row tiles (2x fewer than the WMMA kernel's 64-row per-head tiles: emulator,
-//     B=1, 256 tokens, GQA 32/8, D=128: 2.36 MB of k_cache reads instead of 5.24 MB); for short q_len (chunked
-//     prefill, speculative or decode-like calls, q_len * G <= 128) the G heads fill the rows and each K/V byte is
-//     staged once instead of G times.
-//   Shared memory per CTA = BM * (D + 8) * 2 (Q) + STAGES * 2 * BN * (D + 8) * 2 (K, V ring), no static smem:
-//     D=64: 18 KB + 3 x 18 KB = 72 KB     D=80: 22 KB + 3 x 22 KB = 88 KB (sm_80: 2 stages, 66 KB)     D=96 (BN=32):
-//     26 KB + 3 x 13 KB = 65 KB     D=128 (BN=32): 34 KB + 3 x 17 KB = 85 KB (also on 99 KB GPUs; sm_80: 2 stages,
-//     68 KB)     D=256 (BM=64): sm_90 BN=64, 33 KB + 2 x 66 KB = 165 KB; sm_80 BN=32, 33 KB + 3 x 33 KB = 132 KB;
-//       99 KB GPUs BN=32, 33 KB + 2 x 33 KB = 99 KB (exactly the 101376-byte opt-in).
-//   fp8 caches: (BM + 2 BN) * (D + 8) * 2 (Q, then the 16-bit K, V copy) + STAGES * BN * (2 * D + 1) (K, V ring as
-//   stored, a flag byte per key):
-//     D=64: 36 + 3 x 8.1 = 60.2 KB     D=80: 44 + 3 x 10.1 = 74.2 KB     D=96 (BN=32): 39 + 3 x 6 = 57.1 KB     D=128
-//     (BN=32): 51 + 3 x 8 = 75.1 KB (every GPU)     D=256 (BM=64): sm_90 BN=64, 33 + 66 + 3 x 32.1 = 195.2 KB; sm_80
-//     BN=32, 33 + 33 + 3 x 16 = 114.1 KB; 99 KB GPUs BN=32, 33 + 33 + 2 x 16 = 98.1 KB (BN=64, 2 stages: 163.1 KB,
-//     128 bytes past sm_80's 163 KB).
-//   The plan (plan_prefill) takes the widest key tile that fits, and the ring depth giving the most CTAs per SM: every
-//   D <= 128 variant runs 2 CTAs of 4 warps per SM on sm_80 and sm_90 (registers allow 2: 128 threads x <= 256).
-//   Shared-memory traffic per 64 keys (ldmatrix reads, cp.async and st.shared writes), D=128, 128 rows: 16-bit caches
-//   32 KB landed + 4 warps x 96 LDSM x 512 B (16 KB K + 16 KB V + 2 x 8 KB Q: two 32-key tiles) = 224 KB (16 rows
-//   per warp, 8 warps, BN=64: 288 KB; BN=64 at 32 rows would be 192 KB but spills); fp8 16 KB landed + 16 KB read and
-//   32 KB written by the conversion + 192 KB = 256 KB (before: 320 KB). D=64, BN=64: 16 KB + 4 x 40 LDSM x 512 B =
-//   96 KB (before: 144 KB). Estimate, not run on a GPU: at ~128 B/clk per SM, 224 KB is ~1750 clk against ~1650 clk
-//   of MMA per 64 keys at D=128 (288 KB: ~2250 clk).
-// Resource use (nvcc 13.0 -O3 --use_fast_math -Xptxas -v; no spills, no local memory in any of the 24 per arch;
-// `python scripts/sass_report.py` prints the current figures, occupancy and instruction counts):
-//   registers sm_90 (sm_80), fp16 = bf16: D=64 219 (217), D=80 238 (243), D=96 BN=32 212 (218), D=128 BN=32 251 (248),
-//   D=256 BN=32 242 (240), D=256 BN=64 242 (240; launched on sm_90 only); fp8 caches, fp16 (bf16) on sm_90: D=64
-//   223 (217), D=80 240 (236), D=96 216 (210), D=128 255 (245), D=256 BN=32 242 (240), BN=64 246 (240); sm_80
-//   215-246. The 16-row layout (3aa67bc): 164-251 on both archs (D <= 128: 164-222), 8 warps per CTA at D <= 128
-//   and 1 CTA per SM.
-//   Per key tile and warp (D=128, BN=32, 32 rows): 128 HMMA.16816 and 48 LDSM (32 of them in the k-step loop, left
-//   rolled: unrolled, ptxas hoisted its Q and K loads and spilled), 1.5 LDSM per 4 HMMA where 16 rows took 2; static
-//   SASS counts 72 HMMA, 20 LDSM (D=64: 80, 22). Each thread issues 8 16-byte cp.async (LDGSTS) per tile (fp8: 4).
-//   Barriers: 2 per key tile, so 4 per 64 keys at D = 96 and 128 (16-row layout: 2).
+// Packed GQA: a CTA owns one KV head and BM packed rows of one sequence, row R = token * group + head-in-group, so the
+// group's query heads share every staged K/V tile. Grid (ceil(max_q_len * group / BM), Hkv, batch), longest tile
+// first, then a stride of gridDim.x over the sequence's tiles. 4 warps: D <= 128 BM = 128, 32 rows per warp as two m16
+// halves sharing each K/V fragment; D = 256 BM = 64, 16 rows per warp. Q tile in shared memory (ldmatrix per k-step);
+// K/V tiles of BN keys (64, or 32 at D = 96 and 128: prefill_bn_max) in a 2- or 3-stage cp.async ring of rows of
+// D + 8 elements (the padding of a K row carries its valid flag). S, P and O stay in registers; tiles outside every
+// row's visible range are skipped. fp8 caches: the ring holds the tiles as stored and each tile is converted once per
+// CTA into a 16-bit tile that the warps read. Arithmetic per CTA and key tile: 4 x BM x BN x D FLOPs against
+// 2 x BN x D x 2 B of K + V staged (fp8: 2 x BN x D). Shared memory per CTA: BM x (D + 8) x 2 (Q)
+// + stages x 2 x BN x (D + 8) x 2 (ring); fp8: (BM + 2 BN) x (D + 8) x 2 + stages x BN x (2 D + 1).
+// Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
+// counts of every instantiation (CI fails on any spill).
 #pragma once
 
 #include <cstring>
@@ -217,6 +154,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
+  // FAULT(prefill_zero_unowned)
   if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);
   const int group = p.group;
   const int bs = static_cast<int>(p.block_size);
@@ -339,8 +277,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       l[mt][0] = l[mt][1] = 0.f;
     }
     // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
+    // FAULT(prefill_qk_scale)
     const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
     // softcap: softcap * tanh(s * qk_scale / softcap), the division folded into the scale once per query tile.
+    // FAULT(prefill_score_mul)
     const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
     // ldmatrix.x4 row address of m16 half mt's A fragment (rows lane % 16, columns (lane / 16) * 8 of each k-step).
     const T* const q_warp = q_s + (warp * WM + lane % 16) * LD + (lane / 16) * 8;
@@ -350,6 +290,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     for (int it = 0; it < ntiles; ++it) {
       if (it + stages - 1 < ntiles) load_tile(it + stages - 1);
       dev::cp_async_commit();  // possibly empty: wait_group counts groups
+      // FAULT(prefill_tile_wait)
       if (stages == 3) {
         dev::cp_async_wait<2>();
       } else {
@@ -362,17 +303,22 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         // The stage's e4m3 K and V rows -> 16-bit rows of cv_s, once per CTA (each thread 8 bytes -> one 16-byte
         // chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt each), and the keys' valid flags into the K rows' padding.
         // e4m3 -> fp16 / bf16 is exact, so the warps then run the 16-bit path on the same values.
+        // FAULT(prefill_fp8_convert_rows)
         for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {
           const int row = idx / (D / 8), c = idx % (D / 8);
           const uint2 w = *reinterpret_cast<const uint2*>(ring + row * SLD + c * 8);
           const uint4 h = make_uint4(fp8x2_to<T>(uint16_t(w.x)), fp8x2_to<T>(uint16_t(w.x >> 16)),
                                      fp8x2_to<T>(uint16_t(w.y)), fp8x2_to<T>(uint16_t(w.y >> 16)));
+          // FAULT(prefill_fp8_convert_store)
           *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;
         }
         if (tid < BN) {
+          // FAULT(prefill_fp8_flags)
           const uint16_t flag = flag_s[(it % stages) * BN + tid];
+          // FAULT(prefill_fp8_flag_copy)
           memcpy(cv_s + tid * LD + D, &flag, 2);
         }
+        // FAULT(prefill_fp8_convert_sync)
         __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from here on
         ks = cv_s;
       } else {
@@ -393,11 +339,13 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       for (int kk = 0; kk < KD; ++kk) {
         uint32_t a[MT][4];
 #pragma unroll
+        // FAULT(prefill_q_frags)
         for (int mt = 0; mt < MT; ++mt) dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);
 #pragma unroll
         for (int n = 0; n < NS; n += 2) {
           // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
           uint32_t r[4];
+          // FAULT(prefill_k_ldmatrix)
           dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
@@ -431,6 +379,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             int tok, hig;
+            // FAULT(prefill_row_mask)
             split_row(lane_row(mt, r), tok, hig);
             const bool live = tok < q_len;
             lo_c[mt][r] = (live ? first_key(tok) : 1) - (j0 + 2 * t4);
@@ -456,6 +405,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
             }
         }
       };
+      // FAULT(prefill_softcap)
       if (p.softcap > 0.f) {
         scale_and_mask(std::true_type{});
       } else {
@@ -500,6 +450,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         for (int mt = 0; mt < MT; ++mt) {
           a[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
           a[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          // FAULT(prefill_pv_pair)
           a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
           a[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
         }
@@ -507,6 +458,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         for (int n = 0; n < ND; n += 2) {
           // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
           uint32_t r[4];
+          // FAULT(prefill_v_ldmatrix)
           dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
@@ -519,9 +471,11 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       // 16-bit caches: the warps read the ring stage itself, refilled by the next iteration's cp.async. fp8: they
       // read cv_s; the stage was free after the conversion's barrier, and the next conversion writes cv_s only after
       // the next iteration's first barrier, which every warp reaches after these reads.
+      // FAULT(prefill_refill_sync)
       if constexpr (!kFp8) __syncthreads();
     }
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
+    // FAULT(prefill_out_scale)
     const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;  // fp8: value = stored * v_scale
 
     // Write this lane's rows: O / l, lse (zeros and -inf for a row with no visible key).
@@ -540,8 +494,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
         if (tok < unsigned(q_len)) {
           const int h = kvh * group + static_cast<int>(hig);
           const int64_t oh = (first + int64_t(tok)) * p.hq + h;
+          // FAULT(prefill_lse)
           float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();
           float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
+          // FAULT(prefill_sink)
           if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
           const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
           T* const out = static_cast<T*>(p.out) + oh * D;

@@ -1,11 +1,11 @@
-"""Write the README's model-family table: every causal-LM type the installed transformers ships, built as a tiny
-random model (``arkernels.hf.tiny``), through ``arkernels.hf.capability.check_model``; with ``--verify`` (default),
-each accepted family also runs a left-padded greedy ``model.generate`` past its window stock vs patched, and
-``arkernels.generate`` vs stock, and is listed as "works" only when both give stock's tokens.
+"""Write the model-family table of docs/model-families.md: every causal-LM type the installed transformers ships,
+built as a tiny random model (``arkernels.hf.tiny``), through ``arkernels.hf.capability.check_model``; with
+``--verify`` (default), each accepted family also runs a left-padded greedy ``model.generate`` past its window stock
+vs patched, and ``arkernels.generate`` vs stock, and is listed as "works" only when both give stock's tokens.
 
-    PYTHONPATH=$PWD python scripts/families_table.py [--no-verify] [--readme README.md] [TYPE ...]
+    PYTHONPATH=$PWD python scripts/families_table.py [--no-verify] [--write docs/model-families.md] [TYPE ...]
 
-Prints the Markdown table, or with ``--readme`` replaces the block between the README's ``families-table`` markers;
+Prints the Markdown table, or with ``--write FILE`` replaces the block between that file's ``families-table`` markers;
 one row per type: works / refused (the refusal's reason) /
 not built (transformers' own error building a tiny model) / not run (transformers' own generate fails on it).
 The full conformance test is tests/test_hf_families.py.
@@ -105,17 +105,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     p.add_argument("--no-verify", action="store_true", help="detection only, no generate")
-    p.add_argument("--readme", help="replace the table between this file's families-table markers")
+    p.add_argument("--write", "--readme", dest="write", metavar="FILE",
+                   help="replace the table between this file's families-table markers (docs/model-families.md)")
     args = p.parse_args(argv)
     transformers.logging.set_verbosity_error()
     rows = survey(args.types or causal_lm_types(), verify=not args.no_verify)
     text = table(rows)
-    if args.readme:
-        with open(args.readme) as f:
-            readme = f.read()
-        start, end = readme.index(START) + len(START), readme.index(END)
-        with open(args.readme, "w") as f:
-            f.write(readme[:start] + "\n" + text + readme[end:])
+    if args.write:
+        with open(args.write) as f:
+            doc = f.read()
+        start, end = doc.index(START) + len(START), doc.index(END)
+        with open(args.write, "w") as f:
+            f.write(doc[:start] + "\n" + text + doc[end:])
     else:
         sys.stdout.write(text)
     return 1 if any(r[1] == "differs" for r in rows) else 0

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Fault injection for the CUDA sources run under the SIMT emulator (issue 9, item 6).
 
-Each fault replaces one exact piece of text in a file under csrc/ with a bug, in a temporary copy of csrc/; the copy
+Each fault replaces a piece of text in a file under csrc/ with a bug, in a temporary copy of csrc/; the text is the one
+just below the fault's marker line `// FAULT(site)` (several faults may share a site), so a kernel edit that keeps the
+marker above the line it edits keeps the fault table valid. The copy
 is built and run with the fault's own commands, and the table says whether the bug was caught and how (compile,
 sanitizer, emulator report, wrong output). The unmodified copy must pass every distinct command pair first, else the
 table would mean nothing. Run it once per kernel change and paste the table into the note:
@@ -46,7 +48,8 @@ HOW = [
 class Fault:
     name: str
     file: str  # under csrc/
-    find: str  # exact text, must occur exactly once
+    site: str  # the marker line `// FAULT(site)` in that file, just above the text the fault edits
+    find: str  # exact text, beginning in one of the two lines after the marker (its first occurrence there)
     replace: str
     build: str = PRIMITIVES_BUILD
     run: str = PRIMITIVES_RUN
@@ -62,20 +65,25 @@ _WAIT = "    dev::cp_async_wait<1>();\n    __syncthreads();  // every thread's c
 _SYNC_TOP = "    __syncthreads();  // every thread's copies of stage s are visible\n"
 _SYNC_END = "    __syncthreads();  // stage s is refilled by the next iteration's cp.async\n"
 FAULTS = [
-    Fault("gemm: ldmatrix .trans dropped (B)", _PRIM, "dev::ldmatrix_x4_trans(r, &Bs", "dev::ldmatrix_x4(r, &Bs"),
-    Fault("gemm: ldmatrix .trans added (A)", _PRIM, "dev::ldmatrix_x4(a[mi]", "dev::ldmatrix_x4_trans(a[mi]"),
-    Fault("gemm: cp.async wait before the stage removed", _PRIM, _WAIT, _SYNC_TOP),
-    Fault("gemm: cp.async wait_group 2 instead of 1", _PRIM, _WAIT, _WAIT.replace("<1>", "<2>")),
-    Fault("gemm: __syncthreads after the wait removed", _PRIM, _SYNC_TOP, ""),
-    Fault("gemm: __syncthreads after the wait removed (TSan)", _PRIM, _SYNC_TOP, "", build=PRIMITIVES_BUILD_TSAN),
+    Fault("gemm: ldmatrix .trans dropped (B)", _PRIM,
+          "gemm_ldmatrix_b", "dev::ldmatrix_x4_trans(r, &Bs", "dev::ldmatrix_x4(r, &Bs"),
+    Fault("gemm: ldmatrix .trans added (A)", _PRIM,
+          "gemm_ldmatrix_a", "dev::ldmatrix_x4(a[mi]", "dev::ldmatrix_x4_trans(a[mi]"),
+    Fault("gemm: cp.async wait before the stage removed", _PRIM, "gemm_stage_wait", _WAIT, _SYNC_TOP),
+    Fault("gemm: cp.async wait_group 2 instead of 1", _PRIM, "gemm_stage_wait", _WAIT, _WAIT.replace("<1>", "<2>")),
+    Fault("gemm: __syncthreads after the wait removed", _PRIM, "gemm_stage_wait", _SYNC_TOP, ""),
+    Fault("gemm: __syncthreads after the wait removed (TSan)", _PRIM,
+          "gemm_stage_wait", _SYNC_TOP, "", build=PRIMITIVES_BUILD_TSAN),
     # Caught only when a warp runs ahead into the refill while another still reads the stage (timing), and TSan misses
     # it while simt.h's std::barrier gives it false happens-before edges (libstdc++'s shared atomic-wait pools).
-    Fault("gemm: __syncthreads before the refill removed", _PRIM, _SYNC_END, "", runs=5),
-    Fault("gemm: __syncthreads before the refill removed (TSan)", _PRIM, _SYNC_END, "", build=PRIMITIVES_BUILD_TSAN,
+    Fault("gemm: __syncthreads before the refill removed", _PRIM, "gemm_refill_sync", _SYNC_END, "", runs=5),
+    Fault("gemm: __syncthreads before the refill removed (TSan)", _PRIM,
+          "gemm_refill_sync", _SYNC_END, "", build=PRIMITIVES_BUILD_TSAN,
           runs=5),
-    Fault("gemm: chunks past the edge read anyway (src_bytes 16)", _PRIM, "gk : A, in ? 16 : 0", "gk : A, 16"),
+    Fault("gemm: chunks past the edge read anyway (src_bytes 16)", _PRIM,
+          "gemm_copy_a", "gk : A, in ? 16 : 0", "gk : A, 16"),
     Fault("gemm: accumulators not zeroed", _PRIM,
-          "  for (int i = 0; i < 32; ++i) acc[i / 16][(i / 4) % 4][i % 4] = 0.f;\n", ""),
+          "gemm_acc_zero", "  for (int i = 0; i < 32; ++i) acc[i / 16][(i / 4) % 4][i % 4] = 0.f;\n", ""),
 ]
 
 
@@ -117,14 +125,14 @@ _WINDOW_LO_OFF = "if (window > 0 && i - window > lo) lo = i - window;"
 _CHUNK_LO = "const I c = s + (i - s) / chunk * chunk;"
 
 
-def _decode_fault(what: str, find: str, replace: str) -> Fault:
+def _decode_fault(what: str, site: str, find: str, replace: str) -> Fault:
     """A fault in the decode kernel, caught (or not) by the decode slice of the emulated tests."""
-    return Fault(f"decode: {what}", _DECODE_FILE, find, replace, build=KERNEL_BUILD, run=_kernel_run(_DECODE))
+    return Fault(f"decode: {what}", _DECODE_FILE, site, find, replace, build=KERNEL_BUILD, run=_kernel_run(_DECODE))
 
 
-def _prefill_fault(what: str, find: str, replace: str) -> Fault:
+def _prefill_fault(what: str, site: str, find: str, replace: str) -> Fault:
     """A fault in the prefill kernel, caught (or not) by the prefill slice of the emulated tests."""
-    return Fault(f"prefill: {what}", _PF, find, replace, build=KERNEL_BUILD, run=_kernel_run(_PREFILL))
+    return Fault(f"prefill: {what}", _PF, site, find, replace, build=KERNEL_BUILD, run=_kernel_run(_PREFILL))
 
 
 # Attention sinks and chunked attention (issue 21): caught by tests/test_window_attention_sinks.py.
@@ -139,35 +147,44 @@ _COMBINE_SINK = "    if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m
 _PF_SINK = "if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;"
 
 
-def _sinks_fault(what: str, file: str, find: str, replace: str, select: str) -> Fault:
-    return Fault(what, file, find, replace, build=KERNEL_BUILD, run=_kernel_run(select, tests=_SINKS_TESTS))
+def _sinks_fault(what: str, file: str, site: str, find: str, replace: str, select: str) -> Fault:
+    return Fault(what, file, site, find, replace, build=KERNEL_BUILD, run=_kernel_run(select, tests=_SINKS_TESTS))
 
 
 _SINK_FAULTS = [
-    _sinks_fault("decode: sink dropped (one split)", _DECODE_FILE, _SINK_HERE, "const bool sink_here = false;",
+    _sinks_fault("decode: sink dropped (one split)", _DECODE_FILE,
+                 "decode_sink_here", _SINK_HERE, "const bool sink_here = false;",
                  _SINK_DECODE),
-    _sinks_fault("decode: sink dropped in the split-KV combine", _DECODE_FILE, _COMBINE_SINK, "", _SINK_DECODE),
-    _sinks_fault("decode: sink added twice (by every split's partial and by the combine)", _DECODE_FILE, _SINK_HERE,
+    _sinks_fault("decode: sink dropped in the split-KV combine", _DECODE_FILE,
+                 "combine_sink", _COMBINE_SINK, "", _SINK_DECODE),
+    _sinks_fault("decode: sink added twice (by every split's partial and by the combine)", _DECODE_FILE,
+                 "decode_sink_here", _SINK_HERE,
                  "const bool sink_here = p.sinks != nullptr;", _SINK_DECODE),
-    _sinks_fault("decode: sink added by every lane of the combine (32 times)", _DECODE_FILE, _COMBINE_SINK,
+    _sinks_fault("decode: sink added by every lane of the combine (32 times)", _DECODE_FILE,
+                 "combine_sink", _COMBINE_SINK,
                  _COMBINE_SINK.replace("lane == 0 && ", ""), _SINK_DECODE),
     _sinks_fault("decode: the combine takes the sink of head r of the chunk, not h0 + r", _DECODE_FILE,
+                 "combine_sink_head",
                  "dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();", "dev::ld_global(p.sinks + r) * kLog2e : "
                  "neg_inf();", _SINK_DECODE),
-    _sinks_fault("prefill: sink dropped", _PF, _PF_SINK, "", _SINK_PREFILL),
-    _sinks_fault("prefill: sink added twice", _PF, _PF_SINK, _PF_SINK + "\n        " + _PF_SINK, _SINK_PREFILL),
-    _sinks_fault("prefill: sink multiplied by the score scale", _PF, "dev::ld_global(p.sinks + h) * kLog2e",
+    _sinks_fault("prefill: sink dropped", _PF, "prefill_sink", _PF_SINK, "", _SINK_PREFILL),
+    _sinks_fault("prefill: sink added twice", _PF,
+                 "prefill_sink", _PF_SINK, _PF_SINK + "\n        " + _PF_SINK, _SINK_PREFILL),
+    _sinks_fault("prefill: sink multiplied by the score scale", _PF,
+                 "prefill_sink", "dev::ld_global(p.sinks + h) * kLog2e",
                  "dev::ld_global(p.sinks + h) * p.scale * kLog2e", _SINK_PREFILL),
-    _sinks_fault("prefill: a packed row takes its KV head's first sink", _PF, "dev::ld_global(p.sinks + h)",
+    _sinks_fault("prefill: a packed row takes its KV head's first sink", _PF,
+                 "prefill_sink", "dev::ld_global(p.sinks + h)",
                  "dev::ld_global(p.sinks + kvh * group)", _SINK_PREFILL),
-    _sinks_fault("chunk boundary off by one (a chunk's last query starts the next chunk)", _MASK, _CHUNK_LO,
+    _sinks_fault("chunk boundary off by one (a chunk's last query starts the next chunk)", _MASK, "chunk_lo", _CHUNK_LO,
                  "const I c = s + (i - s + 1) / chunk * chunk;", _CHUNK),
-    _sinks_fault("chunk boundary off by one (a chunk's first query sees the previous chunk)", _MASK, _CHUNK_LO,
+    _sinks_fault("chunk boundary off by one (a chunk's first query sees the previous chunk)", _MASK,
+                 "chunk_lo", _CHUNK_LO,
                  "const I c = s + (i - s - 1) / chunk * chunk;", _CHUNK),
-    _sinks_fault("chunks counted from position 0, not from kv_start (left padding)", _MASK, _CHUNK_LO,
+    _sinks_fault("chunks counted from position 0, not from kv_start (left padding)", _MASK, "chunk_lo", _CHUNK_LO,
                  "const I c = i / chunk * chunk;", _CHUNK),
     _sinks_fault("decode: split planning ignores the chunk (as many splits as the whole context)", _DECODE_FILE,
-                 "  if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);\n", "", _CHUNK),
+                 "split_plan_chunk", "  if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);\n", "", _CHUNK),
 ]
 
 # The decode tail (issue 26): epoch-stamped split counters, the combine's batched partial loads, one-wave planning;
@@ -178,78 +195,85 @@ _LAUNCH = "window_attention_launch.h"
 _ARRIVE = ("  dev::atomic_max(counter, base);\n  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;\n")
 
 
-def _tail_fault(what: str, file: str, find: str, replace: str) -> Fault:
-    return Fault(f"decode tail: {what}", file, find, replace, build=KERNEL_BUILD,
+def _tail_fault(what: str, file: str, site: str, find: str, replace: str) -> Fault:
+    return Fault(f"decode tail: {what}", file, site, find, replace, build=KERNEL_BUILD,
                  run=_kernel_run(_TAIL, tests=_TAIL_TESTS))
 
 
 _TAIL_FAULTS = [
     # (a base shifted by a whole epoch, (epoch - 1) * kMaxSplits, is the same protocol relabelled: not a fault)
     _tail_fault("last-CTA compare off by one (the next-to-last arrival combines)", _DECODE_FILE,
-                "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
+                "split_arrive", "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
                 "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 2;"),
-    _tail_fault("epoch not advanced per launch", _LAUNCH, "out.epoch = ++e.epoch;", "out.epoch = e.epoch + 1;"),
+    _tail_fault("epoch not advanced per launch", _LAUNCH,
+                "split_epoch", "out.epoch = ++e.epoch;", "out.epoch = e.epoch + 1;"),
     # the protocol before epochs: plain counts from 0, reset by the last CTA; only an aborted launch shows it
     _tail_fault("counters reset by their last CTA instead of an epoch (an aborted launch poisons the next)",
-                _DECODE_FILE, _ARRIVE,
+                _DECODE_FILE, "split_arrive", _ARRIVE,
                 "  (void)base;\n  const bool last = dev::atomic_add(counter, 1ull) == p.num_splits - 1;\n"
                 "  if (last) dev::atomic_add(counter, 0ull - p.num_splits);\n  return last;\n"),
     _tail_fault("combine: a split's partial skipped (the last of each round)", _DECODE_FILE,
-                "        for (int s = 0; s < n; ++s) {", "        for (int s = 0; s + 1 < n; ++s) {"),
+                "combine_splits", "        for (int s = 0; s < n; ++s) {", "        for (int s = 0; s + 1 < n; ++s) {"),
     _tail_fault("combine: weights of split s taken from split s + 1", _DECODE_FILE,
-                "const float w = w_s[(s0 + s) * kDecodeRows + r];",
+                "combine_weights", "const float w = w_s[(s0 + s) * kDecodeRows + r];",
                 "const float w = w_s[(s0 + s + 1 < ns ? s0 + s + 1 : s0 + s) * kDecodeRows + r];"),
 ]
 
 FAULTS += [
-    _decode_fault("cp.async wait for the K tile removed", _K_WAIT, ""),
-    Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, _K_SYNC, "",
+    _decode_fault("cp.async wait for the K tile removed", "decode_k_wait", _K_WAIT, ""),
+    Fault("decode: __syncthreads after the K wait removed (TSan)", _DECODE_FILE, "decode_k_sync", _K_SYNC, "",
           build=KERNEL_BUILD_TSAN, run=_kernel_run(_DECODE, tsan=True)),
-    Fault("decode: window off by one (W + 1 keys)", _MASK, _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
+    Fault("decode: window off by one (W + 1 keys)", _MASK, "window_lo", _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
           run=_kernel_run(_DECODE)),
-    _decode_fault("ldmatrix .trans dropped for V", "dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16",
+    _decode_fault("ldmatrix .trans dropped for V",
+                  "decode_v_ldmatrix", "dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16",
                   "dev::ldmatrix_x4(vf, v_s + v_row * SLD + dp * 16"),
     _decode_fault("wrong quad shuffle in the row max",
-                  "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
+                  "decode_row_max", "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
                   "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));"),
-    _decode_fault("O not rescaled by the new running max", "      o[nb][0] *= alpha[0];\n", ""),
+    _decode_fault("O not rescaled by the new running max", "decode_o_rescale", "      o[nb][0] *= alpha[0];\n", ""),
     _decode_fault("split size rounded down",
-                  "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
+                  "decode_per_split", "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
                   "const int64_t per_split = tiles / p.num_splits;"),
     _decode_fault("masked keys read anyway (src_bytes 16)",
-                  "src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);",
+                  "decode_masked_copy", "src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);",
                   "src + (o[i] & kOffBits) + c * kChunkElems, true);"),
-    _decode_fault("fp8 v_scale not applied", "Conv<T>::from_float(acc * inv * v_scale)",
+    _decode_fault("fp8 v_scale not applied", "decode_out_scale", "Conv<T>::from_float(acc * inv * v_scale)",
                   "Conv<T>::from_float(acc * inv)"),
     _decode_fault("fp8 V: wrong byte permute in fp8_pv (keys of one dim not paired; shared with prefill)",
-                  "p0 = __byte_perm(lo_keys, 0u, 0x3120u)", "p0 = __byte_perm(lo_keys, 0u, 0x3210u)"),
+                  "fp8_pv_permute", "p0 = __byte_perm(lo_keys, 0u, 0x3120u)", "p0 = __byte_perm(lo_keys, 0u, 0x3210u)"),
     _decode_fault("fp8 K: query columns not permuted like the K fragments",
-                  "fp8_k_col((c % 2) * 8 + x)] = e[x];", "(c % 2) * 8 + x] = e[x];"),
+                  "decode_fp8_q_cols", "fp8_k_col((c % 2) * 8 + x)] = e[x];", "(c % 2) * 8 + x] = e[x];"),
     _decode_fault("fp8 V: O columns not put back in place",
-                  "const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);",
+                  "decode_fp8_o_dims", "const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);",
                   "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
-                  "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
+                  "split_arrive", "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
                   "  return (dev::atomic_add(counter, 1ull), int(blockIdx.x) == p.num_splits - 1);"),
     *_TAIL_FAULTS,
-    Fault("prefill: window off by one (W + 1 keys)", _MASK, _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
+    Fault("prefill: window off by one (W + 1 keys)", _MASK, "window_lo", _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
           run=_kernel_run(_PREFILL)),
-    _prefill_fault("ldmatrix .trans dropped (V)", "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +"),
-    _prefill_fault("ldmatrix .trans added (K)", "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +"),
-    _prefill_fault("cp.async wait before the tile removed", _PF_WAIT, ""),
-    _prefill_fault("cp.async wait_group 3 instead of 2 (3-stage ring)", "dev::cp_async_wait<2>();",
+    _prefill_fault("ldmatrix .trans dropped (V)",
+                   "prefill_v_ldmatrix", "dev::ldmatrix_x4_trans(r, vs +", "dev::ldmatrix_x4(r, vs +"),
+    _prefill_fault("ldmatrix .trans added (K)",
+                   "prefill_k_ldmatrix", "dev::ldmatrix_x4(r, ks +", "dev::ldmatrix_x4_trans(r, ks +"),
+    _prefill_fault("cp.async wait before the tile removed", "prefill_tile_wait", _PF_WAIT, ""),
+    _prefill_fault("cp.async wait_group 3 instead of 2 (3-stage ring)", "prefill_tile_wait", "dev::cp_async_wait<2>();",
                    "dev::cp_async_wait<3>();"),
-    _prefill_fault("__syncthreads before the refill removed", "      if constexpr (!kFp8) __syncthreads();\n", ""),
+    _prefill_fault("__syncthreads before the refill removed",
+                   "prefill_refill_sync", "      if constexpr (!kFp8) __syncthreads();\n", ""),
     _prefill_fault("P.V k-step reads the wrong S tile pair",
-                   "a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);",
+                   "prefill_pv_pair", "a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);",
                    "a[mt][2] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);"),
-    _prefill_fault("fp8 v_scale not applied", "const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;",
+    _prefill_fault("fp8 v_scale not applied",
+                   "prefill_out_scale", "const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;",
                    "const float out_scale = 1.f;"),
     _prefill_fault("fp8 k_scale not folded into the score scale",
-                   "kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;", "p.scale;"),
-    _prefill_fault("fp8 valid flags ignored", "flag_s[(it % stages) * BN + tid];", "1;"),
+                   "prefill_qk_scale", "kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;", "p.scale;"),
+    _prefill_fault("fp8 valid flags ignored", "prefill_fp8_flags", "flag_s[(it % stages) * BN + tid];", "1;"),
     *_SINK_FAULTS,
-    Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh", "if (slot < 0 || slot >= num_slots)",
+    Fault("append: negative (padding) slots written", "paged_kv_kernels.cuh",
+          "append_slot_check", "if (slot < 0 || slot >= num_slots)",
           "if (slot >= num_slots)", build=KERNEL_BUILD, run=_kernel_run("append_grid and 13-64 or append_traffic")),
 ]
 
@@ -264,9 +288,9 @@ _SAFETY_TESTS = ("append_unchecked_never_writes_past_cache or offsets_past_2_31 
 _SAFETY_RUN = _kernel_run(_SAFETY_TESTS, tests=_KERNEL_TESTS + ("test_window_attention_safety.py",))
 
 
-def _safety_fault(what: str, file: str, find: str, replace: str, caught_by_test: str) -> Fault:
+def _safety_fault(what: str, file: str, site: str, find: str, replace: str, caught_by_test: str) -> Fault:
     """caught_by_test: the test (and parameters) that catches it."""
-    return Fault(f"safety: {what} [{caught_by_test}]", file, find, replace, build=KERNEL_BUILD, run=_SAFETY_RUN,
+    return Fault(f"safety: {what} [{caught_by_test}]", file, site, find, replace, build=KERNEL_BUILD, run=_SAFETY_RUN,
                  timeout=2400)  # a build is a few minutes on a busy 2-core machine: a timeout must not read as caught
 
 
@@ -276,38 +300,44 @@ _PTX_F16_B = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
               '"f"(c[3]));\n}\ntemplate <>\n__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>')
 FAULTS += [
     _safety_fault("append: slot upper bound removed", "paged_kv_kernels.cuh",
-                  "if (slot < 0 || slot >= num_slots) continue;", "if (slot < 0) continue;",
+                  "append_slot_check", "if (slot < 0 || slot >= num_slots) continue;", "if (slot < 0) continue;",
                   "test_paged_kv_append_unchecked_never_writes_past_cache[simt]"),
     _safety_fault("append: cache offsets truncated to 32 bits", "paged_kv_kernels.cuh",
+                  "append_row",
                   "const int64_t row = (slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + h * cache_s2;",
                   "const int64_t row = int32_t((slot / block_size) * cache_s0 + (slot % block_size) * cache_s1 + "
                   "h * cache_s2);", "test_paged_kv_append_offsets_past_2_31_elements[simt]"),
     _safety_fault("gather: cache offsets truncated to 32 bits", "paged_kv_kernels.cuh",
-                  "dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u)",
+                  "gather_offset", "dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u)",
                   "dev::ld_global(k_cache + int32_t(blk * cache_s0 + off * cache_s1 + h * cache_s2 + u))",
                   "test_paged_kv_gather_offsets_past_2_31_elements[simt]"),
     _safety_fault("decode: __threadfence before the split counter removed", _DECODE_FILE,
+                  "split_fence",
                   "  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts "
                   "itself done\n", "", "test_window_attention_decode_split_combine[simt]"),
     _safety_fault("decode: V offsets computed from K's strides", _DECODE_FILE,
+                  "decode_kv_offsets",
                   "vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;", "vo = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;",
                   "test_window_attention_k_and_v_of_different_layouts[decode, simt]"),
     _safety_fault("decode: negative kv_start not clamped", _DECODE_FILE,
+                  "decode_first_key",
                   "const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b)"
                   " : 0,", "const int64_t lo = (p.kv_start && dev::ld_global(p.kv_start + b) < 0) ? "
                   "int64_t(dev::ld_global(p.kv_start + b)) : window_attention_first_key<int64_t>(i, p.kv_start ? "
                   "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
     _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
+                  "decode_kv_offsets",
                   "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
                   "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n        vo = int32_t(blk * "
                   "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
     _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
+                  "prefill_zero_unowned",
                   "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n", "",
                   "test_window_attention_hostile_input[cu_seqlens_q_*, simt]"),
-    Fault("safety: PTX mma (f16) with its B registers swapped", "device_mma.cuh", _PTX_F16_B,
+    Fault("safety: PTX mma (f16) with its B registers swapped", "device_mma.cuh", "ptx_mma_f16_operands", _PTX_F16_B,
           _PTX_F16_B.replace('"r"(b[0]), "r"(b[1])', '"r"(b[1]), "r"(b[0])'), build="true", run=_PTX_RUN),
     Fault("safety: PTX ldmatrix_x2_trans without .trans", "device_mma.cuh",
-          'ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];',
+          "ptx_ldmatrix_x2_trans", 'ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];',
           'ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];', build="true", run=_PTX_RUN),
 ]
 
@@ -322,29 +352,33 @@ _PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; rin
 _PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
 
 
-def _layout_fault(what: str, find: str, replace: str, tsan: bool = False) -> Fault:
-    return Fault(f"prefill: {what}" + (" (TSan)" if tsan else ""), _PF, find, replace,
+def _layout_fault(what: str, site: str, find: str, replace: str, tsan: bool = False) -> Fault:
+    return Fault(f"prefill: {what}" + (" (TSan)" if tsan else ""), _PF, site, find, replace,
                  build=KERNEL_BUILD_TSAN if tsan else KERNEL_BUILD,
                  run=_kernel_run(_LAYOUT_TSAN if tsan else _LAYOUT, tsan=tsan, tests=_LAYOUT_TESTS))
 
 
 FAULTS += [
-    _layout_fault("softcap variant never taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "false")),
-    _layout_fault("softcap variant always taken", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "true")),
+    _layout_fault("softcap variant never taken",
+                  "prefill_softcap", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "false")),
+    _layout_fault("softcap variant always taken",
+                  "prefill_softcap", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "true")),
     _layout_fault("softcap's 1 / softcap not folded into the score scale",
-                  "const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;",
+                  "prefill_score_mul", "const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;",
                   "const float score_mul = qk_scale;"),
     _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
+                  "prefill_fp8_convert_store",
                   "          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
     _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
-                  "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
+                  "prefill_fp8_convert_rows", "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
                   "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
     _layout_fault("fp8 valid flags not carried into the 16-bit tile",
-                  "          memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
-    _layout_fault("fp8 valid flags of ring stage 0 on every tile", "flag_s[(it % stages) * BN + tid];",
+                  "prefill_fp8_flag_copy", "          memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
+    _layout_fault("fp8 valid flags of ring stage 0 on every tile",
+                  "prefill_fp8_flags", "flag_s[(it % stages) * BN + tid];",
                   "flag_s[tid];"),
-    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, ""),
-    _layout_fault("fp8 barrier after the conversion removed", _PF_CVT_SYNC, "", tsan=True),
+    _layout_fault("fp8 barrier after the conversion removed", "prefill_fp8_convert_sync", _PF_CVT_SYNC, ""),
+    _layout_fault("fp8 barrier after the conversion removed", "prefill_fp8_convert_sync", _PF_CVT_SYNC, "", tsan=True),
 ]
 
 
@@ -353,19 +387,19 @@ FAULTS += [
 _HALVES = "warp_halves"
 
 
-def _halves_fault(what: str, find: str, replace: str) -> Fault:
-    return Fault(f"prefill 32-row warp: {what}", _PF, find, replace, build=KERNEL_BUILD,
+def _halves_fault(what: str, site: str, find: str, replace: str) -> Fault:
+    return Fault(f"prefill 32-row warp: {what}", _PF, site, find, replace, build=KERNEL_BUILD,
                  run=_kernel_run(_HALVES, tests=_LAYOUT_TESTS))
 
 
 FAULTS += [
     _halves_fault("second m16 half reads the first half's Q rows",
-                  "dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);",
+                  "prefill_q_frags", "dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);",
                   "dev::ldmatrix_x4(a[mt], q_warp + kk * 16);"),
     _halves_fault("second m16 half masked with the first half's row ranges",
-                  "split_row(lane_row(mt, r), tok, hig);", "split_row(lane_row(0, r), tok, hig);"),
+                  "prefill_row_mask", "split_row(lane_row(mt, r), tok, hig);", "split_row(lane_row(0, r), tok, hig);"),
     _halves_fault("second m16 half's lse from the first half's row max",
-                  "float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();",
+                  "prefill_lse", "float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();",
                   "float lse = lr > 0.f ? m[0][r] + __logf(lr) : neg_inf();"),
 ]
 
@@ -412,16 +446,31 @@ def _attempt(build: str, run: str, timeout: int, edit=None, runs: int = 1) -> tu
         return hows, secs, log[-2000:]
 
 
+def _site(text: str, fault: Fault) -> int:
+    """Where `fault.find` begins: its first occurrence after the fault's marker line, which must begin in one of the
+    two lines after the marker (a multi-line find may run on). The marker, not the text, names the site: a kernel
+    edit elsewhere in the file (even one that repeats the text) leaves the fault valid."""
+    marker = re.compile(rf"^[ \t]*// FAULT\({re.escape(fault.site)}\)[ \t]*\n", re.M)
+    hits = list(marker.finditer(text))
+    if len(hits) != 1:
+        raise ValueError(f"{fault.name}: the marker // FAULT({fault.site}) occurs {len(hits)} times in "
+                         f"csrc/{fault.file}, not once")
+    start = hits[0].end()
+    i = text.find(fault.find, start)
+    if i < 0 or text.count("\n", start, i) >= 2:
+        raise ValueError(f"{fault.name}: the text to replace does not begin in the two lines after "
+                         f"// FAULT({fault.site}) in csrc/{fault.file}")
+    return i
+
+
 def _apply(fault: Fault):
     def edit(src: str):
         path = os.path.join(src, fault.file)
         with open(path) as f:
             text = f.read()
-        n = text.count(fault.find)
-        if n != 1:
-            raise ValueError(f"{fault.name}: the text to replace occurs {n} times in csrc/{fault.file}, not once")
+        i = _site(text, fault)
         with open(path, "w") as f:
-            f.write(text.replace(fault.find, fault.replace))
+            f.write(text[:i] + fault.replace + text[i + len(fault.find):])
     return edit
 
 
@@ -429,13 +478,13 @@ def _apply(fault: Fault):
 # key own_k(i); the offsets come from the tile's own slot of the per-tile block lookup.
 FAULTS += [
     _decode_fault("fixed ownership: a thread's copy takes the offset of another of its keys (wrong key's row)",
-                  "o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;",
+                  "decode_copy_offsets", "o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;",
                   "o[i] = own_live(i) ? offs[own_k((i + 1) % kOwn)] : kMaskedOff;"),
     _decode_fault("fixed ownership: K copies reuse the previous tile's block lookup (offset slot of tile t - 1)",
-                  "copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);",
+                  "decode_k_copy", "copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);",
                   "copy(k_dst, kc, koff_s + (kslot == 0 ? stages - 1 : kslot - 1) * kDecodeTileKeys);"),
     _decode_fault("fixed ownership: the ring's issue stage not advanced (tiles copied over one stage)",
-                  "    st_new = st_new + 1 == stages ? 0 : st_new + 1;\n", ""),
+                  "decode_ring_advance", "    st_new = st_new + 1 == stages ? 0 : st_new + 1;\n", ""),
 ]
 
 

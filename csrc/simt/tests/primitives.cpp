@@ -353,11 +353,13 @@ __global__ void __launch_bounds__(128) gemm_kernel(const T* A, const T* B, float
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, wm = (warp / 2) * 32, wn = (warp % 2) * 32;
   float acc[2][4][4];
+  // FAULT(gemm_acc_zero)
   for (int i = 0; i < 32; ++i) acc[i / 16][(i / 4) % 4][i % 4] = 0.f;
   auto load_stage = [&](int s, int k0) {
     for (int i = 0; i < 2; ++i) {  // A: 64 rows x 4 chunks, 2 per thread
       const int c = tid + i * 128, r = c / 4, kc = (c % 4) * 8, gm = m0 + r, gk = k0 + kc;
       const bool in = gm < M && gk < K;
+      // FAULT(gemm_copy_a)
       dev::cp_async_16(&As[s][r][kc], in ? A + size_t(gm) * K + gk : A, in ? 16 : 0);
     }
     for (int i = 0; i < 2; ++i) {  // B: 32 rows x 8 chunks, 2 per thread
@@ -373,20 +375,24 @@ __global__ void __launch_bounds__(128) gemm_kernel(const T* A, const T* B, float
     const int s = kt & 1;
     if (kt + 1 < ktiles) load_stage(s ^ 1, (kt + 1) * kBK);
     dev::cp_async_commit();  // an empty group on the last tile keeps wait_group 1 meaning "stage s has landed"
+    // FAULT(gemm_stage_wait)
     dev::cp_async_wait<1>();
     __syncthreads();  // every thread's copies of stage s are visible
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t a[2][4], b[4][2];
       for (int mi = 0; mi < 2; ++mi)  // x4: rows 0-7 / 8-15 at k 0-7, then at k 8-15 = a[0..3]
+        // FAULT(gemm_ldmatrix_a)
         dev::ldmatrix_x4(a[mi], &As[s][wm + mi * 16 + lane % 16][kk + (lane / 16) * 8]);
       for (int nj = 0; nj < 2; ++nj) {  // x4.trans of [k][n]: k 0-7 / 8-15 at n 0-7, then at n 8-15 = two b pairs
         uint32_t r[4];
+        // FAULT(gemm_ldmatrix_b)
         dev::ldmatrix_x4_trans(r, &Bs[s][kk + lane % 16][wn + nj * 16 + (lane / 16) * 8]);
         b[2 * nj][0] = r[0], b[2 * nj][1] = r[1], b[2 * nj + 1][0] = r[2], b[2 * nj + 1][1] = r[3];
       }
       for (int mi = 0; mi < 2; ++mi)
         for (int ni = 0; ni < 4; ++ni) dev::mma_m16n8k16<T>(acc[mi][ni], a[mi], b[ni], acc[mi][ni]);
     }
+    // FAULT(gemm_refill_sync)
     __syncthreads();  // stage s is refilled by the next iteration's cp.async
   }
   for (int mi = 0; mi < 2; ++mi)
