@@ -338,7 +338,7 @@ def test_patched_generate_greedy_like_edges_equal_stock(edge, llama):
     greedy = llama.generate(SAMPLE_PROMPT, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     stock = llama.generate(SAMPLE_PROMPT, **_sample_kw(edge))
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         torch.manual_seed(1)
         patched = llama.generate(SAMPLE_PROMPT, **_sample_kw(edge))
     assert stock.tolist() == greedy.tolist() and patched.tolist() == stock.tolist()
@@ -350,7 +350,7 @@ def test_patched_generate_overflowing_temperature_fails_as_stock(llama):
     kw = _sample_kw(dict(temperature=1e-40))
     with pytest.raises(RuntimeError, match="probability tensor contains") as stock:
         llama.generate(SAMPLE_PROMPT, **kw)
-    with arkernels.patch(llama), pytest.raises(RuntimeError, match="probability tensor contains") as patched:
+    with arkernels.patch(llama, sampler=True), pytest.raises(RuntimeError, match="probability tensor contains") as patched:
         llama.generate(SAMPLE_PROMPT, **kw)
     assert str(patched.value) == str(stock.value)
 
@@ -382,7 +382,7 @@ def test_patched_generate_sampled_edges_keep_stock_sets(edge, llama):
     logit rows: the prompt's positions); an ``ArkernelsSampler`` stands in only where it reproduces stock."""
     logits = llama(SAMPLE_PROMPT).logits[0].detach().float()  # [positions, vocab]
     stock = _processors(llama, edge)
-    with arkernels.patch(llama) as handle:
+    with arkernels.patch(llama, sampler=True) as handle:
         patched = _processors(llama, edge)
         assert handle.active
     # the support of what multinomial draws from (a finite score can still round to probability 0: temperature 1e-6)
@@ -398,6 +398,6 @@ def test_patched_generate_sampled_edges_keep_stock_sets(edge, llama):
     if edge.get("top_p") == 0.0:  # transformers keeps one token, the fused sampler takes (0, 1]: stock serves it
         assert not fused  # (a NaN top_p is "off" to transformers: no top-p warper at all)
     # and the patched call itself runs to the end with tokens stock could draw at its first step
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         out = llama.generate(SAMPLE_PROMPT, **_sample_kw(edge))
     assert out.shape == (1, SAMPLE_PROMPT.shape[1] + NEW) and bool(stock_kept[-1, out[0, SAMPLE_PROMPT.shape[1]]])

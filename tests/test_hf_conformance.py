@@ -173,7 +173,7 @@ def test_fused_sampler_takes_over_only_when_exact():
     from arkernels.hf.patch import ArkernelsSampler
 
     model = _model("llama")
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, sampler=True):
         # top_k=1 leaves one candidate: the fused sampler returns the greedy token whatever the seed
         greedy = model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
                                 eos_token_id=None)
@@ -193,7 +193,7 @@ def test_fused_sampler_takes_over_only_when_exact():
     # the stock fallbacks draw exactly what stock draws (same torch seed)
     ref = []
     for patched in (False, True):
-        handle = arkernels.patch(model, block_size=BLOCK) if patched else None
+        handle = arkernels.patch(model, block_size=BLOCK, sampler=True) if patched else None
         torch.manual_seed(3)
         ref.append(model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=NEW, do_sample=True,
                                   temperature=1.3, typical_p=0.95, eos_token_id=None))

@@ -46,7 +46,7 @@ def test_patch_pieces_alone(attention, cache):
 def test_patch_sampler():
     model = tiny_model("llama")
     ref = _greedy(model)
-    with arkernels.patch(model, block_size=BLOCK_SIZE):
+    with arkernels.patch(model, block_size=BLOCK_SIZE, sampler=True):
         # top_k=1 leaves one candidate: the fused sampler must return the greedy token whatever the seed
         top1 = model.generate(
             input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
@@ -63,6 +63,77 @@ def test_patch_sampler():
     assert not torch.equal(a, ref)  # temperature 1.5 over 256 tokens: 24 draws all greedy would be a broken sampler
     assert type(processors[-1]).__name__ == "ArkernelsSampler"
     assert not any(type(p).__name__ == "TopKLogitsWarper" for p in processors)
+
+
+# sampler="auto" (the default): transformers' processors serve greedy calls and every CPU call, so stock's seeded
+# tokens come out exactly; the fused draw takes sampling calls on a CUDA device only
+AUTO_CASES = {
+    "sample": dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.9),
+    "sample+rules": dict(do_sample=True, temperature=1.2, repetition_penalty=1.3, min_new_tokens=4, eos_token_id=2),
+    "greedy+rules": dict(do_sample=False, repetition_penalty=1.5, bad_words_ids=[[7]], min_new_tokens=4,
+                         eos_token_id=2, suppress_tokens=[3]),
+}
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_sampler_auto_is_stock_on_the_cpu(case):
+    from arkernels.hf.patch import ArkernelsSampler
+
+    model = tiny_model("llama")
+    kw = dict(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+              **AUTO_CASES[case])
+    torch.manual_seed(11)
+    ref = model.generate(**kw)
+    with arkernels.patch(model, block_size=BLOCK_SIZE):
+        before = ArkernelsSampler.calls
+        torch.manual_seed(11)
+        out = model.generate(**kw)
+        assert ArkernelsSampler.calls == before  # no fused draw on the CPU
+    assert torch.equal(out, ref)
+
+
+def test_sampler_auto_fuses_sampling_on_cuda_only():
+    from transformers import GenerationConfig
+
+    from arkernels.hf.patch import ArkernelsSampler
+
+    model = tiny_model("llama")
+    sample = GenerationConfig(do_sample=True, top_k=5, repetition_penalty=1.2)
+    greedy = GenerationConfig(do_sample=False, repetition_penalty=1.2)
+    for config in (sample, greedy):
+        config._eos_token_tensor = None  # what generate sets before it builds the processors
+    with arkernels.patch(model, block_size=BLOCK_SIZE):
+        got = {(name, device): model._get_logits_processor(config, input_ids_seq_length=3, device=device)
+               for name, config in (("sample", sample), ("greedy", greedy)) for device in ("cpu", "cuda")}
+    with arkernels.patch(model, block_size=BLOCK_SIZE, sampler=True):
+        forced = model._get_logits_processor(greedy, input_ids_seq_length=3, device="cpu")
+    fused = {k: any(isinstance(p, ArkernelsSampler) for p in v) for k, v in got.items()}
+    assert fused == {("sample", "cpu"): False, ("sample", "cuda"): True, ("greedy", "cpu"): False,
+                     ("greedy", "cuda"): False}
+    assert type(forced[-1]) is ArkernelsSampler and len(forced) == 1  # True: the rules fused into the draw
+    with pytest.raises(ValueError, match="arkernels.patch: sampler must be 'auto', True or False"):
+        arkernels.patch(model, sampler="cuda")
+
+
+# ids stock accepts and its isin-based processors ignore (generate warns about an EOS of -1 and runs)
+IGNORED_IDS = {"eos -1": dict(min_new_tokens=4, eos_token_id=-1),
+               "eos past the vocabulary": dict(min_new_tokens=4, eos_token_id=[2, 5000]),
+               "suppress outside the vocabulary": dict(suppress_tokens=[-5, 3, 100000])}
+
+
+@pytest.mark.parametrize("case", list(IGNORED_IDS))
+def test_fused_rules_ignore_the_ids_stock_ignores(case):
+    from arkernels.hf.patch import ArkernelsSampler
+
+    model = tiny_model("llama")
+    kw = dict(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, do_sample=False,
+              pad_token_id=0, **IGNORED_IDS[case])
+    ref = model.generate(**kw)
+    with arkernels.patch(model, block_size=BLOCK_SIZE, sampler=True):
+        before = ArkernelsSampler.calls
+        out = model.generate(**kw)
+        assert ArkernelsSampler.calls > before  # the fused draw served it
+    assert torch.equal(out, ref)
 
 
 def test_undo_restores_and_isolates():

@@ -365,7 +365,7 @@ def test_patched_greedy_with_rules_gives_stock_tokens_and_fuses(case, llama):
 
     cfg = dict(RULE_CASES[case], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=101)
     stock = llama.generate(input_ids=IDS, attention_mask=MASK, **cfg)
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         before = ArkernelsSampler.calls
         got = llama.generate(input_ids=IDS, attention_mask=MASK, **cfg)
         ran = ArkernelsSampler.calls - before
@@ -392,7 +392,7 @@ def test_patched_sampling_with_rules_matches_processed_distribution(llama):
     stock = llama._get_logits_processor(config, input_ids_seq_length=ids.shape[1], device="cpu")
     q = torch.softmax(stock(ids, logits.clone()), -1)[0].double()
     n = 300
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         before = ArkernelsSampler.calls
         torch.manual_seed(0)
         draws = [int(llama.generate(input_ids=ids, max_new_tokens=1, **cfg)[0, -1]) for _ in range(n)]
@@ -415,7 +415,7 @@ def test_patched_unfusable_rules_stay_stock(llama):
 
     config = GenerationConfig(do_sample=False, bad_words_ids=[[5, 6]])
     config._eos_token_tensor = None
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         multi = llama._get_logits_processor(config, input_ids_seq_length=3, device="cpu")
         ngram = llama._get_logits_processor(GenerationConfig(do_sample=True, top_k=5, repetition_penalty=1.2,
                                                              no_repeat_ngram_size=2), input_ids_seq_length=3,
@@ -529,7 +529,7 @@ def test_patched_num_return_sequences_draw_distinct_samples(llama):
     """Each returned sequence has its own stream (row r: seed + r * stride); row 0 is the one-sequence call."""
     cfg = dict(max_new_tokens=6, do_sample=True, temperature=1.5, eos_token_id=None, pad_token_id=0)
     ids = torch.tensor([[1, 5, 9]])
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         torch.manual_seed(0)
         many = llama.generate(input_ids=ids, num_return_sequences=3, **cfg)
         torch.manual_seed(0)

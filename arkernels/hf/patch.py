@@ -11,7 +11,8 @@ Three independent pieces, each undone by the handle:
   sampling calls get it with fixed shapes (compileable): transformers then compiles their decode forward where it
   compiles a static cache, through ``get_compiled_call`` (wrapped: the cache's host half of each step runs before the
   compiled forward) and ``create_masks_for_generate`` (wrapped: a call's decode masks are built once).
-- sampler: an instance attribute wrapping ``_get_logits_processor``: for plain sampling (``do_sample=True``, one beam,
+- sampler: an instance attribute wrapping ``_get_logits_processor`` (by default for sampling calls on CUDA only, see
+  ``patch``'s ``sampler``): for plain sampling (``do_sample=True``, one beam,
   no assistant, no ``output_scores``) whose warpers are exactly a trailing run of temperature / top-k / top-p / min-p
   (transformers' order, ``min_tokens_to_keep`` 1) with values the fused sampler reproduces exactly (``_fusable``:
   not ``top_p=0``, not a temperature below 2**-100), those warpers are replaced by one processor that draws with
@@ -108,7 +109,7 @@ class _Tier:
         return self.after is not None and not self.failed and self.steps >= self.after
 
 
-def patch(model, attention: bool = True, cache: bool = True, sampler: bool = True, *, block_size: int = 16,
+def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str = "auto", *, block_size: int = 16,
           fuse: bool = False, kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | list[float] | None = None,
           v_scale: float | list[float] | None = None, compile: bool | str = "auto",
           compile_after: int | None = COMPILE_AFTER):
@@ -126,8 +127,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
             kind). With attention too,
             the attention kernel reads the paged cache in place; alone, the cache hands dense K/V to whatever
             attention the model uses.
-        sampler: draw plain ``do_sample=True`` tokens with ``arkernels.sample`` when the requested warpers are
-            exactly what it implements (see the module docstring); otherwise the stock warpers run.
+        sampler: "auto" (default): plain ``do_sample=True`` calls on a CUDA model draw with ``arkernels.sample``
+            (one kernel, no sort of the vocabulary) when the requested warpers are exactly what it implements (see
+            the module docstring); greedy calls, and every call on the CPU (where ``arkernels.sample`` is composed
+            of more torch ops than the stock warpers it replaces), keep transformers' processors: stock's tokens at
+            stock's cost. True: the fused draw for every call it can serve exactly, greedy ones with token rules
+            included, on every device (arkernels' seeded draws everywhere). False: never.
         fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``; opt-in, undone with
             the rest).
         kv_cache_dtype: the ``PagedCache``'s storage: "auto" (the model's dtype) or "fp8" (float8_e4m3fn with a K
@@ -155,6 +160,8 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
 
     check_model(model, "arkernels.patch")
     _check_patch_args(model, block_size, attention)
+    if sampler not in ("auto", True, False):
+        raise ValueError(f"arkernels.patch: sampler must be 'auto', True or False, got {sampler!r}")
     if compile not in ("auto", True, False):
         raise ValueError(f"arkernels.patch: compile must be 'auto', True or False, got {compile!r}")
     if compile_after is not None and (not isinstance(compile_after, int) or isinstance(compile_after, bool)
@@ -196,7 +203,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         # its own instance hook, see arkernels.hf.cb
         from arkernels.hf.cb import hook_continuous_batching
 
-        if hook_continuous_batching(model, sampler=sampler):
+        if hook_continuous_batching(model, sampler=sampler is not False):  # CB's batched draw: fused unless False
             attrs.append("init_continuous_batching")
     if cache or sampler:
         model._prepare_cache_for_generation = _wrap_cache(model, model._prepare_cache_for_generation, block_size,
@@ -210,7 +217,7 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool = Tru
         model.create_masks_for_generate = _wrap_masks(model)
         attrs += ["get_compiled_call", "create_masks_for_generate"]
     if sampler:
-        model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state)
+        model._get_logits_processor = _wrap_logits_processor(model._get_logits_processor, state, sampler)
         attrs.append("_get_logits_processor")
     handle = PatchHandle(model, saved_attn, attrs, fuse_handle, shadowed)
     model.__dict__[_PATCH_ATTR] = handle
@@ -511,9 +518,11 @@ class _HFRules:
     before the repetition processor's ``prompt_ignore_length`` left out, as it leaves them out) and each later
     step adds the columns ``input_ids`` grew by, on the device."""
 
-    def __init__(self, processors, repetition, ignore, bias: dict, banned: list, eos: list, min_len: int):
+    def __init__(self, processors, repetition, ignore, bias: dict, banned: list, suppressed: list, eos: list,
+                 min_len: int):
         self.processors = processors  # the stock processors replaced (they raise stock's errors on bad ids)
         self.repetition, self.ignore, self.bias, self.banned = repetition, ignore, bias, banned
+        self.suppressed = suppressed  # suppress_tokens: ids outside the vocabulary suppress nothing (stock's isin)
         self.eos, self.min_len = eos, min_len  # EOS masked while input_ids is shorter than min_len
         self.state = self.table = None
         self.seen = 0
@@ -527,7 +536,11 @@ class _HFRules:
             if any(not 0 <= t < vocab for t in ids) or bool(((input_ids < 0) | (input_ids >= vocab)).any()):
                 for p in self.processors:  # transformers' own error for ids outside the vocabulary
                     p(input_ids, scores.clone())
-            st = token_state([[]] * batch, vocab, banned=self.banned or None, eos_token_id=self.eos or None,
+            # stock's min-length and suppress processors match ids against the vocabulary (isin): an EOS id of -1
+            # (generate warns and runs) or one past the vocabulary masks nothing
+            banned = self.banned + [t for t in self.suppressed if 0 <= t < vocab]
+            eos = [t for t in self.eos if 0 <= t < vocab]
+            st = token_state([[]] * batch, vocab, banned=banned or None, eos_token_id=eos or None,
                              device=scores.device)
             keep = torch.ones_like(input_ids, dtype=torch.bool)
             if self.ignore is not None:
@@ -557,7 +570,7 @@ def _fused_rules(processors):
 
     if not processors:
         return None
-    repetition, ignore, bias, banned, eos, min_len = None, None, {}, [], None, 0
+    repetition, ignore, bias, banned, suppressed, eos, min_len = None, None, {}, [], [], None, 0
     for p in processors:
         kind = type(p)
         if kind is RepetitionPenaltyLogitsProcessor and repetition is None:
@@ -587,20 +600,32 @@ def _fused_rules(processors):
                  else int(p.prompt_length_to_skip) + int(p.min_new_tokens))
             min_len = max(min_len, n)
         elif kind is SuppressTokensLogitsProcessor:
-            banned += [int(t) for t in p.suppress_tokens.reshape(-1).tolist()]
+            suppressed += [int(t) for t in p.suppress_tokens.reshape(-1).tolist()]
         else:
             return None
-    return _HFRules(list(processors), repetition, ignore, bias, banned, eos or [], min_len)
+    return _HFRules(list(processors), repetition, ignore, bias, banned, suppressed, eos or [], min_len)
 
 
-def _wrap_logits_processor(original, state: dict):
+def _sampler_serves(sampler: bool | str, do_sample: bool, device) -> bool:
+    """Whether the fused draw may replace this call's processors: ``sampler=True`` always (where exact), "auto" only
+    for sampling on a CUDA device (see ``patch``)."""
+    if sampler == "auto":
+        return bool(do_sample) and device is not None and torch.device(device).type == "cuda"
+    return bool(sampler)
+
+
+def _wrap_logits_processor(original, state: dict, sampler: bool | str = True):
     signature = inspect.signature(original)
 
     def _get_logits_processor(*args, **kwargs):
         processors = original(*args, **kwargs)
         if state["stock"]:
             return processors  # a call served as the unpatched model (arkernels.hf.stock_call)
-        config = signature.bind(*args, **kwargs).arguments["generation_config"]
+        bound = signature.bind(*args, **kwargs).arguments
+        config = bound["generation_config"]
+        device = bound.get("device") or getattr(getattr(original, "__self__", None), "device", None)
+        if not _sampler_serves(sampler, config.do_sample, device):
+            return processors
         # only plain sampling / greedy: beams draw several candidates from the warped scores, assisted decoding
         # compares distributions, output_scores returns the warped scores: a one-hot row would change all three
         if (state.get("mode") not in (None, "sample", "greedy_search") or (config.num_beams or 1) != 1
