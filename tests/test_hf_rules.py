@@ -230,16 +230,27 @@ def test_generate_repetition_ignores_the_padding(sample_top1, llama):
     assert control[0, 0] != PAD  # the pads counted: penalised
 
 
+def _min_length_rule(rule, n):
+    """generate keywords for one of the EOS-holding rules. generate turns ``min_new_tokens`` into ``min_length =
+    prompt + n`` as well (both processors run), so "processor" passes a user's ``MinNewTokensLengthLogitsProcessor``
+    alone: there the count after the prompt is the only thing that holds EOS back."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    if rule == "processor":
+        return dict(logits_processor=[MinNewTokensLengthLogitsProcessor(IDS.shape[1], n, EOS)])
+    return {rule: n}
+
+
 @pytest.mark.parametrize("sample_top1", MODES)
-@pytest.mark.parametrize("rule,n", [("min_new_tokens", 3), ("min_new_tokens", 9), ("min_length", 10),
-                                    ("min_length", 5)])
+@pytest.mark.parametrize("rule,n", [("min_new_tokens", 3), ("min_new_tokens", 9), ("processor", 3), ("processor", 9),
+                                    ("min_length", 10), ("min_length", 5)])
 def test_generate_min_length_rules_hold_back_eos(rule, n, sample_top1, llama):
     """EOS biased to the top: it comes exactly when the rule releases it: after n new tokens (min_new_tokens, counted
     after the 7-column prompt, n below and above the prompt length) or at total length n (min_length; 5 < the
     prompt: no effect); without the rule, at once."""
     gen = dict(sequence_bias={(EOS,): 5.0}, max_new_tokens=12)
-    stock = _check_patched(llama, sample_top1, **{rule: n}, **gen)
-    new = n if rule == "min_new_tokens" else max(n - IDS.shape[1], 0)
+    stock = _check_patched(llama, sample_top1, **_min_length_rule(rule, n), **gen)
+    new = max(n - IDS.shape[1], 0) if rule == "min_length" else n
     assert not (stock[:, :new] == EOS).any() and bool((stock[:, new] == EOS).all())
     assert bool((_check_patched(llama, sample_top1, **gen)[:, 0] == EOS).all())  # control: no rule
 
