@@ -16,6 +16,7 @@ import arkernels
 from arkernels.hf import capability
 from arkernels.hf.attention import arkernels_attention
 from arkernels.hf.tiny import tiny_model
+from test_hf_attention import _Layer, _qkv
 
 # the spec, written out (not read from capability.REFUSED, so a keyword moved out of the refused table fails here):
 # keyword -> the start of the reason its refusal gives
@@ -103,20 +104,6 @@ def test_check_model_accepts_implemented_and_harmless_keyword(kw, tmp_path):
     assert type(modules[1]).__name__ == f"Passes_{kw}"
 
 
-class _Layer(torch.nn.Module):
-    """What arkernels_attention reads of a transformers attention module."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer_idx, self.config, self.is_causal = 3, None, True
-
-
-def _qkv(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8,
-                                                                                                   generator=g)
-
-
 @pytest.mark.parametrize("kw", list(REFUSED) + [UNKNOWN])
 def test_attention_refuses_keyword_value_and_serves_none(kw):
     """A value refuses, naming the layer, the keyword and its reason; None is no value: the call is served as without
@@ -132,7 +119,7 @@ def test_attention_refuses_keyword_value_and_serves_none(kw):
 
 def test_attention_sinks_keyword_is_not_s_aux():
     """``s_aux=`` changes the output (the sinks join the denominator); the same tensor as ``sinks=`` refuses."""
-    q, k, v = _qkv(1)
+    q, k, v = _qkv(seed=1)
     sinks = torch.tensor([3.0, -1.0, 0.5, 2.0])
     plain, _ = arkernels_attention(_Layer(), q, k, v, None, scaling=0.3)
     with_sinks, _ = arkernels_attention(_Layer(), q, k, v, None, scaling=0.3, s_aux=sinks)
