@@ -78,6 +78,40 @@ def test_window_attention_sinks_decode(device, dtype, head_dim):
     assert bool(empty[3].all())  # the sequence of length 0
 
 
+SINK_FAR = 1000.0  # far above every score (scores are O(1)): exp(sink - score) overflows fp32 unless the sink is in the max
+# (lens, q_lens or None for decode): one split; several splits (the CUDA decode combine adds the sink); prefill
+FAR_SINK_CASES = {"decode": ([1, 9, 40, 0], None), "decode_splits": ([700, 3], None),
+                  "prefill": ([1, 45, 30, 9], [1, 45, 12, 0])}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(FAR_SINK_CASES))
+def test_window_attention_sink_far_above_scores(device, dtype, case):
+    """A sink of +1000 over O(1) scores (head 0) and one of -1000 (head 1): the sink must be part of the running
+    maximum, or ``exp(sink - max)`` overflows to inf and lse becomes inf. Head 0: out ~0 (every key's weight
+    ``exp(s - 1000)`` underflows), lse == the sink, finite; the other heads as the fp64 reference."""
+    _skip_unsupported(device, dtype)
+    lens, q_lens = FAR_SINK_CASES[case]
+    gen = torch.Generator().manual_seed(40 + list(FAR_SINK_CASES).index(case))
+    hq, hkv, d = 8, 2, 64
+    k, v, table = _paged(lens, 16, hkv, d, dtype, device, gen)
+    cu = None if q_lens is None else _cu(q_lens)
+    query = torch.randn(len(lens) if cu is None else cu[-1], hq, d, generator=gen).to(dtype).to(device)
+    sinks = _sinks(hq, gen)
+    sinks[0], sinks[1] = SINK_FAR, -SINK_FAR
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32, device=device),
+                                sinks=sinks.to(device), return_lse=True,
+                                cu_seqlens_q=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
+    if isinstance(device, SimtDevice) and case == "decode_splits":
+        assert _splits() > 1
+    _check(out, lse, query, k, v, table, lens, cu, 0, d ** -0.5, 0.0, sinks=sinks)
+    out, lse = out.cpu(), lse.cpu()
+    assert bool(torch.isfinite(lse[:, :2]).all())  # (the last head has no sink: -inf for a query without keys)
+    assert out[:, 0].abs().max().item() <= 1e-6
+    torch.testing.assert_close(lse[:, 0], torch.full_like(lse[:, 0], SINK_FAR), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("block_order", [0, 1, 2])
 def test_window_attention_sinks_decode_splits(device, block_order):

@@ -546,7 +546,7 @@ class _HFRules:
             if self.ignore is not None:
                 pos = torch.arange(input_ids.shape[1], device=input_ids.device)
                 ignore = torch.as_tensor(self.ignore, device=input_ids.device).reshape(-1, 1)
-                keep = pos[None, :] >= ignore
+                keep = (pos[None, :] >= ignore).expand_as(input_ids)  # an int ignore: one row for all
             rows = torch.arange(batch, device=input_ids.device)[:, None].expand_as(input_ids)
             st[rows[keep], input_ids[keep]] |= PROMPT_BIT
             self.state = st
