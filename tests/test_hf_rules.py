@@ -76,7 +76,7 @@ def _processors(model, ids=IDS, mask=MASK, logits_processor=None, **gen):
 
 def _fused_sampler(model, **gen) -> ArkernelsSampler:
     """The patched hook's processors for ``gen``: one ArkernelsSampler that carries every rule (nothing stock left)."""
-    with arkernels.patch(model):
+    with arkernels.patch(model, sampler=True):
         procs = _processors(model, **gen)
     assert len(procs) == 1 and type(procs[0]) is ArkernelsSampler and procs[0].rules is not None, procs
     return procs[0]
@@ -127,7 +127,7 @@ def test_repetition_int_prompt_ignore_length_equals_transformers(ignore, llama):
 
     custom = dict(logits_processor=[RepetitionPenaltyLogitsProcessor(1.9, prompt_ignore_length=ignore)])
     stock = _processors(llama, do_sample=False, **custom)
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         (sampler,) = _processors(llama, do_sample=False, logits_processor=[
             RepetitionPenaltyLogitsProcessor(1.9, prompt_ignore_length=ignore)])
     assert type(sampler) is ArkernelsSampler and sampler.rules.ignore == ignore
@@ -154,7 +154,7 @@ def test_bias_before_repetition_order(llama):
     stock_rev = _processors(llama, **reverse)
     assert [type(p).__name__ for p in stock_rev] == ["RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor"]
     assert stock_rev(IDS, scores.clone())[0, FIRST_REAL] == 1.0  # x / r + b: the other order
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         patched_rev = _processors(llama, **reverse)
     assert not any(type(p) is ArkernelsSampler for p in patched_rev)  # greedy, bias after the penalty: stock
 
@@ -187,7 +187,7 @@ def _generate(model, patched, sample_top1=False, **gen):
     kw = dict(input_ids=IDS, attention_mask=MASK, pad_token_id=PAD, eos_token_id=EOS, **mode, **gen)
     if not patched:
         return model.generate(**kw)[:, IDS.shape[1]:]
-    with arkernels.patch(model):
+    with arkernels.patch(model, sampler=True):
         before = ArkernelsSampler.calls
         out = model.generate(**kw)[:, IDS.shape[1]:]
         fused = ArkernelsSampler.calls - before
@@ -281,5 +281,5 @@ def test_generate_bias_before_repetition_decides(sample_top1, llama):
                    logits_processor=[SequenceBiasLogitsProcessor({(FIRST_REAL,): 1.0})])
     rev = llama.generate(**reverse)[:, IDS.shape[1]:]
     assert rev[0, 0] == FIRST_REAL
-    with arkernels.patch(llama):
+    with arkernels.patch(llama, sampler=True):
         assert torch.equal(llama.generate(**reverse)[:, IDS.shape[1]:], rev)
