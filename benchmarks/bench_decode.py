@@ -24,7 +24,10 @@ full-length time.
 
 Named cases (``--case``): ``host-bound``: a tiny random Llama (4 layers, hidden 64, fp32 on the CPU), batch 1, a
 16-token prompt, 48 new tokens: compute is negligible, so what is timed is the host's work per step, the regime of
-batch-1 decoding on a GPU.
+batch-1 decoding on a GPU. ``--rules`` sets the generation rules of every call (``none``: no processor;
+``min_new_tokens`` (default); ``repetition_penalty``; ``bad_words_ids``; ``all``: each in turn); ``--isolate`` runs each
+(rules, method) pair in a process of its own, rounds of processes alternating, each process timing stock beside its
+method (its ``vs_stock`` is that in-process ratio; ``vs_static`` compares two processes' ratios).
 
 Methods are timed interleaved (A B C A B C ..., ``--repeats`` rounds) and each reports the median; ``vs_stock`` is
 the ratio of the medians.
@@ -44,8 +47,11 @@ also a Llama-3-8B-shaped model with random bf16 weights (coded; not measured on 
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -98,14 +104,30 @@ def _compile_config():
     return config
 
 
-def _stock(model, ids, n, **kw):
-    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, **kw)[:, ids.shape[1]:]
+# ``--rules``: the generation rules of every ``model.generate`` call (greedy): transformers' processors stock, whatever
+# the patch makes of them patched. Each set keeps every call at full length (an EOS that can fire is masked).
+RULES = {
+    "none": lambda n: dict(eos_token_id=-1),  # no processor at all (an EOS id no token has: generate warns, runs)
+    "min_new_tokens": lambda n: dict(min_new_tokens=n, eos_token_id=None),  # the model's EOS, masked n tokens
+    "repetition_penalty": lambda n: dict(repetition_penalty=1.3, eos_token_id=-1),
+    "bad_words_ids": lambda n: dict(bad_words_ids=[[5], [7]], eos_token_id=-1),
+}
 
 
-def _ours(model, ids, n, cuda_graphs=False, compile=False):
-    return torch.tensor(arkernels.generate(model, ids, max_new_tokens=n, eos_token_id=[],
-                                           cuda_graphs=cuda_graphs, compile=compile).tokens)
+def _stock(model, ids, n, rules="min_new_tokens", **kw):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, **RULES[rules](n), **kw)[:, ids.shape[1]:]
+
+
+# the same rules as arkernels.generate's arguments (its EOS: the model's, for min_new_tokens; none otherwise)
+OUR_RULES = {"none": lambda n: dict(eos_token_id=[]), "min_new_tokens": lambda n: dict(min_new_tokens=n),
+             "repetition_penalty": lambda n: dict(repetition_penalty=1.3, eos_token_id=[]),
+             "bad_words_ids": lambda n: dict(bad_words_ids=[[5], [7]], eos_token_id=[])}
+
+
+def _ours(model, ids, n, rules="min_new_tokens", cuda_graphs=False, compile=False):
+    return torch.tensor(arkernels.generate(model, ids, max_new_tokens=n, cuda_graphs=cuda_graphs, compile=compile,
+                                           **OUR_RULES[rules](n)).tokens)
 
 
 _CLOCK = time.perf_counter  # --clock cpu: time.process_time (see main)
@@ -125,7 +147,7 @@ def _median(xs):
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, repeats):
+def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, repeats, rules="min_new_tokens"):
     cfg = model.config
     elem = next(model.parameters()).element_size()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -143,22 +165,22 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
         config = _compile_config()  # one object: transformers recompiles when the config changes
         for method in methods:
             if method == "stock":
-                fns[method] = lambda n: _stock(model, ids, n)  # noqa: E731
+                fns[method] = lambda n: _stock(model, ids, n, rules)  # noqa: E731
             elif method == "static+compile":
-                fns[method] = lambda n: _stock(model, ids, n, cache_implementation="static",  # noqa: E731
+                fns[method] = lambda n: _stock(model, ids, n, rules, cache_implementation="static",  # noqa: E731
                                                compile_config=config)
             elif method == "patched":
-                fns[method] = lambda n: _stock(twin, ids, n)  # noqa: E731  (twin: patched for the whole run)
+                fns[method] = lambda n: _stock(twin, ids, n, rules)  # noqa: E731  (twin: patched for the whole run)
             elif method in ("patched-eager", "patched+host"):
-                fns[method] = lambda n: _stock(model, ids, n)  # noqa: E731  (runs inside the patch below)
+                fns[method] = lambda n: _stock(model, ids, n, rules)  # noqa: E731  (runs inside the patch below)
             elif method == "patched+compile":
-                fns[method] = lambda n: _stock(model, ids, n, compile_config=config)  # noqa: E731
+                fns[method] = lambda n: _stock(model, ids, n, rules, compile_config=config)  # noqa: E731
             elif method == "arkernels+graphs":
-                fns[method] = lambda n: _ours(model, ids, n, cuda_graphs=True)  # noqa: E731
+                fns[method] = lambda n: _ours(model, ids, n, rules, cuda_graphs=True)  # noqa: E731
             elif method == "arkernels+compile":
-                fns[method] = lambda n: _ours(model, ids, n, compile=True)  # noqa: E731
+                fns[method] = lambda n: _ours(model, ids, n, rules, compile=True)  # noqa: E731
             else:
-                fns[method] = lambda n: _ours(model, ids, n)  # noqa: E731
+                fns[method] = lambda n: _ours(model, ids, n, rules)  # noqa: E731
 
         def run(method, n):
             handle = None
@@ -189,7 +211,8 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
             step = max(t_full - t_prefill, 1e-9) / max(new_tokens - 1, 1)
             ctx = prompt_len + new_tokens / 2
             gbs = (model_bytes + batch * ctx * kv_per_token) / step / 1e9
-            rows.append(dict(model=name, device=device_name(device), method=method, batch=batch, prompt=prompt_len,
+            rows.append(dict(model=name, device=device_name(device), method=method, rules=rules, batch=batch,
+                             prompt=prompt_len,
                              new_tokens=new_tokens, repeats=repeats, tokens_per_s=batch / step, step_ms=step * 1e3,
                              gb_per_s=gbs, prefill_s=t_prefill, compile_s=max(first[method] - t_full, 0.0),
                              match=bool(torch.equal(runs[method].cpu(), runs["stock"].cpu()))))
@@ -320,6 +343,13 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="interleaved timing rounds (medians reported)")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods to time (stock always runs)")
+    p.add_argument("--rules", default="min_new_tokens",
+                   help=f"comma-separated generation rules of every call ({', '.join(RULES)}) or 'all'")
+    p.add_argument("--isolate", action="store_true",
+                   help="host-bound: each (rules, method) pair in a process of its own, --repeats rounds of processes "
+                        "alternating (several compiled variants of one forward in one process hit dynamo's "
+                        "recompile limit); the median over processes of each one's median")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one --isolate process
     p.add_argument("--count", action="store_true", help="ops per layer and host-device syncs per decode step "
                                                         "(CPU profiler; no timing)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -355,11 +385,21 @@ def main():
                            "syncs_per_step",
                            "scalar_syncs_per_step", "host_reads_per_step"])
         return
+    rules = list(RULES) if args.rules == "all" else args.rules.split(",")
+    unknown = [r for r in rules if r not in RULES]
+    if unknown:
+        p.error(f"--rules: unknown {unknown}; choose from {list(RULES)} or 'all'")
     rows = []
-    if args.case == "host-bound":
+    if args.case == "host-bound" and args.isolate and not args.worker:
+        rows = isolated(sys.argv[1:], methods, rules, max(args.repeats, 3))
+    elif args.case == "host-bound":
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [1]
-        rows += bench_model("tiny-llama-4l", host_bound_model(device), batches, 16, 48, device, methods,
-                            max(args.repeats, 5))
+        for r in rules:
+            rows += bench_model("tiny-llama-4l", host_bound_model(device), batches, 16, 48, device, methods,
+                                max(args.repeats, 5) if not args.worker else args.repeats, rules=r)
+        if args.worker:
+            print(json.dumps(rows))
+            return
     elif args.quick:  # CI: a tiny random Llama, seconds on the CPU
         batches = [1, 4]
         rows += bench_model("tiny-llama", tiny_llama(0).to(device), batches, 32, 16, device,
@@ -378,8 +418,47 @@ def main():
                                 device, methods, args.repeats)
     write_results(rows, args.out, "bench_decode", plot=("batch", "tokens_per_s", "method"),
                   title="decode tokens/s")
-    print_table(rows, ["model", "method", "batch", "tokens_per_s", "vs_stock", "vs_static", "step_ms", "compile_s",
-                       "match"])
+    print_table(rows, ["model", "method", "rules", "batch", "tokens_per_s", "vs_stock", "vs_static", "step_ms",
+                       "compile_s", "match"] + (["processes"] if args.isolate else []))
+
+
+def isolated(argv, methods, rules, rounds):
+    """``--isolate``: every (rules, method) pair of the host-bound case timed in a process of its own (this script
+    with ``--worker``: stock alongside, for its ``match``), ``rounds`` rounds of such processes, the pairs alternating
+    within each round. A row per pair: ``step_ms``, the median over its processes of each process's median step;
+    ``vs_stock``, the median over its processes of the ratio to the stock method timed interleaved in the same
+    process (on a shared machine the drift between processes is larger than the gaps between methods: each process
+    is its own control); ``vs_static``, this row's ``vs_stock`` over the ``static+compile`` row's."""
+    base = [a for a in argv if a not in ("--isolate",)]
+    drop = {"--methods", "--rules", "--repeats", "--out"}
+    base = [a for i, a in enumerate(base) if a not in drop and (i == 0 or base[i - 1] not in drop)]
+    steps, keep = {}, {}
+    for k in range(rounds):
+        for r in rules:
+            for m in methods:
+                cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", "--methods", m, "--rules", r,
+                       "--repeats", "3", "--out", os.path.join("bench_out", "isolated")]
+                print(f"[bench_decode] round {k + 1}/{rounds}: {r} / {m}", file=sys.stderr, flush=True)
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode != 0:
+                    raise RuntimeError(f"bench_decode worker {r} / {m} failed:\n{run.stderr[-3000:]}")
+                for row in json.loads(run.stdout.strip().splitlines()[-1]):
+                    if row["method"] == m:
+                        steps.setdefault((r, m, row["batch"]), []).append((row["step_ms"], row["vs_stock"]))
+                        keep[(r, m, row["batch"])] = row
+    rows = []
+    for (r, m, b), xs in steps.items():
+        step = _median([x[0] for x in xs])
+        row = dict(keep[(r, m, b)], step_ms=step, tokens_per_s=b / (step / 1e3), processes=len(xs), repeats=3,
+                   vs_stock=_median([x[1] for x in xs]))
+        row.pop("vs_static", None)
+        rows.append(row)
+    for row in rows:
+        static = [x for x in rows if x["rules"] == row["rules"] and x["batch"] == row["batch"]
+                  and x["method"] == "static+compile"]
+        if static:
+            row["vs_static"] = row["vs_stock"] / static[0]["vs_stock"]
+    return rows
 
 
 if __name__ == "__main__":
