@@ -34,7 +34,7 @@ def _grow_allocator(old: BlockAllocator, num_blocks: int) -> BlockAllocator:
 
 def static_inputs(*tensors: torch.Tensor, dynamic: tuple = ()) -> None:
     """Tell torch.compile these cache tensors live at fixed addresses for the cache's life (CUDA graphs then read them
-    in place instead of copying them in, as transformers' StaticCache does), and that the dims in ``dynamic_dim``
+    in place instead of copying them in, as transformers' StaticCache does), and that the dims in ``dynamic``
     (``(tensor, dim)`` pairs: pool blocks, table width, which follow each call's length) are sizes one compiled graph
     serves for every call."""
     if torch.compiler.is_compiling():
@@ -43,7 +43,6 @@ def static_inputs(*tensors: torch.Tensor, dynamic: tuple = ()) -> None:
         torch._dynamo.mark_static_address(t)
     for t, d in dynamic:
         torch._dynamo.maybe_mark_dynamic(t, d)
-
 
 
 class BlockTable:
