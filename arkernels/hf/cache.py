@@ -1,34 +1,59 @@
 """A paged KV cache as a transformers ``Cache`` built from ``CacheLayerMixin`` layers.
 
 Layout (vLLM / FlashInfer NHD): each layer owns K and V pools ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-Layers that see the same positions share one block table: all full-attention layers form one group, the sliding
-layers of one window W another (vLLM's hybrid allocator). A group owns a ``BlockAllocator``, the per-row block lists,
-an int32 block table ``[rows, capacity]`` and the rows' lengths.
+Layers that see the same positions share one ``arkernels.cache.table.BlockTable`` (block lists, lengths, the int32
+table ``[rows, capacity]``, copy-on-write, window freeing, the fixed-shape reservation): all full-attention layers form
+one group, the sliding layers of one window W another (vLLM's hybrid allocator). The layers are the table's pool
+owners: it asks them to grow their pools and to copy a block; this module adds only what transformers and the
+attention function see (``PagedLayer.update``, ``PagedStep``, the ``Cache`` API).
 
 A sliding group returns to its pool every block that falls wholly out of the window before it reserves new slots, so
 its memory stays bounded by ``W - 1 + new tokens`` per row, as transformers' ``DynamicSlidingWindowLayer`` is; freed
 table entries point at block 0, a scratch block that is never handed out, so a kernel that reads them anyway reads
 memory it owns.
 
-Two ways to drive it:
-- ``model.generate`` (after ``arkernels.patch``): every layer's ``update`` receives ``[B, Hkv, T, D]`` and all rows
-  advance by T; the first layer of a group to see a forward reserves the slots, the others reuse them.
-- ``arkernels.generate``: ``begin_step(rows, q_lens)`` plans one forward over a subset of rows with ragged query
-  lengths (packed prefill ``[1, sum(q_lens)]`` or decode ``[len(rows), 1]``), then the layers follow the plan.
-- ``arkernels.generate(cuda_graphs=True)``, static decode: ``begin_static_step(rows)`` does the host half of a
-  one-token step (frees / reserves blocks, returns each row's slot per group) outside any graph;
-  ``set_static_step(row_index, seq_lens, slots)`` is the device half, tensor ops only (graph-safe): every layer then
-  appends at ``slots`` and attends through ``block_table.index_select(0, row_index)``, for a padded batch whose
-  extra rows have slot -1 (nothing written) and seq_len 0 (the kernel outputs zeros). The block tables and pools
-  must then stay where they are: ``generation`` counts their reallocations (a captured graph is stale after one).
+Four drive protocols, chosen per forward in ``PagedLayer.update`` by these flags (first match wins):
 
-- ``model.generate`` with fixed shapes (``compileable=True``, what ``arkernels.patch`` uses for greedy and sampling):
-  the first forward reserves every block of the call (``max_length`` per row; a sliding group a ring of blocks that
-  logical block i reuses as ``i % ring``) and builds the table and each position's slot once; a forward's device half
-  is then a gather of the slots at the rows' lengths and an in-place advance of those lengths (no host data, no
-  sync: what torch.compile traces and a CUDA graph replays), its host half (the lengths ``get_seq_length`` reports)
-  runs eagerly, inside ``update`` or, before a compiled forward, in ``begin_forward``. Reorders, rollback, a forward
-  longer than the reservation or a request for dense K/V move the cache to the host path (``unfix``) for good.
+========  ====================================  ============================================  ==========================
+protocol  caller                                flags that steer it                           host half | device half
+========  ====================================  ============================================  ==========================
+static    arkernels.generate(cuda_graphs=True)  ``static`` (per group: set_static_step sets   begin_static_step |
+          decode steps                          it, end_static clears it)                     set_static_step, update
+fixed     model.generate, compileable=True      ``fixed`` (unfix clears it for good);         fixed_forward (layer 0) or
+          (arkernels.patch: greedy, sampling)   ``host_ahead`` (begin_forward did the host    begin_forward | update
+                                                half); ``leaving`` (dense K/V asked: unfix    (advance_fixed_device)
+                                                at the next forward)
+planned   arkernels.generate (eager steps)      ``plan`` (begin_step / set_rows; the group's  all in update: a group's
+                                                ``plan is cache.plan``: already advanced)     first layer advances it
+host      model.generate (eager), any caller    none of them (``layer.length == lens[0]``:    all in update: a group's
+          of Cache.update                       the group's first layer in this forward)      first layer advances it
+========  ====================================  ============================================  ==========================
+
+- host: every layer's ``update`` receives ``[B, Hkv, T, D]`` and all rows advance by T; the first layer of a group to
+  see a forward reserves the slots, the others reuse them.
+- planned: ``begin_step(rows, q_lens)`` plans one forward over a subset of rows with ragged query lengths (packed
+  prefill ``[1, sum(q_lens)]`` or decode ``[len(rows), 1]``), then the layers follow the plan.
+- static: ``begin_static_step(rows)`` does the host half of a one-token step (frees / reserves blocks, returns each
+  row's slot per group) outside any graph; ``set_static_step(row_index, seq_lens, slots)`` is the device half, tensor
+  ops only (graph-safe): every layer then appends at ``slots`` and attends through
+  ``block_table.index_select(0, row_index)``, for a padded batch whose extra rows have slot -1 (nothing written) and
+  seq_len 0 (the kernel outputs zeros). The block tables and pools must then stay where they are: ``generation``
+  counts their reallocations (a captured graph is stale after one).
+- fixed: the first forward reserves every block of the call (``max_length`` per row; a sliding group a ring of
+  blocks that logical block i reuses as ``i % ring``) and builds the table and each position's slot once; a forward's
+  device half is then a gather of the slots at the rows' lengths and an in-place advance of those lengths (no host
+  data, no sync: what torch.compile traces and a CUDA graph replays), its host half (the lengths ``get_seq_length``
+  reports) runs eagerly, inside ``update`` or, before a compiled forward, in ``begin_forward``. Reorders, rollback, a
+  forward longer than the reservation or a request for dense K/V move the cache to the host path (``unfix``) for good.
+
+Can two become one? host and planned: yes, in principle: host is planned with the implicit plan
+``(range(B), [T] * B)`` derived by the group's first layer; what keeps them apart is only who makes the plan and
+host's check that every layer sees every forward (``layer.length``), so they could share one branch without changing
+behaviour (not done here: ``update``'s two branches also differ in when ``layer.length`` advances, which
+``get_seq_length`` reports mid-forward). static and fixed: not without a cost: both split a step into a host half and
+a graph-safe device half, but fixed reserves the whole call up front for rows that advance together, while static
+serves ragged rows that finish, fork and grow (blocks reserved per step, ``ahead`` at a time); folding static into
+fixed would reserve ``max_length`` for every row of ``arkernels.generate`` up front.
 
 Beam search, parallel samples and rollback (transformers' ``Cache`` API), per group:
 - ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``: a permutation (with repeats) of
@@ -48,7 +73,7 @@ from __future__ import annotations
 import torch
 
 from arkernels.hf.attention import KV_SCALES_ATTR, PAGED_ATTR
-from arkernels.cache.allocator import SCRATCH_BLOCK, BlockAllocator
+from arkernels.cache.table import BlockTable, static_inputs, to_device
 from arkernels.cache.fp8 import K_RANGE, V_RANGE, calibrate_kv_scale, kv_cache_dtype_of, per_layer_scales
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 
@@ -64,39 +89,6 @@ try:
     _LEGACY_POSITIVE_CROP = Version(_tf.__version__) < Version("5.18")  # 5.17: crop(n > 0) = keep n positions
 except Exception:  # pragma: no cover
     _LEGACY_POSITIVE_CROP = False
-
-
-def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a host wait: on CUDA through pinned memory and a non-blocking copy
-    (a pageable copy waits for the stream to drain); elsewhere the host tensor itself."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy ends
-    return t.to(device)
-
-
-def _grow_allocator(old: BlockAllocator, num_blocks: int) -> BlockAllocator:
-    """A bigger ``BlockAllocator`` with the same blocks taken, the same reference counts, through its public API."""
-    new = BlockAllocator(num_blocks)
-    taken = new.allocate(old.num_blocks)  # ids 0 .. old.num_blocks-1, low ids first
-    new.free([b for b in taken if old.refcount(b) == 0])
-    for b in taken:
-        for _ in range(old.refcount(b) - 1):
-            new.fork([b])
-    return new
-
-
-def _static_inputs(*tensors: torch.Tensor, dynamic: tuple = ()) -> None:
-    """Tell torch.compile these cache tensors live at fixed addresses for the cache's life (CUDA graphs then read them
-    in place instead of copying them in, as transformers' StaticCache does), and that the dims in ``dynamic_dim``
-    (``(tensor, dim)`` pairs: pool blocks, table width, which follow each call's length) are sizes one compiled graph
-    serves for every call."""
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        torch._dynamo.mark_static_address(t)
-    for t, d in dynamic:
-        torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 class PagedStep:
@@ -123,291 +115,6 @@ def _no_dense():
     raise RuntimeError("PagedCache: a static decode step has no dense fallback (it expects attention_mask=None)")
 
 
-class _Group:
-    """Layers that share one block table: the full layers, or the sliding layers of one window."""
-
-    def __init__(self, window: int, block_size: int, max_length: int | None, num_blocks: int | None):
-        self.window, self.block_size = window, block_size
-        self.max_length, self.num_blocks_hint = max_length, num_blocks
-        self.layers: list[PagedLayer] = []
-        self.allocator: BlockAllocator | None = None
-        self.rows: list[list[int | None]] = []  # per row: block ids, None where freed out of the window
-        self.lens: list[int] = []
-        self.table: torch.Tensor | None = None  # int32 [rows, capacity]
-        self.step: PagedStep | None = None
-        self.slots: torch.Tensor | None = None  # int64 [tokens of this forward]
-        self.plan: tuple[list[int], list[int]] | None = None
-        self._forward_len: list[int] = []  # lens before this forward (per row of the plan)
-        self.generation = 0  # +1 whenever the table or the pools are reallocated
-        self.static: tuple[torch.Tensor, PagedStep] | None = None  # (slots [bucket], step) of a static decode step
-        self.record_past = False  # sliding: keep out-of-window blocks until crop (transformers' rollback protocol)
-        self.bytes_copied = 0  # K/V bytes copied by copy-on-write (every layer of the group, K and V)
-        self.kept_from = 0  # sliding: the first position DynamicSlidingWindowLayer would still hold (readable keys)
-        # fixed shapes (PagedCache(compileable=True)): every block of the call reserved at the first forward, the rows'
-        # lengths advance on the device (dev_lens); None once the group runs on the host path (``unfix``)
-        self.fixed = False
-        self.ring = 0  # fixed sliding group: blocks per row, reused in turn (logical block i lives in rows[r][i % ring])
-        self.dev_lens: torch.Tensor | None = None  # int32 [rows]: each row's length after the last forward
-        self.fixed_cu: torch.Tensor | None = None  # int32 [rows+1]: query layout of a fixed multi-token forward
-
-    # ---- allocation ----------------------------------------------------------------------------------------
-    def init(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
-        bs = self.block_size
-        if self.num_blocks_hint is not None:
-            n = self.num_blocks_hint
-        else:
-            span = self.max_length or first_tokens
-            if self.window:
-                span = min(span, self.window - 1 + max(first_tokens, 1)) + bs  # +1 block: a window straddles two
-            n = batch * -(-max(span, 1) // bs) + 1
-        self.allocator = BlockAllocator(n + 1)
-        assert self.allocator.allocate(1) == [SCRATCH_BLOCK]
-        self.rows = [[] for _ in range(batch)]
-        self.lens = [0] * batch
-        cap = -(-max(self.max_length or first_tokens, 1) // bs)
-        self.table = torch.full((batch, cap), SCRATCH_BLOCK, dtype=torch.int32, device=like.device)
-
-    # ---- fixed shapes: reserved once, advanced on the device (compileable) -----------------------------------------
-    def init_fixed(self, batch: int, first_tokens: int, like: torch.Tensor) -> None:
-        """Reserve every block of the call (``max_length`` positions per row) and build the table once.
-
-        Full attention: ``ceil(max_length / block_size)`` blocks per row. Sliding window W: a ring of
-        ``(W + T0 - 2) // block_size + 2`` blocks per row (T0: this first forward's tokens), enough that the keys any
-        query of a forward of at most T0 tokens can see (W - 1 back, plus the forward's own) lie in distinct blocks; the
-        table's logical entry i points at ring block ``i % ring``, so the attention kernel and the slot arithmetic see a
-        plain block table and the window's memory stays bounded as in the host path."""
-        bs = self.block_size
-        width = -(-max(self.max_length, first_tokens, 1) // bs)
-        ring = width
-        if self.window:
-            ring = min((self.window + max(first_tokens, 1) - 2) // bs + 2, width)
-            self.ring = ring
-        self.allocator = BlockAllocator(batch * ring + 1)
-        assert self.allocator.allocate(1) == [SCRATCH_BLOCK]
-        self.rows = [self.allocator.allocate(ring) for _ in range(batch)]
-        self.lens = [0] * batch
-        table = torch.tensor(self.rows, dtype=torch.int64)[:, torch.arange(width) % ring]
-        pos = torch.arange(width * bs)
-        dev = like.device
-        self.table = table.to(torch.int32).contiguous().to(dev)
-        # the slot of every position of every row, computed once: a step's slots are one gather at the lengths (8 bytes
-        # per position and row, against the K/V's 2 * Hkv * D elements per layer)
-        self.slot_of = (table[:, pos // bs] * bs + pos % bs).to(dev)
-        self.dev_lens = torch.zeros(batch, dtype=torch.int32, device=dev)  # what the attention kernel reads
-        self.dev_pos = torch.zeros((batch, 1), dtype=torch.int64, device=dev)  # the same lengths as a gather index
-        self.capacity = width * bs
-        # the longest forward whose keys (W - 1 back, plus its own) lie in distinct ring blocks
-        self.max_forward = (ring - 1) * bs - self.window + 1 if ring < width else self.capacity
-        self.fixed = True
-        _static_inputs(self.table, self.slot_of, self.dev_lens, self.dev_pos,
-                       dynamic=((self.table, 1), (self.slot_of, 1)))
-
-    def fits(self, tokens: int) -> bool:
-        """Whether a forward of ``tokens`` more tokens per row stays within the fixed reservation (rows advance
-        together on a fixed cache)."""
-        return self.lens[0] + tokens <= self.capacity and tokens <= self.max_forward
-
-    def advance_fixed_host(self, tokens: int) -> None:
-        """Host half of a fixed forward: the host's copy of the lengths (what get_seq_length / get_mask_sizes report)."""
-        self.lens = [n + tokens for n in self.lens]
-        if self.window and not self.record_past:
-            self.kept_from = max(self.lens[0] - self.window + 1, 0)
-
-    def advance_fixed_device(self, tokens: int) -> None:
-        """Device half of a fixed forward (tensor ops only: graph-safe, no host data): each row's slots from its length
-        on the device, then the lengths advance in place (the attention then reads the whole table and those lengths)."""
-        pos = self.dev_pos
-        if tokens == 1:
-            self.slots = self.slot_of.gather(1, pos).view(-1)
-        else:
-            self.slots = self.slot_of.gather(1, pos + torch.arange(tokens, device=pos.device)).view(-1)
-            rows = pos.shape[0]
-            self.fixed_cu = torch.arange(0, (rows + 1) * tokens, tokens, dtype=torch.int32, device=pos.device)
-        pos.add_(tokens)
-        self.dev_lens.add_(tokens)
-
-    def unfix(self) -> None:
-        """Hand the group to the host path: per-row logical block lists, unused reservations back to the pool."""
-        if not self.fixed:
-            return
-        self.fixed = False
-        bs = self.block_size
-        for r, L in enumerate(self.lens):
-            blocks, last = self.rows[r], (L - 1) // bs if L else -1
-            if self.ring:  # logical blocks still intact in the ring: the last `ring` ones
-                lo = max(last - self.ring + 1, 0)
-                logical = [None] * lo + [blocks[i % self.ring] for i in range(lo, last + 1)]
-            else:
-                lo, logical = 0, blocks[: last + 1]
-            kept = {b for b in logical if b is not None}
-            self.allocator.free([b for b in blocks if b not in kept])
-            self.rows[r] = logical
-            self.table[r].fill_(SCRATCH_BLOCK)
-            if last >= lo:
-                self.table[r, lo: last + 1] = torch.tensor(logical[lo:], dtype=torch.int32, device=self.table.device)
-        self.ring, self.dev_lens, self.dev_pos, self.slot_of = 0, None, None, None
-        self.plan = self.step = None
-        self.generation += 1
-
-    def _ensure_free(self, need: int) -> None:
-        if need <= self.allocator.num_free:
-            return
-        old_n = self.allocator.num_blocks
-        new_n = max(2 * old_n, old_n + need - self.allocator.num_free)
-        self.allocator = _grow_allocator(self.allocator, new_n)
-        for layer in self.layers:
-            layer.grow_pools(new_n)
-        self.generation += 1
-
-    def _ensure_width(self, width: int) -> None:
-        if width > self.table.shape[1]:
-            extra = max(width, 2 * self.table.shape[1]) - self.table.shape[1]
-            pad = torch.full((self.table.shape[0], extra), SCRATCH_BLOCK, dtype=torch.int32, device=self.table.device)
-            self.table = torch.cat([self.table, pad], dim=1)
-            self.generation += 1
-
-    def advance(self, rows: list[int], q_lens: list[int], make_slots: bool = True, ahead: int = 0) -> None:
-        """Free out-of-window blocks, reserve slots for ``q_lens[i]`` new tokens of each row; one call per forward.
-        ``make_slots=False`` (static decode) leaves ``self.slots`` unset: the caller computes them on the host.
-        ``ahead``: when a row needs a new block, also reserve the blocks of its next ``ahead`` tokens (capped at
-        ``max_length``; full-attention groups only), so most steps write no block-table entry at all."""
-        bs, W = self.block_size, self.window
-        dirty = False
-        cap = self.max_length if ahead and not W and self.max_length else 0
-        if W and not self.record_past:
-            for r in rows:
-                self._free_out_of_window(r)
-        # copy-on-write: a row about to write into a partly filled last block that other rows share (beams forked by
-        # reorder_cache / batch_repeat_interleave) gets its own copy first; the last owner writes in place
-        cow = [r for r, n in zip(rows, q_lens)
-               if n > 0 and self.lens[r] % bs and self.allocator.refcount(self.rows[r][-1]) > 1]
-        reach = []  # blocks each row holds after this call
-        for r, n in zip(rows, q_lens):
-            end = self.lens[r] + n
-            if cap and -(-end // bs) > len(self.rows[r]):  # a new block is due: take the next `ahead` tokens' too
-                end = max(min(end + ahead, cap), end)
-            reach.append(-(-end // bs))
-        need = sum(max(k - len(self.rows[r]), 0) for r, k in zip(rows, reach)) + len(cow)
-        self._ensure_free(need)
-        for r in cow:
-            if self.allocator.refcount(self.rows[r][-1]) > 1:  # an earlier copy may have left this row the last owner
-                self._copy_last_block(r)
-        self._ensure_width(max(reach))
-        writes = ([], [], [])  # (row, column, block) of every new table entry: one host-to-device copy for all
-        for r, k in zip(rows, reach):
-            extra = k - len(self.rows[r])
-            if extra > 0:
-                new = self.allocator.allocate(extra)
-                start = len(self.rows[r])
-                self.rows[r] += new
-                writes[0].extend([r] * extra)
-                writes[1].extend(range(start, start + extra))
-                writes[2].extend(new)
-                dirty = True
-        if dirty:
-            idx = _to_device(writes, torch.int64, self.table.device)
-            self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
-        self._forward_len = [self.lens[r] for r in rows]
-        for r, n in zip(rows, q_lens):
-            self.lens[r] += n
-        if W and not self.record_past:  # a DynamicSlidingWindowLayer keeps W - 1 keys unless recording its past
-            self.kept_from = max(max(self.lens) - W + 1, 0)
-        self.plan = (rows, q_lens)
-        self.slots = self._slots(rows, q_lens, dirty) if make_slots else None
-
-    def _free_out_of_window(self, r: int) -> None:
-        """Return row ``r``'s blocks that lie wholly before the earliest key its next query can see."""
-        bs, blocks = self.block_size, self.rows[r]
-        first_visible = self.lens[r] - self.window + 1
-        done = [i for i in range(min(len(blocks), max(first_visible, 0) // bs)) if blocks[i] is not None]
-        if done:
-            self.allocator.free([blocks[i] for i in done])
-            for i in done:
-                blocks[i] = None
-            self.table[r, done[0]: done[-1] + 1] = SCRATCH_BLOCK
-
-    def _copy_last_block(self, r: int) -> None:
-        """Give row ``r`` a private copy of its shared last block, in every layer of the group (copy-on-write)."""
-        old = self.rows[r][-1]
-        (new,) = self.allocator.allocate(1)
-        for layer in self.layers:
-            if layer.k_pool is not None:
-                layer.k_pool[new].copy_(layer.k_pool[old])
-                layer.v_pool[new].copy_(layer.v_pool[old])
-                self.bytes_copied += 2 * layer.k_pool[new].numel() * layer.k_pool.element_size()
-        self.allocator.free([old])
-        self.rows[r][-1] = new
-        self.table[r, len(self.rows[r]) - 1] = new
-
-    # ---- beam search, parallel samples, rollback: block-table rows and reference counts, no K/V copy -----------
-    def select_rows(self, indices: list[int]) -> None:
-        """Row ``i`` becomes old row ``indices[i]`` (repeats allowed): the rows share its blocks by reference count;
-        a shared, partly filled last block is copied only when a row writes to it (``advance``)."""
-        if self.allocator is None:
-            return
-        for i in indices:  # take the new references before dropping the old ones: shared blocks never hit 0
-            self.allocator.fork([b for b in self.rows[i] if b is not None])
-        for blocks in self.rows:
-            self.allocator.free([b for b in blocks if b is not None])
-        self.rows = [list(self.rows[i]) for i in indices]
-        self.lens = [self.lens[i] for i in indices]
-        self.table = self.table.index_select(0, torch.tensor(indices, dtype=torch.int64, device=self.table.device))
-        self.plan = self.step = None
-        self.generation += 1
-
-    def truncate(self, new_len: int) -> None:
-        """Every row back to ``new_len`` positions: whole blocks past it return to the pool. Sliding groups then drop
-        what falls out of the window of ``new_len`` (what ``DynamicSlidingWindowLayer.crop`` keeps: W - 1 keys)."""
-        if self.allocator is None:
-            return
-        bs = self.block_size
-        keep = -(-new_len // bs)
-        for r, blocks in enumerate(self.rows):
-            if len(blocks) > keep:
-                self.allocator.free([b for b in blocks[keep:] if b is not None])
-                del blocks[keep:]
-                self.table[r, keep:] = SCRATCH_BLOCK
-            self.lens[r] = min(self.lens[r], new_len)
-            if self.window:
-                self._free_out_of_window(r)
-        if self.window:
-            self.kept_from = max(new_len - self.window + 1, 0)
-        self.plan = self.step = None
-
-    def _slots(self, rows, q_lens, dirty) -> torch.Tensor:
-        bs = self.block_size
-        dev = self.table.device
-        if all(n == 1 for n in q_lens):
-            ridx, pos = _to_device([rows, self._forward_len], torch.int64, dev)
-            return self.table[ridx, pos // bs].to(torch.int64) * bs + pos % bs
-        slots = []
-        for r, n, start in zip(rows, q_lens, self._forward_len):
-            pos = torch.arange(start, start + n, device=dev)
-            slots.append(self.table[r, pos // bs].to(torch.int64) * bs + pos % bs)
-        return torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64, device=dev)
-
-    def fork_row(self, src: int, dst: int) -> None:
-        """Row ``dst`` (empty) starts as a copy of row ``src`` sharing its blocks (reference counts, no K/V copy)."""
-        self.release_row(dst)
-        self.rows[dst] = list(self.rows[src])
-        self.allocator.fork([b for b in self.rows[dst] if b is not None])
-        self.lens[dst] = self.lens[src]
-        self.table[dst] = self.table[src]
-
-    def release_row(self, r: int) -> None:
-        """Return all blocks of row ``r`` to the pool (the row's length becomes 0)."""
-        self.allocator.free([b for b in self.rows[r] if b is not None])
-        self.rows[r] = []
-        self.lens[r] = 0
-        if not any(self.lens):
-            self.kept_from = 0
-        self.table[r].fill_(SCRATCH_BLOCK)
-
-    @property
-    def blocks_in_use(self) -> int:
-        return 0 if self.allocator is None else self.allocator.num_blocks - 1 - self.allocator.num_free
-
-
 class PagedLayer(CacheLayerMixin):
     """One layer of ``PagedCache``: K/V pools ``[num_blocks, block_size, Hkv, D]`` addressed by its group's table."""
 
@@ -416,7 +123,7 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True  # crop releases whole blocks; sliding layers follow DynamicSlidingWindowLayer's rules
 
-    def __init__(self, group: _Group, cache: "PagedCache"):
+    def __init__(self, group: BlockTable, cache: "PagedCache"):
         super().__init__()
         self.group = group
         self.cache = cache
@@ -426,8 +133,8 @@ class PagedLayer(CacheLayerMixin):
         self.length = 0  # positions written by this layer (rows advance together in model.generate)
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
-        self.first_in_group = not group.layers  # a fixed forward's slots are computed once, by this layer
-        group.layers.append(self)
+        self.first_in_group = not group.owners  # a fixed forward's slots are computed once, by this layer
+        group.owners.append(self)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         g = self.group
@@ -455,7 +162,7 @@ class PagedLayer(CacheLayerMixin):
                             else torch.tensor([vs], dtype=torch.float32, device=dev))
             setattr(self.k_pool, KV_SCALES_ATTR, (self.k_scale, self.v_scale))
         if g.fixed:
-            _static_inputs(self.k_pool, self.v_pool, dynamic=((self.k_pool, 0), (self.v_pool, 0)))
+            static_inputs(self.k_pool, self.v_pool, dynamic=((self.k_pool, 0), (self.v_pool, 0)))
             # built here, eagerly: created inside a compiled step it would be new state that the next step's guards see
             self._decode_step = PagedStep(g.table, g.dev_lens, None, None, None, lambda: self._dense_fixed(1))
         self.is_initialized = True
@@ -470,6 +177,14 @@ class PagedLayer(CacheLayerMixin):
             setattr(self, name, new)
         if self.k_scale is not None:
             setattr(self.k_pool, KV_SCALES_ATTR, (self.k_scale, self.v_scale))
+
+    def copy_block(self, old: int, new: int) -> int:
+        """Copy-on-write for the group's ``BlockTable``: block ``old``'s K and V into block ``new``; the bytes copied."""
+        if self.k_pool is None:
+            return 0
+        self.k_pool[new].copy_(self.k_pool[old])
+        self.v_pool[new].copy_(self.v_pool[old])
+        return 2 * self.k_pool[new].numel() * self.k_pool.element_size()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``[B, Hkv, T, D]`` new keys/values; returns the pools (paged attention) or dense ``[B, Hkv, S, D]``."""
@@ -555,8 +270,8 @@ class PagedLayer(CacheLayerMixin):
     def _make_step(self, rows, q_lens, tokens) -> PagedStep:
         g, dev = self.group, self.k_pool.device
         full = len(rows) == g.table.shape[0] and rows == list(range(len(rows)))
-        table = g.table if full else g.table[_to_device(rows, torch.int64, dev)]
-        seq_lens = _to_device([g.lens[r] for r in rows], torch.int32, dev)
+        table = g.table if full else g.table[to_device(rows, torch.int64, dev)]
+        seq_lens = to_device([g.lens[r] for r in rows], torch.int32, dev)
         cu, max_q = None, None
         if any(n != 1 for n in q_lens):
             cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
@@ -744,10 +459,10 @@ class PagedCache(DynamicCache):
         self.kv_dtype = kv_cache_dtype_of("PagedCache", kv_cache_dtype)  # None: the model's dtype
         self.kv_scales = (per_layer_scales("PagedCache", "k_scale", k_scale, len(windows), self.kv_dtype),
                           per_layer_scales("PagedCache", "v_scale", v_scale, len(windows), self.kv_dtype))
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, BlockTable] = {}
         for w in windows:
             if w not in self.groups:
-                self.groups[w] = _Group(w, block_size, max_length, num_blocks)
+                self.groups[w] = BlockTable(w, block_size, max_length, num_blocks)
         self.paged_attention = paged_attention
         self.plan: tuple[list[int], list[int]] | None = None
         self.num_rows = 0
@@ -852,7 +567,7 @@ class PagedCache(DynamicCache):
         for g in self.groups.values():
             g.advance(rows, ones, make_slots=False, ahead=ahead)
             bs, blocks = g.block_size, g.rows
-            out.append([blocks[r][p // bs] * bs + p % bs for r, p in zip(rows, g._forward_len)])
+            out.append([blocks[r][p // bs] * bs + p % bs for r, p in zip(rows, g.forward_start)])
         return out
 
     def set_static_step(self, row_index: torch.Tensor, seq_lens: torch.Tensor, slots: list[torch.Tensor]) -> None:
