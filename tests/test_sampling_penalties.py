@@ -361,7 +361,7 @@ def llama():
 
 @pytest.mark.parametrize("case", list(RULE_CASES))
 def test_patched_greedy_with_rules_gives_stock_tokens_and_fuses(case, llama):
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     cfg = dict(RULE_CASES[case], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=101)
     stock = llama.generate(input_ids=IDS, attention_mask=MASK, **cfg)
@@ -380,7 +380,7 @@ def test_patched_sampling_with_rules_matches_processed_distribution(llama):
     seeded one-token calls its frequencies follow that distribution (chi-square)."""
     from transformers import GenerationConfig
 
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     cfg = dict(do_sample=True, temperature=0.9, top_k=30, repetition_penalty=1.4, bad_words_ids=[[7]],
                pad_token_id=0, eos_token_id=None)
@@ -411,7 +411,7 @@ def test_patched_sampling_with_rules_matches_processed_distribution(llama):
 def test_patched_unfusable_rules_stay_stock(llama):
     from transformers import GenerationConfig
 
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     config = GenerationConfig(do_sample=False, bad_words_ids=[[5, 6]])
     config._eos_token_tensor = None
