@@ -9,7 +9,8 @@ import torch
 from scipy import stats
 
 import arkernels
-from arkernels.ops.sampling import COUNT_MAX, _rules
+from arkernels.ops.sampling import _rules
+from arkernels.token_state_layout import COUNT_MAX
 from arkernels.reference.sampling import sampling_probs_ref, token_rules_ref
 from arkernels.triton.sampling import sample_triton, sampling_probs_triton, sampling_rules_triton
 

@@ -127,7 +127,8 @@ class _HFRules:
         self.seen = 0
 
     def kwargs(self, input_ids: torch.Tensor, scores: torch.Tensor) -> dict:
-        from arkernels.ops.sampling import PROMPT_BIT, logit_bias_table, token_state, update_token_state
+        from arkernels.ops.sampling import logit_bias_table, token_state, update_token_state
+        from arkernels.token_state_layout import PROMPT_BIT
 
         batch, vocab = scores.shape
         if self.state is None:
