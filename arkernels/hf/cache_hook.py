@@ -55,10 +55,11 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, msg: str) -> None:
+def _warn_once(key: str, msg: str, stacklevel: int = 3) -> None:
+    """Warn once per key (per process); ``stacklevel`` 3 names the caller of the hook that warns."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(msg, stacklevel=3)
+        warnings.warn(msg, stacklevel=stacklevel)
 
 
 def _paged_modes():
@@ -73,12 +74,12 @@ _FIXED_MODES = ("greedy_search", "sample")
 
 
 def wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache_kwargs: dict | None = None,
-                compile: bool | str = "auto"):
+               compile: bool | str = "auto"):
+    """``_prepare_cache_for_generation``: generate's default ``DynamicCache`` replaced by a ``PagedCache`` sized for
+    the call, for the modes it serves (see the module docstring); ``state["mode"]`` records the call's mode."""
     from transformers import DynamicCache
 
-    from arkernels.hf.attention import NAME
     from arkernels.hf.cache import PagedCache
-    from arkernels.hf.stock_call import compile_forbidden
 
     signature = inspect.signature(original)
 
@@ -91,15 +92,7 @@ def wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache_
         for name in ("cache", "past_key_values"):  # a cache passed back in: its decode masks were another call's
             if isinstance(model_kwargs.get(name), PagedCache):
                 model_kwargs[name].decode_masks = None
-        if not swap or state["stock"]:
-            return
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            # static / hybrid / offloaded / quantized caches exist for compiled forwards and memory layouts the paged
-            # cache does not reproduce: transformers' cache serves this call (arkernels attention still runs)
-            _warn_once(f"impl:{generation_config.cache_implementation}",
-                       f"arkernels.patch: cache_implementation={generation_config.cache_implementation!r} keeps "
-                       "transformers' own cache for this call (the paged cache has no compiled static step in "
-                       "generate yet)")
+        if not swap or state["stock"] or not _default_cache_asked(generation_config):
             return
         for name in ("cache", "past_key_values"):  # 5.24 renamed the argument
             made = model_kwargs.get(name)
@@ -108,36 +101,60 @@ def wrap_cache(model, original, block_size: int, state: dict, swap: bool, cache_
                     _warn_once(f"mode:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} keeps "
                                "transformers' DynamicCache for this call")
                     return
-                paged = model.config._attn_implementation == NAME
-                max_length = bound.arguments.get("max_cache_length")
-                fixed = (compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
-                         and _masks_for_generate_work(model.config) and not compile_forbidden(generation_config))
-                if generation_config.compile_config is not None and not fixed and not compile_forbidden(
-                        generation_config):
-                    _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs "
-                               "the paged cache eagerly (compile_config applies to greedy and sampling calls)")
-                tier = state["tier"]
-                tier.this_call = False
-                cpu_eager = fixed and generation_config.compile_config is None and model.device.type == "cpu"
-                if cpu_eager:  # (where transformers compiles by itself, CUDA, it compiles this cache from call one)
-                    tier.this_call = compile == "auto" and not generation_config.disable_compile and tier.due()
-                    if compile is True or tier.this_call:
-                        if tier.this_call:
-                            _warn_once("tier", f"arkernels.patch: compiling this model's decode step after "
-                                       f"{tier.steps} eager decode steps (compile='auto'; the first call of each "
-                                       "batch size compiles; patch(compile_after=None) keeps it eager)")
-                        generation_config.compile_config = _default_compile_config(model)
-                        cpu_eager = False
-                cache = PagedCache(model.config, block_size=block_size, max_length=max_length, paged_attention=paged,
-                                   compileable=fixed, **(cache_kwargs or {}))
-                if cpu_eager:
-                    cache.step_counter = tier  # an eager call: its decode steps count towards the "auto" rule
-                if getattr(generation_config, "is_assistant", False):
-                    # what transformers did to the cache it built (an assistant's cache is rolled back by crop)
-                    cache.activate_past_recording()
-                model_kwargs[name] = cache
+                model_kwargs[name] = _paged_cache(model, generation_config, state, bound.arguments.get(
+                    "max_cache_length"), block_size, cache_kwargs, compile)
 
     return _prepare_cache_for_generation
+
+
+def _default_cache_asked(generation_config) -> bool:
+    """Whether the call asks for transformers' default cache (the one the paged cache replaces); any other
+    ``cache_implementation`` warns once and keeps transformers' cache."""
+    if generation_config.cache_implementation in (None, "dynamic"):
+        return True
+    # static / hybrid / offloaded / quantized caches exist for compiled forwards and memory layouts the paged
+    # cache does not reproduce: transformers' cache serves this call (arkernels attention still runs)
+    _warn_once(f"impl:{generation_config.cache_implementation}",
+               f"arkernels.patch: cache_implementation={generation_config.cache_implementation!r} keeps "
+               "transformers' own cache for this call (the paged cache has no compiled static step in "
+               "generate yet)", stacklevel=4)
+    return False
+
+
+def _paged_cache(model, generation_config, state: dict, max_length, block_size: int, cache_kwargs: dict | None,
+                 compile: bool | str):
+    """The call's ``PagedCache``: fixed shapes (compileable) for greedy / sampling calls that may compile, and the
+    "auto" rule's decision (``Tier``) on the CPU, where transformers does not compile by itself."""
+    from arkernels.hf.attention import NAME
+    from arkernels.hf.cache import PagedCache
+    from arkernels.hf.stock_call import compile_forbidden
+
+    paged = model.config._attn_implementation == NAME
+    fixed = (compile is not False and paged and state["mode"] in _FIXED_MODES and bool(max_length)
+             and _masks_for_generate_work(model.config) and not compile_forbidden(generation_config))
+    if generation_config.compile_config is not None and not fixed and not compile_forbidden(generation_config):
+        _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs the paged "
+                   "cache eagerly (compile_config applies to greedy and sampling calls)", stacklevel=4)
+    tier = state["tier"]
+    tier.this_call = False
+    cpu_eager = fixed and generation_config.compile_config is None and model.device.type == "cpu"
+    if cpu_eager:  # (where transformers compiles by itself, CUDA, it compiles this cache from call one)
+        tier.this_call = compile == "auto" and not generation_config.disable_compile and tier.due()
+        if compile is True or tier.this_call:
+            if tier.this_call:
+                _warn_once("tier", f"arkernels.patch: compiling this model's decode step after {tier.steps} eager "
+                           "decode steps (compile='auto'; the first call of each batch size compiles; "
+                           "patch(compile_after=None) keeps it eager)", stacklevel=4)
+            generation_config.compile_config = _default_compile_config(model)
+            cpu_eager = False
+    cache = PagedCache(model.config, block_size=block_size, max_length=max_length, paged_attention=paged,
+                       compileable=fixed, **(cache_kwargs or {}))
+    if cpu_eager:
+        cache.step_counter = tier  # an eager call: its decode steps count towards the "auto" rule
+    if getattr(generation_config, "is_assistant", False):
+        # what transformers did to the cache it built (an assistant's cache is rolled back by crop)
+        cache.activate_past_recording()
+    return cache
 
 
 def _masks_for_generate_work(config) -> bool:
