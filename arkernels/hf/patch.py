@@ -58,13 +58,55 @@ class PatchHandle:
         self.undo()
 
 
-def _check_patch_args(model, block_size, attention: bool) -> None:
-    from arkernels.hf.capability import check_model_tensors
+def _check_patch_args(model, block_size, attention: bool, cache: bool, sampler, compile, compile_after,
+                      kv_cache_dtype, k_scale, v_scale) -> None:
+    """Every argument of ``patch`` checked, in this order, before anything is changed (one error naming it)."""
+    from arkernels.cache.fp8 import kv_cache_dtype_of, per_layer_scales
+    from arkernels.hf.capability import check_model, check_model_tensors
 
+    check_model(model, "arkernels.patch")
     check_model_tensors(model, "arkernels.patch", attention)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"arkernels.patch: block_size must be an int >= 1 (tokens per cache block), got "
                          f"{block_size!r}")
+    if sampler not in ("auto", True, False):
+        raise ValueError(f"arkernels.patch: sampler must be 'auto', True or False, got {sampler!r}")
+    if compile not in ("auto", True, False):
+        raise ValueError(f"arkernels.patch: compile must be 'auto', True or False, got {compile!r}")
+    if compile_after is not None and (not isinstance(compile_after, int) or isinstance(compile_after, bool)
+                                      or compile_after < 0):
+        raise ValueError(f"arkernels.patch: compile_after must be an int >= 0 (decode steps) or None, got "
+                         f"{compile_after!r}")
+    kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        per_layer_scales("arkernels.patch", name, sc,
+                         model.config.get_text_config(decoder=True).num_hidden_layers, kv_dtype)
+    if kv_dtype is not None and not cache:
+        raise ValueError("arkernels.patch: kv_cache_dtype='fp8' needs cache=True (the paged cache holds the fp8 K/V)")
+    if getattr(model, _PATCH_ATTR, None) is not None:
+        raise RuntimeError("arkernels.patch: this model is already patched; undo() the first handle")
+
+
+def _hook_attention(model, state: dict, sampler) -> tuple[str, list[str], dict]:
+    """Select our attention on this model, its stock-call hooks on generate / forward and the continuous-batching
+    hook: ``(the attention implementation it had, the attributes set, the instance attributes they shadow)``."""
+    from arkernels.hf.attention import register
+    from arkernels.hf.cb import hook_continuous_batching
+    from arkernels.hf.stock_call import AttentionSwap, wrap_forward, wrap_generate
+
+    saved_attn = model.config._attn_implementation
+    swap = AttentionSwap(model)
+    model.set_attn_implementation(register())
+    swap.record_after()
+    shadowed = {name: model.__dict__[name] for name in ("generate", "forward") if name in model.__dict__}
+    model.generate = wrap_generate(model, model.generate, swap, state)
+    model.forward = wrap_forward(model, model.forward, swap)
+    attrs = ["generate", "forward"]
+    # continuous batching (generate_batch, init_continuous_batching, generate(cache_implementation="paged")):
+    # its own instance hook, see arkernels.hf.cb
+    if hook_continuous_batching(model, sampler=sampler is not False):  # CB's batched draw: fused unless False
+        attrs.append("init_continuous_batching")
+    return saved_attn, attrs, shadowed
 
 
 def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str = "auto", *, block_size: int = 16,
@@ -114,28 +156,8 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
     """
-    from arkernels.hf.capability import check_model
-
-    check_model(model, "arkernels.patch")
-    _check_patch_args(model, block_size, attention)
-    if sampler not in ("auto", True, False):
-        raise ValueError(f"arkernels.patch: sampler must be 'auto', True or False, got {sampler!r}")
-    if compile not in ("auto", True, False):
-        raise ValueError(f"arkernels.patch: compile must be 'auto', True or False, got {compile!r}")
-    if compile_after is not None and (not isinstance(compile_after, int) or isinstance(compile_after, bool)
-                                      or compile_after < 0):
-        raise ValueError(f"arkernels.patch: compile_after must be an int >= 0 (decode steps) or None, got "
-                         f"{compile_after!r}")
-    from arkernels.cache.fp8 import kv_cache_dtype_of, per_layer_scales
-
-    kv_dtype = kv_cache_dtype_of("arkernels.patch", kv_cache_dtype)  # refuse bad values before changing anything
-    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-        per_layer_scales("arkernels.patch", name, sc,
-                         model.config.get_text_config(decoder=True).num_hidden_layers, kv_dtype)
-    if kv_dtype is not None and not cache:
-        raise ValueError("arkernels.patch: kv_cache_dtype='fp8' needs cache=True (the paged cache holds the fp8 K/V)")
-    if getattr(model, _PATCH_ATTR, None) is not None:
-        raise RuntimeError("arkernels.patch: this model is already patched; undo() the first handle")
+    _check_patch_args(model, block_size, attention, cache, sampler, compile, compile_after, kv_cache_dtype, k_scale,
+                      v_scale)
     fuse_handle = None
     if fuse:  # first: it is the only piece that can refuse (a model already fused), before anything is changed
         from arkernels.fuse import fuse_projections
@@ -146,29 +168,11 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
     state = {"mode": None, "tier": Tier(compile_after if compile == "auto" else None), "stock": False}
     saved_attn, attrs, shadowed = None, [], {}
     if attention:
-        from arkernels.hf.attention import register
-        from arkernels.hf.stock_call import AttentionSwap, wrap_forward, wrap_generate
-
-        saved_attn = model.config._attn_implementation
-        swap = AttentionSwap(model)
-        model.set_attn_implementation(register())
-        swap.record_after()
-        shadowed = {name: model.__dict__[name] for name in ("generate", "forward") if name in model.__dict__}
-        model.generate = wrap_generate(model, model.generate, swap, state)
-        model.forward = wrap_forward(model, model.forward, swap)
-        attrs += ["generate", "forward"]
-        # continuous batching (generate_batch, init_continuous_batching, generate(cache_implementation="paged")):
-        # its own instance hook, see arkernels.hf.cb
-        from arkernels.hf.cb import hook_continuous_batching
-
-        if hook_continuous_batching(model, sampler=sampler is not False):  # CB's batched draw: fused unless False
-            attrs.append("init_continuous_batching")
+        saved_attn, attrs, shadowed = _hook_attention(model, state, sampler)
     if cache or sampler:
+        cache_kwargs = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
         model._prepare_cache_for_generation = wrap_cache(model, model._prepare_cache_for_generation, block_size,
-                                                          state, swap=cache,
-                                                          cache_kwargs=dict(kv_cache_dtype=kv_cache_dtype,
-                                                                            k_scale=k_scale, v_scale=v_scale),
-                                                          compile=compile)
+                                                         state, swap=cache, cache_kwargs=cache_kwargs, compile=compile)
         attrs.append("_prepare_cache_for_generation")
     if cache and compile is not False:
         model.get_compiled_call = wrap_compiled_call(model, model.get_compiled_call, state["tier"])
