@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import arkernels
-from arkernels.hf.patch import ArkernelsSampler
+from arkernels.hf.sampler_hook import ArkernelsSampler
 from arkernels.hf.tiny import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

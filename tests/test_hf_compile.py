@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import CompileConfig
 
 import arkernels
-from arkernels.hf import patch as patch_module
+from arkernels.hf import cache_hook
 from arkernels.hf.cache import PagedCache
 from arkernels.hf.tiny import TINY_WINDOW, tiny_model
 
@@ -156,7 +156,7 @@ def test_modes_outside_fixed_shapes_run_eagerly(mode):
     kw = dict(num_beams=3) if mode == "beam_search" else dict(assistant_model=tiny_model("llama", seed=1))
     ids, mask = (IDS, MASK) if mode == "beam_search" else (IDS[1:], MASK[1:])  # assisted: batch 1
     ref = _generate(model, ids, mask, **kw)
-    patch_module._warned.discard(f"eager:{'beam_search' if mode == 'beam_search' else 'assisted_generation'}")
+    cache_hook._warned.discard(f"eager:{'beam_search' if mode == 'beam_search' else 'assisted_generation'}")
     with arkernels.patch(model, block_size=BLOCK):
         with pytest.warns(UserWarning, match="eagerly"):
             out = _generate(model, ids, mask, compile_config=_config(), **kw)
@@ -180,7 +180,7 @@ def test_continuation_past_the_reservation_leaves_fixed_shapes():
         got_first = _generate(model, compile_config=config)
         cache = _generate.last_cache
         assert torch.equal(got_first, first) and cache.is_compileable
-        patch_module._warned.discard("unfixed")
+        cache_hook._warned.discard("unfixed")
         with pytest.warns(UserWarning, match="decodes eagerly"):
             got = _generate(model, ids2, mask2, 5, compile_config=config,
                             **{"cache" if "cache" in _fwd_params(model) else "past_key_values": cache})
@@ -202,7 +202,7 @@ def test_mask_the_kernel_cannot_express_leaves_fixed_shapes():
     mask = MASK.clone()
     mask[1, 4] = 0
     ref = _generate(model, IDS, mask)
-    patch_module._warned.discard("unfixed")
+    cache_hook._warned.discard("unfixed")
     with arkernels.patch(model, block_size=BLOCK):
         with pytest.warns(UserWarning, match="decodes eagerly"):
             out = _generate(model, IDS, mask, compile_config=_config())
@@ -232,21 +232,21 @@ def test_masks_transformers_cannot_build_keep_the_eager_cache(monkeypatch):
     older.__signature__ = inspect.Signature([p for p in inspect.signature(original).parameters.values()
                                              if p.name != "block_sequence_ids"])
     monkeypatch.setitem(masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, "sliding_attention", older)
-    assert not patch_module._masks_for_generate_work(model.config)
-    patch_module._warned.discard("eager:greedy_search")
+    assert not cache_hook._masks_for_generate_work(model.config)
+    cache_hook._warned.discard("eager:greedy_search")
     with arkernels.patch(model, block_size=BLOCK):
         with pytest.warns(UserWarning, match="eagerly"):
             out = _generate(model, compile_config=_config())
     assert torch.equal(out, ref)
     assert isinstance(_generate.last_cache, PagedCache) and not _generate.last_cache.is_compileable
     monkeypatch.undo()
-    assert patch_module._masks_for_generate_work(model.config)
+    assert cache_hook._masks_for_generate_work(model.config)
 
 
 def _eager_default_config(monkeypatch, backend="eager"):
     """The compile config the patch picks by itself, on dynamo's "eager" backend (Inductor's C++ codegen takes
     minutes on 2 cores; bench_decode.py times the Inductor path)."""
-    monkeypatch.setattr(patch_module, "_default_compile_config", lambda model: _config(backend))
+    monkeypatch.setattr(cache_hook, "_default_compile_config", lambda model: _config(backend))
 
 
 def test_auto_compiles_on_the_cpu_after_compile_after_steps(monkeypatch):
@@ -256,7 +256,7 @@ def test_auto_compiles_on_the_cpu_after_compile_after_steps(monkeypatch):
     model = tiny_model("llama")
     ref = _generate(model)
     steps = NEW - 1  # one-token forwards of a call (its first token comes from the prefill)
-    patch_module._warned.discard("tier")
+    cache_hook._warned.discard("tier")
     with arkernels.patch(model, block_size=BLOCK, compile_after=2 * steps) as handle:
         for _ in range(2):  # steps 0 .. 2 * steps - 1: eager
             assert torch.equal(_generate(model), ref)
@@ -302,7 +302,7 @@ def test_auto_compile_that_fails_stays_eager(monkeypatch):
     _eager_default_config(monkeypatch, backend=broken)
     model = tiny_model("llama")
     ref = _generate(model)
-    patch_module._warned.discard("tier-failed")
+    cache_hook._warned.discard("tier-failed")
     with arkernels.patch(model, block_size=BLOCK, compile_after=0):
         with pytest.warns(UserWarning, match="compiling the decode step failed"):
             assert torch.equal(_generate(model), ref)

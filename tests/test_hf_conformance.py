@@ -170,7 +170,7 @@ def test_compiled_static_forward_matches_stock():
 def test_fused_sampler_takes_over_only_when_exact():
     from transformers import GenerationConfig
 
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     model = _model("llama")
     with arkernels.patch(model, block_size=BLOCK, sampler=True):
@@ -203,10 +203,10 @@ def test_fused_sampler_takes_over_only_when_exact():
 
 
 def test_static_cache_warns_once():
-    from arkernels.hf import patch as patch_module
+    from arkernels.hf import cache_hook
 
     model = _model("llama")
-    patch_module._warned.discard("impl:static")
+    cache_hook._warned.discard("impl:static")
     with arkernels.patch(model, block_size=BLOCK):
         with pytest.warns(UserWarning, match="static"):
             model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=2, cache_implementation="static",

@@ -77,7 +77,7 @@ AUTO_CASES = {
 
 @pytest.mark.parametrize("case", list(AUTO_CASES))
 def test_sampler_auto_is_stock_on_the_cpu(case):
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     model = tiny_model("llama")
     kw = dict(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, pad_token_id=0,
@@ -95,7 +95,7 @@ def test_sampler_auto_is_stock_on_the_cpu(case):
 def test_sampler_auto_fuses_sampling_on_cuda_only():
     from transformers import GenerationConfig
 
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     model = tiny_model("llama")
     sample = GenerationConfig(do_sample=True, top_k=5, repetition_penalty=1.2)
@@ -123,7 +123,7 @@ IGNORED_IDS = {"eos -1": dict(min_new_tokens=4, eos_token_id=-1),
 
 @pytest.mark.parametrize("case", list(IGNORED_IDS))
 def test_fused_rules_ignore_the_ids_stock_ignores(case):
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     model = tiny_model("llama")
     kw = dict(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, do_sample=False,

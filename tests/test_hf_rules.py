@@ -1,6 +1,6 @@
-"""The token rules patched ``generate`` fuses into its draw (arkernels/hf/patch.py ``_fused_rules`` / ``_HFRules`` /
-``ArkernelsSampler``) against transformers' own processors, built by transformers' ``_get_logits_processor`` for the
-same generation config and the same left-padded batch:
+"""The token rules patched ``generate`` fuses into its draw (arkernels/hf/sampler_hook.py ``_fused_rules`` /
+``_HFRules`` / ``ArkernelsSampler``) against transformers' own processors, built by transformers'
+``_get_logits_processor`` for the same generation config and the same left-padded batch:
 
 - processed logits: ``arkernels.sampling_rules`` with the fused rules' arguments (``_HFRules.kwargs``) is bit-exact
   with ``LogitsProcessorList(...)(input_ids, scores)`` (the same fp32 operations), step after step while
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import arkernels
-from arkernels.hf.patch import ArkernelsSampler
+from arkernels.hf.sampler_hook import ArkernelsSampler
 from arkernels.hf.tiny import tiny_model
 
 PAD, EOS = 0, 2  # the tiny models' pad and EOS ids

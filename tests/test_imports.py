@@ -17,16 +17,6 @@ from arkernels import _library
 PKG = pathlib.Path(arkernels.__file__).parent
 BINDINGS = PKG.parent / "csrc" / "torch_bindings.cpp"
 
-# ``from X import _name`` across modules still in the tree (issue 32: no private name crosses a file), as
-# (importing module, name). The test below wants exactly these: a new one fails it, and so does removing one without
-# removing it here (the list only shrinks).
-KNOWN_PRIVATE_IMPORTS = {
-    ("arkernels.ops.sampling", "_row_key_torch"),  # the CPU kernel's twin of the Triton hash (ops/sampling_cpu.py)
-    ("arkernels.ops.sampling", "_uniform_torch"),
-    ("arkernels.decode.inputs", "_params"),  # the sampler's parameter check
-}
-
-
 def _modules() -> dict:
     """{dotted name: path} of every module under arkernels/ (a compiled one, _C, with no path: it imports nothing)."""
     out = {"arkernels._C": None}
@@ -119,7 +109,7 @@ def test_no_private_name_crosses_a_module():
                 for a in node.names:
                     if a.name.startswith("_") and f"{node.module}.{a.name}" not in _modules():
                         found.add((name, a.name))
-    assert found == KNOWN_PRIVATE_IMPORTS
+    assert found == set()  # (importing module, name): none (issue 32: no private name crosses a file)
 
 
 def test_library_ops_are_the_registered_schemas():

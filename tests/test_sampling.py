@@ -13,9 +13,9 @@ from scipy import stats
 
 import arkernels
 from arkernels.reference.sampling import sample_ref, sampling_probs_ref
-from arkernels.triton.sampling import (MAX_SPLITS, STATS_BLOCK, TARGET_PROGRAMS, TILE_CHUNKS, _row_key_torch,
-                                       _uniform_torch, sample_triton, sampling_probs_triton, sampling_splits,
-                                       sampling_tile_chunks)
+from arkernels.triton.sampling import (MAX_SPLITS, STATS_BLOCK, TARGET_PROGRAMS, TILE_CHUNKS, row_key_torch,
+                                       sample_triton, sampling_probs_triton, sampling_splits, sampling_tile_chunks,
+                                       uniform_torch)
 from conftest import DEVICES
 
 VOCABS = [111, 32003]  # odd small vocab, and a 32k-scale one (not a power of two)
@@ -393,7 +393,7 @@ def test_top_p_matches_transformers_at_float_boundary(impl):
         assert bool((ncand >= 0).all()) == (impl == "triton_fast")
     assert hf_kept[ids].all() and len(set(ids.tolist())) == 2
     # the test can fail: the same race over all four tokens picks a 0.1 token for some of these seeds
-    u = _uniform_torch(_row_key_torch(seed, step)[:, None], torch.arange(4)[None, :])
+    u = uniform_torch(row_key_torch(seed, step)[:, None], torch.arange(4)[None, :])
     assert not hf_kept[(x - torch.log(-torch.log(u))).argmax(dim=1)].all()
 
 

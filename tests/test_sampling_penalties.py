@@ -3,15 +3,22 @@ against transformers' own logits processors on the same logits (processed logits
 vLLM's documented frequency / presence rule (arkernels.reference.token_rules_ref, written from the rule), and the
 Triton kernels (interpreter, conftest) against the CPU kernel token for token."""
 import math
+import pathlib
+import re
 
 import pytest
 import torch
 from scipy import stats
 
 import arkernels
-from arkernels.ops.sampling import COUNT_MAX, _rules
+from arkernels import token_state_layout as layout
+from arkernels.ops.sampling import _rules
 from arkernels.reference.sampling import sampling_probs_ref, token_rules_ref
+from arkernels.token_state_layout import COUNT_MAX
+from arkernels.triton import sampling as triton_sampling
 from arkernels.triton.sampling import sample_triton, sampling_probs_triton, sampling_rules_triton
+
+BINDINGS = pathlib.Path(__file__).parent.parent / "csrc" / "torch_bindings.cpp"
 
 VOCABS = [111, 5003]  # odd sizes; 5003 spans several 1024-wide chunks and programs per row
 IMPLS = ["op", "triton"]
@@ -193,6 +200,26 @@ def test_update_token_state_counts_saturates_and_skips_padding():
     assert torch.equal(forked[1], st[0])
 
 
+def test_token_state_layout_is_one_contract():
+    """arkernels/token_state_layout.py is the one definition: the Triton kernels' constexprs are its values, and the
+    two places that state the bits in words (the schema comment in csrc/torch_bindings.cpp, ``token_state``'s
+    docstring) state its bits."""
+    flags = [layout.PROMPT_BIT, layout.BAN_BIT, layout.EOS_BIT]
+    assert layout.COUNT_MASK == layout.COUNT_MAX == (1 << layout.COUNT_BITS) - 1
+    assert layout.SEEN_MASK == layout.COUNT_MASK | layout.PROMPT_BIT
+    assert all(f & layout.COUNT_MASK == 0 for f in flags) and len(set(flags)) == 3
+    assert max(flags) < 2**31  # an int32 word: no flag in the sign bit
+    for name in ("COUNT_MASK", "SEEN_MASK", "BAN_BIT", "EOS_BIT"):
+        assert getattr(triton_sampling, name).value == getattr(layout, name), name
+    want = (layout.COUNT_BITS - 1, *(f.bit_length() - 1 for f in flags))
+    texts = {"csrc/torch_bindings.cpp": BINDINGS.read_text().replace("//", " "),
+             "token_state": arkernels.token_state.__doc__}
+    for where, text in texts.items():
+        words = re.search(r"bits 0-(\d+) the count[^,]*, bit (\d+)[^,]*prompt, bit (\d+) banned, bit (\d+) an EOS id",
+                          " ".join(text.split()))
+        assert words is not None and tuple(map(int, words.groups())) == want, where
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_rows_without_rules_and_out_of_range_history(impl):
     """history_rows outside the table (or a row with neutral values) apply nothing: the logits pass unchanged."""
@@ -361,7 +388,7 @@ def llama():
 
 @pytest.mark.parametrize("case", list(RULE_CASES))
 def test_patched_greedy_with_rules_gives_stock_tokens_and_fuses(case, llama):
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     cfg = dict(RULE_CASES[case], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=101)
     stock = llama.generate(input_ids=IDS, attention_mask=MASK, **cfg)
@@ -380,7 +407,7 @@ def test_patched_sampling_with_rules_matches_processed_distribution(llama):
     seeded one-token calls its frequencies follow that distribution (chi-square)."""
     from transformers import GenerationConfig
 
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     cfg = dict(do_sample=True, temperature=0.9, top_k=30, repetition_penalty=1.4, bad_words_ids=[[7]],
                pad_token_id=0, eos_token_id=None)
@@ -411,7 +438,7 @@ def test_patched_sampling_with_rules_matches_processed_distribution(llama):
 def test_patched_unfusable_rules_stay_stock(llama):
     from transformers import GenerationConfig
 
-    from arkernels.hf.patch import ArkernelsSampler
+    from arkernels.hf.sampler_hook import ArkernelsSampler
 
     config = GenerationConfig(do_sample=False, bad_words_ids=[[5, 6]])
     config._eos_token_tensor = None

@@ -228,7 +228,7 @@ def token_rules(model, prompts, n_seq, eos, device, *, repetition_penalty, frequ
 
 def check_args(*, max_new_tokens, num_return_sequences, block_size, temperature, top_k, top_p, min_p, stream):
     """Every scalar argument of ``generate`` checked before any model work (one ValueError naming the argument)."""
-    from arkernels.ops.sampling import _params
+    from arkernels.ops.sampling import sampler_params
 
     for name, v, lo in (("max_new_tokens", max_new_tokens, 0), ("num_return_sequences", num_return_sequences, 1),
                         ("block_size", block_size, 1)):
@@ -240,7 +240,7 @@ def check_args(*, max_new_tokens, num_return_sequences, block_size, temperature,
     if not is_int(top_k):
         raise ValueError(f"generate: top_k must be an int (0: off), got {top_k!r}")
     # the sampler's own range rules, on a one-row stand-in (so its words and generate's agree)
-    _params("generate", torch.zeros(1, 1), float(temperature), int(top_k), float(top_p), float(min_p))
+    sampler_params("generate", torch.zeros(1, 1), float(temperature), int(top_k), float(top_p), float(min_p))
     if stream is not None and not callable(stream):
         raise ValueError(f"generate: stream must be a callable stream(row, token_id) or None, got {stream!r}")
 

@@ -42,15 +42,13 @@ import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas live in csrc/torch_bindings.cpp)
 from arkernels.ops._checks import expect, per_row
-from arkernels.triton.sampling import (BAN_BIT, COUNT_MASK, EOS_BIT, SEEN_MASK, _row_key_torch, _uniform_torch,
-                                       sample_triton, sampling_probs_triton, sampling_rules_triton)
+from arkernels.token_state_layout import BAN_BIT, COUNT_MAX, EOS_BIT, PROMPT_BIT, SEEN_MASK
+from arkernels.triton.sampling import (row_key_torch, sample_triton, sampling_probs_triton, sampling_rules_triton,
+                                       uniform_torch)
 
 _ops = torch.ops.arkernels
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _FLT_MAX = torch.finfo(torch.float32).max
-COUNT_MAX = COUNT_MASK.value  # generated occurrences per token saturate here (2**24 - 1: exact in fp32)
-PROMPT_BIT = COUNT_MAX + 1  # bit 24
-BAN, EOS = BAN_BIT.value, EOS_BIT.value
 
 
 def token_state(prompts, vocab: int, *, banned=None, eos_token_id=None, device=None) -> torch.Tensor:
@@ -87,11 +85,11 @@ def token_state(prompts, vocab: int, *, banned=None, eos_token_id=None, device=N
         if per_row_lists:
             expect(len(banned) == n, op, f"banned must be one list of ids, or one list per row ({n}), got {len(banned)}")
             for r, b in enumerate(banned):
-                st[r, ids("banned", b)] |= BAN
+                st[r, ids("banned", b)] |= BAN_BIT
         else:
-            st[:, ids("banned", banned)] |= BAN
+            st[:, ids("banned", banned)] |= BAN_BIT
     if eos_token_id is not None:
-        st[:, ids("eos_token_id", eos_token_id)] |= EOS
+        st[:, ids("eos_token_id", eos_token_id)] |= EOS_BIT
     return st.to(device) if device is not None else st
 
 
@@ -187,7 +185,7 @@ _RULES_DOC = """token_state: int32 ``[N, vocab]`` token history (``arkernels.tok
         logit_bias: fp32 ``[N, vocab]`` added to the logits (``arkernels.logit_bias_table``) or None."""
 
 
-def _params(op, logits, temperature, top_k, top_p, min_p):
+def sampler_params(op, logits, temperature, top_k, top_p, min_p):
     """Numbers or ``[batch]`` tensors -> the four per-row tensors, range-checked (ValueError) where that
     needs no host sync: Python numbers always, tensors when they live on the CPU."""
     expect(isinstance(logits, torch.Tensor) and logits.dim() == 2, op,
@@ -250,7 +248,7 @@ def sampling_probs(
         fp32 ``[batch, vocab]``, each row summing to 1, or all zeros for a row with no finite logit.
     """
     op = "sampling_probs"
-    t, k, p, mp = _params(op, logits, temperature, top_k, top_p, min_p)
+    t, k, p, mp = sampler_params(op, logits, temperature, top_k, top_p, min_p)
     st, hist, pen, bias = _rules(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
                                  repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     return _ops.sampling_probs(logits, t, k, p, mp, st, hist, pen, bias)
@@ -337,7 +335,7 @@ def sample(
         bool ``[batch]``, False for a row with no finite logit (its id is 0).
     """
     op = "sample"
-    t, k, p, mp = _params(op, logits, temperature, top_k, top_p, min_p)
+    t, k, p, mp = sampler_params(op, logits, temperature, top_k, top_p, min_p)
     batch, dev = logits.shape[0], logits.device
     if seed is None:
         gdev = generator.device if generator is not None else dev
@@ -459,11 +457,11 @@ def _rules_cpu(logits, token_state, history, penalties, logit_bias):
             penalties = torch.tensor([[1.0, 0.0, 0.0]]).expand(x.shape[0], 3)
         rp, fq, pr = (penalties[:, i:i + 1] for i in range(3))
         cnt = w & COUNT_MAX
-        x = torch.where((w & SEEN_MASK.value) != 0, torch.where(x < 0, x * rp, x / rp), x)
+        x = torch.where((w & SEEN_MASK) != 0, torch.where(x < 0, x * rp, x / rp), x)
         x = x - fq * cnt.float()
         x = x - torch.where(cnt > 0, pr, 0.0)
         eos_on = (history[:, 1] < history[:, 2])[:, None]
-        x = torch.where(((w & BAN) != 0) | (((w & EOS) != 0) & eos_on), float("-inf"), x)
+        x = torch.where(((w & BAN_BIT) != 0) | (((w & EOS_BIT) != 0) & eos_on), float("-inf"), x)
     x = torch.where(torch.isnan(x), float("-inf"), x).clamp(max=_FLT_MAX)
     return torch.where(x == 0, 0.0, x)
 
@@ -547,7 +545,7 @@ def _sample_cpu(logits, temperature, top_k, top_p, min_p, seed, step, token_stat
         # >= -2.86 and a token with z < -20.5 can never win. Hashing only the tokens that can win skips
         # most of the vocabulary (the hash is ~20 int64 ops per element) and changes no draw.
         r, c = (keep[rows] & (z[rows] >= -20.5)).nonzero(as_tuple=True)
-        u = _uniform_torch(_row_key_torch(seed[rows], step[rows])[r], c)
+        u = uniform_torch(row_key_torch(seed[rows], step[rows])[r], c)
         score = torch.full((rows.numel(), vocab), float("-inf"))
         score[r, c] = z[rows][r, c] - torch.log(-torch.log(u))
         ids[rows] = score.argmax(dim=1)

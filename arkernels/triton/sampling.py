@@ -75,7 +75,7 @@ the mass with top-k + its search passes) + 1 (draw).
 Why an exponential race for the draw: ``argmax_i z_i - log(E_i)`` with ``E_i ~ Exp(1)`` draws ``i`` with
 probability ``p_i`` (Gumbel-max); it needs no normalisation, no prefix sum and one pass, and ``E_i``
 comes from a counter-based hash of (seed, step, column), so a row's token never depends on its batch
-position. ``_row_key_torch`` / ``_uniform_torch`` below are the bit-identical torch twins the CPU path
+position. ``row_key_torch`` / ``uniform_torch`` below are the bit-identical torch twins the CPU path
 uses, so CPU and GPU draw the same token up to rounding of exp/log (a race decided within an ulp, ~1e-6 of draws).
 """
 from __future__ import annotations
@@ -83,6 +83,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from arkernels import token_state_layout as _layout
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read it
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
@@ -167,7 +169,7 @@ def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
     return h ^ ((h >> 16) & 0xFFFF)
 
 
-def _row_key_torch(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def row_key_torch(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``_row_key``: seed, step int64 ``[n]`` -> the rows' keys (uint32 bits in int32)."""
     a = _fmix32_torch(_to_u32_bits(seed) ^ 0x243F6A88)
     a = _fmix32_torch(a ^ _to_u32_bits(seed >> 32))
@@ -175,7 +177,7 @@ def _row_key_torch(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return _fmix32_torch(a ^ _to_u32_bits(step >> 32))
 
 
-def _uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``_uniform``, bit-identical: row keys and vocab columns (broadcast together, e.g.
     ``[batch, 1]`` against ``[1, vocab]``, or two ``[n]`` for gathered pairs) -> fp32 U in (0, 1)."""
     h = _fmix32_torch(cols.to(torch.int32) * _s32(0x9E3779B9) + key)
@@ -197,11 +199,11 @@ def _load_row(base, offs, mask):
     return tl.minimum(x, FLT_MAX)
 
 
-# token_state word (one int32 per history row and vocabulary column), see arkernels/ops/sampling.py
-COUNT_MASK = tl.constexpr(0xFFFFFF)  # bits 0-23: generated occurrences (exact in fp32: frequency * count is exact)
-SEEN_MASK = tl.constexpr(0x1FFFFFF)  # count or bit 24 (in the prompt): the repetition penalty applies
-BAN_BIT = tl.constexpr(1 << 25)  # banned (bad_words_ids of one token, suppress_tokens)
-EOS_BIT = tl.constexpr(1 << 26)  # an EOS id: masked while the row has fewer than min_new_tokens new tokens
+# token_state word (one int32 per history row and vocabulary column): the layout of arkernels/token_state_layout.py
+COUNT_MASK = tl.constexpr(_layout.COUNT_MASK)  # generated occurrences
+SEEN_MASK = tl.constexpr(_layout.SEEN_MASK)  # count or in the prompt: the repetition penalty applies
+BAN_BIT = tl.constexpr(_layout.BAN_BIT)  # banned
+EOS_BIT = tl.constexpr(_layout.EOS_BIT)  # an EOS id: masked while the row has fewer than min_new_tokens new tokens
 
 
 @triton.jit
