@@ -68,7 +68,7 @@ def _fresh_dynamo():
 def test_compiled_decode_matches_stock(family, seed):
     model = tiny_model(family)
     ref = _generate(model, seed=seed)
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, compile=True):
         out = _generate(model, seed=seed, compile_config=_config())
     assert torch.equal(out, ref)
     cache = _generate.last_cache
@@ -98,7 +98,7 @@ def test_one_graph_per_batch_size():
     config = _config()
     ref = [_generate(model, *_prompt(w), n) for w, n in CALLS]
     ref_b1 = [_generate(model, IDS[:1], MASK[:1], 4), _generate(model, IDS[:1, 2:], MASK[:1, 2:], 6)]
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, compile=True):
         for (w, n), want in zip(CALLS, ref):
             assert torch.equal(_generate(model, *_prompt(w), n, compile_config=config), want), (w, n)
             assert counters["stats"]["unique_graphs"] == 1, (w, n)
@@ -131,7 +131,7 @@ def test_compiled_step_has_no_host_sync():
     replay stale."""
     model = tiny_model("gemma3_text")
     config = _config()
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, compile=True):
         _mark_compiled_steps(model)
         _generate(model, compile_config=config)  # compiles
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -176,7 +176,7 @@ def test_continuation_past_the_reservation_leaves_fixed_shapes():
     mask2 = torch.cat([MASK, torch.ones(2, ids2.shape[1] - MASK.shape[1], dtype=MASK.dtype)], 1)
     ref = _generate(model, ids2, mask2, 5, **{"cache" if "cache" in _fwd_params(model) else "past_key_values":
                                                  first_cache})
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, compile=True):
         got_first = _generate(model, compile_config=config)
         cache = _generate.last_cache
         assert torch.equal(got_first, first) and cache.is_compileable
@@ -203,7 +203,7 @@ def test_mask_the_kernel_cannot_express_leaves_fixed_shapes():
     mask[1, 4] = 0
     ref = _generate(model, IDS, mask)
     cache_hook._warned.discard("unfixed")
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, compile=True):
         with pytest.warns(UserWarning, match="decodes eagerly"):
             out = _generate(model, IDS, mask, compile_config=_config())
     assert torch.equal(out, ref)
@@ -310,7 +310,7 @@ def test_auto_compile_that_fails_stays_eager(monkeypatch):
         assert torch.equal(_generate(model), ref)
         assert len(tries) == 1  # no second attempt: eager from then on
     torch._dynamo.reset()
-    with arkernels.patch(model, block_size=BLOCK):
+    with arkernels.patch(model, block_size=BLOCK, compile=True):
         with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
             _generate(model, compile_config=_config(broken))
 

@@ -6,7 +6,8 @@ the conformance tests cover:
   attention weights (``eager``: tensors; ``sdpa``: none) and the hidden states, values and ``None``s alike; the next
   call is arkernels' again.
 - ``torch.compiler.set_stance("force_eager")`` / ``disable_compile``: no compile at all, and the returned cache says
-  it is not compileable; outside them a ``compile_config`` call compiles and its cache says so.
+  it is not compileable; ``compile_config`` on the default cache compiles nothing before the "auto" rule is due
+  (as stock); a call that compiled returns a cache that says so.
 """
 import warnings
 
@@ -222,16 +223,58 @@ def test_no_compile_means_no_compile(family, how):
     assert torch.equal(out.sequences, ref.sequences)
 
 
-def test_compile_config_compiles_and_the_cache_says_so():
-    """The other side of the contract: with ``compile_config`` and no stance, the patched greedy call compiles its
-    decode step over the fixed paged cache, and the cache it returns says it is compileable."""
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_compile_config_on_the_default_cache_compiles_nothing(family):
+    """transformers' ``test_generate_compile_model_forward``, first half: ``compile_config`` (``_compile_all_devices``)
+    with the default cache compiles nothing stock ("our auto compile should NOT have been called"); patched, the
+    "auto" rule keeps the model's first ``compile_after`` decode steps eager too: the returned cache is a DynamicCache
+    that says it is not compileable and the model has no ``_compiled_call``, on two calls."""
+    from transformers import DynamicCache
+
+    model = tiny_model(family, seed=0)
+    torch.compiler.reset()
+    ref = _compiled_generate(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with arkernels.patch(model, block_size=4):
+            outs = [_compiled_generate(model) for _ in range(2)]
+    for out in outs:
+        assert isinstance(out.past_key_values, PagedCache) and isinstance(out.past_key_values, DynamicCache)
+        assert not out.past_key_values.is_compileable
+        assert torch.equal(out.sequences, ref.sequences)
+    assert not hasattr(model, "_compiled_call")
+
+
+@pytest.mark.parametrize("how", ["compile=True", "compile_after=0", "compile_after=None"])
+def test_a_call_that_compiles_says_so(how):
+    """The other side: a patched call whose decode step compiled (``compile=True``, the "auto" rule due, or
+    ``compile_after=None``: transformers' rule, which compiles a compileable cache under ``compile_config``) returns
+    a cache that says it is compileable."""
     model = tiny_model("llama", seed=0)
     torch.compiler.reset()
     ref = _compiled_generate(model)
-    out = _patched(model, lambda: _compiled_generate(model))
+    kw = {"compile=True": dict(compile=True), "compile_after=0": dict(compile_after=0),
+          "compile_after=None": dict(compile_after=None)}[how]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with arkernels.patch(model, block_size=4, **kw):
+            out = _compiled_generate(model)
     assert isinstance(out.past_key_values, PagedCache) and out.past_key_values.is_compileable
+    assert out.past_key_values.compiled_forwards == 2  # max_new_tokens 3: the prefill, then two compiled steps
     assert hasattr(model, "_compiled_call")
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_an_eager_fixed_call_on_the_cpu_says_it_did_not_compile():
+    """No compile_config on the CPU (transformers compiles nothing there), before the "auto" rule is due: the fixed
+    paged cache ran eagerly, and the cache it returns says it is not compileable."""
+    model = tiny_model("llama", seed=0)
+    with arkernels.patch(model, block_size=4):
+        out = model.generate(input_ids=IDS[:1], max_new_tokens=3, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, PagedCache) and cache.fixed and cache.decode_steps == 2
+    assert not cache.is_compileable and cache.compiled_forwards == 0
 
 
 def test_arkernels_generate_on_a_patched_model_stays_on_arkernels():

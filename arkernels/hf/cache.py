@@ -478,6 +478,8 @@ class PagedCache(DynamicCache):
         self.host_ahead = 0  # tokens of the coming forward whose host half begin_forward already did
         self.decode_steps = 0  # one-token forwards served with fixed shapes
         self.step_counter = None  # or an object whose ``steps`` counts them too (arkernels.patch's compile="auto")
+        self.eager_call = False  # arkernels.patch: the "auto" rule keeps this call eager (transformers compiles not)
+        self.compiled_forwards = 0  # forwards a compiled decode step served (arkernels.patch's compiled call)
         # model.generate's masks for this call's one-token forwards (arkernels.patch): the padding of a call's rows
         # does not change between its decode steps, so they are built once (left padding as kv_start) and reused
         self.decode_masks = None
@@ -492,6 +494,14 @@ class PagedCache(DynamicCache):
     def _set_compileable(self, on: bool) -> None:
         for layer in self.layers:
             layer.is_compileable = on  # instance attribute: transformers reads cache.is_compileable from the layers
+
+    def end_call(self) -> None:
+        """The ``model.generate`` call this fixed cache was made for returned: a cache no compiled forward ran on
+        reports ``is_compileable`` False from now on (what the call did: transformers' own default cache is not
+        compileable, and its tests read the returned cache so); its fixed shapes stay (a continuation runs eagerly)."""
+        if self.fixed and not self.compiled_forwards:
+            self._set_compileable(False)
+        self.eager_call = False
 
     def leave_fixed(self) -> None:
         """Asked mid-forward (an attention function wanted dense K/V: a mask our kernel cannot express): no longer

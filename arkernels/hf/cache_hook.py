@@ -135,26 +135,54 @@ def _paged_cache(model, generation_config, state: dict, max_length, block_size: 
     if generation_config.compile_config is not None and not fixed and not compile_forbidden(generation_config):
         _warn_once(f"eager:{state['mode']}", f"arkernels.patch: generation mode {state['mode']!r} runs the paged "
                    "cache eagerly (compile_config applies to greedy and sampling calls)", stacklevel=4)
-    tier = state["tier"]
-    tier.this_call = False
-    cpu_eager = fixed and generation_config.compile_config is None and model.device.type == "cpu"
-    if cpu_eager:  # (where transformers compiles by itself, CUDA, it compiles this cache from call one)
-        tier.this_call = compile == "auto" and not generation_config.disable_compile and tier.due()
-        if compile is True or tier.this_call:
-            if tier.this_call:
-                _warn_once("tier", f"arkernels.patch: compiling this model's decode step after {tier.steps} eager "
-                           "decode steps (compile='auto'; the first call of each batch size compiles; "
-                           "patch(compile_after=None) keeps it eager)", stacklevel=4)
-            generation_config.compile_config = _default_compile_config(model)
-            cpu_eager = False
+    eager = fixed and _tier_decides(model, generation_config, state["tier"], compile)
     cache = PagedCache(model.config, block_size=block_size, max_length=max_length, paged_attention=paged,
                        compileable=fixed, **(cache_kwargs or {}))
-    if cpu_eager:
-        cache.step_counter = tier  # an eager call: its decode steps count towards the "auto" rule
+    if eager:
+        cache.step_counter = state["tier"]  # an eager call: its decode steps count towards the "auto" rule
+        cache.eager_call = True  # wrap_compile_criteria: transformers does not compile this call
+    if fixed:
+        state.setdefault("call_caches", []).append(cache)  # end_call when generate returns (stock_call)
     if getattr(generation_config, "is_assistant", False):
         # what transformers did to the cache it built (an assistant's cache is rolled back by crop)
         cache.activate_past_recording()
     return cache
+
+
+def _tier_decides(model, generation_config, tier: Tier, compile: bool | str) -> bool:
+    """The compile decision for a fixed-shape call; True when it must run eagerly. ``compile="auto"`` (with
+    ``compile_after``) is tiered on every device: the patched model's first ``compile_after`` decode steps are eager,
+    whatever transformers would do with a compileable cache (stock compiles no default-cache call: a short call
+    stays as stock runs it), then its calls compile (transformers' default ``CompileConfig`` unless the call has
+    one). ``compile=True``, and "auto" with ``compile_after=None``: transformers' rule, and on the CPU, where that
+    rule never compiles without ``compile_config``, True compiles from the first call."""
+    tier.this_call = False
+    if compile == "auto" and tier.after is not None:
+        tier.this_call = tier.due()
+        if not tier.this_call:
+            return True
+        _warn_once("tier", f"arkernels.patch: compiling this model's decode step after {tier.steps} eager decode "
+                   "steps (compile='auto'; the first call of each batch size compiles; patch(compile_after=None) "
+                   "keeps it eager)", stacklevel=5)
+    if generation_config.compile_config is None and (tier.this_call or (compile is True
+                                                                        and model.device.type == "cpu")):
+        generation_config.compile_config = _default_compile_config(model)
+    return False
+
+
+def wrap_compile_criteria(original):
+    """``_valid_auto_compile_criteria`` (generate's decision to compile a call's forward): False for a call the
+    "auto" rule keeps eager (``PagedCache.eager_call``), transformers' own rule otherwise."""
+    from arkernels.hf.cache import PagedCache
+
+    @functools.wraps(original)
+    def _valid_auto_compile_criteria(model_kwargs, generation_config):
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if isinstance(cache, PagedCache) and cache.eager_call:
+            return False
+        return original(model_kwargs, generation_config)
+
+    return _valid_auto_compile_criteria
 
 
 def _masks_for_generate_work(config) -> bool:
@@ -240,7 +268,9 @@ def wrap_compiled_call(model, original, tier: Tier):
                            "it reserved, or a padding mask that is not left padding); this call decodes eagerly")
                 return model.__call__(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
+                cache.compiled_forwards += 1
+                return out
             except Exception as e:
                 if not tier.this_call or not isinstance(e, _compile_errors()):
                     raise

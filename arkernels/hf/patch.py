@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from arkernels.hf.cache_hook import COMPILE_AFTER, Tier, wrap_cache, wrap_compiled_call, wrap_masks
+from arkernels.hf.cache_hook import (COMPILE_AFTER, Tier, wrap_cache, wrap_compile_criteria, wrap_compiled_call,
+                                    wrap_masks)
 from arkernels.hf.sampler_hook import wrap_logits_processor
 
 _PATCH_ATTR = "_arkernels_patch"
@@ -140,18 +141,22 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
         k_scale, v_scale: fp8 only: a float, one float per layer, or None (default): calibrated per layer on each
             call's prefill as ``max(absmax / 200, 1e-6)`` for K, ``/ 100`` for V (vLLM's defaults).
         compile: the decode step of greedy / sampling calls. "auto" (default) and True: the paged cache of such a call
-            has fixed shapes (every block reserved at prefill, lengths advanced on the device) and is compileable, so
-            transformers compiles the decode forward wherever it would compile a static cache (``compile_config``;
-            any CUDA model). Where transformers would not compile (the CPU), True compiles from the first call and
-            "auto" once this patched model has run ``compile_after`` eager decode steps (tiered: short one-off calls
-            never pay the compile, sustained use gets the compiled step). False: the host-path paged cache, never
-            compiled. ``generate(..., disable_compile=True)`` turns compilation off for one call. The compile is
-            transformers' (its default ``CompileConfig``): one graph per batch size; a compile that fails under
-            "auto" (no C++ compiler for Inductor, say) warns once and the model stays eager.
+            has fixed shapes (every block reserved at prefill, lengths advanced on the device). "auto" is tiered on
+            every device: the patched model's first ``compile_after`` decode steps run eagerly (transformers compiles
+            no call on its default cache, and a short call runs as stock runs it: no compile, a returned cache that
+            says ``is_compileable`` False), then its calls compile (transformers' default ``CompileConfig`` unless the
+            call passes one): short one-off calls never pay the compile, sustained use gets the compiled step. True:
+            transformers compiles the fixed cache wherever it would compile a static cache (``compile_config``; any
+            CUDA model), and on the CPU from the first call. False: the host-path paged cache, never compiled.
+            ``generate(..., disable_compile=True)`` or ``torch.compiler.set_stance("force_eager")`` turn compilation
+            off for a call; ``cache_implementation="static"`` keeps transformers' static cache and its compile. The
+            compile is transformers': one graph per batch size; a compile that fails under "auto" (no C++ compiler for
+            Inductor, say) warns once and the model stays eager.
         compile_after: "auto" only: decode steps (forwards of one token per row, summed over this patch's calls) after
-            which the CPU compiles; an int >= 0, or None: never (transformers' rule only). Default ``COMPILE_AFTER``
-            (1024): on the host-bound tiny Llama the first compile costs about as much CPU time as 1000-1500 eager
-            steps, so the rule pays at most about twice the best choice made in hindsight (rent-or-buy).
+            which its calls compile; an int >= 0, or None: transformers' rule only (it compiles the fixed cache from
+            the first call with ``compile_config`` or on CUDA). Default ``COMPILE_AFTER`` (1024): on the host-bound
+            tiny Llama the first compile costs about as much CPU time as 1000-1500 eager steps, so the rule pays at
+            most about twice the best choice made in hindsight (rent-or-buy).
 
     Returns:
         ``PatchHandle``: ``handle.undo()`` restores the model; also a context manager.
@@ -177,7 +182,8 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
     if cache and compile is not False:
         model.get_compiled_call = wrap_compiled_call(model, model.get_compiled_call, state["tier"])
         model.create_masks_for_generate = wrap_masks(model)
-        attrs += ["get_compiled_call", "create_masks_for_generate"]
+        model._valid_auto_compile_criteria = wrap_compile_criteria(model._valid_auto_compile_criteria)
+        attrs += ["get_compiled_call", "create_masks_for_generate", "_valid_auto_compile_criteria"]
     if sampler:
         model._get_logits_processor = wrap_logits_processor(model._get_logits_processor, state, sampler)
         attrs.append("_get_logits_processor")

@@ -120,15 +120,17 @@ def wrap_generate(model, original, swap: AttentionSwap, state: dict):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         stock = model.training or wants_attentions(model, signature, args, kwargs)
-        previous = state.get("stock", False)
-        state["stock"] = stock
+        previous, outer_caches = state.get("stock", False), state.get("call_caches")
+        state["stock"], state["call_caches"] = stock, []  # the fixed caches this call makes (cache_hook)
         swap.generating += 1
         try:
             with swap.stock() if stock else contextlib.nullcontext():
                 return original(*args, **kwargs)
         finally:
             swap.generating -= 1
-            state["stock"] = previous
+            for cache in state["call_caches"]:
+                cache.end_call()
+            state["stock"], state["call_caches"] = previous, outer_caches
 
     return generate
 
