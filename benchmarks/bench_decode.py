@@ -5,14 +5,14 @@ Methods (greedy, the same prompts):
 - ``static+compile``: ``cache_implementation="static"`` + ``compile_config`` (transformers' own compiled decode step;
   ``_compile_all_devices`` on the CPU).
 - ``patched``: ``arkernels.patch(model)`` + the same ``model.generate``, the patch's default (``compile="auto"``: a
-  fixed-shape paged cache; transformers compiles its decode step on a GPU from the first call; on the CPU the
-  patched model decodes eagerly for its first ``COMPILE_AFTER`` (1024) decode steps, then compiles). Timed in its
-  steady state: one patch stays on a copy of the model across the method's calls, and its warm-up runs as many calls
-  as the tier-up takes (``compile_s``: the compiling call's time minus the median).
-- ``patched-eager``: ``arkernels.patch(model, compile_after=None)``: what the default runs before the tier-up on the
-  CPU (the fixed-shape cache, eager; on a GPU the same as ``patched``).
-- ``patched+compile``: the patch + ``compile_config`` (``_compile_all_devices``): the decode forward compiled over the
-  fixed-shape paged cache, CUDA graphs through the config's mode on a GPU.
+  fixed-shape paged cache, eager for the patched model's first ``COMPILE_AFTER`` (1024) decode steps on every device,
+  then compiled). Timed in its steady state: one patch stays on a copy of the model across the method's calls, and
+  its warm-up runs as many calls as the tier-up takes (``compile_s``: the compiling call's time minus the median).
+- ``patched-eager``: a fresh ``arkernels.patch(model)`` per call: what the default runs before its tier-up (the
+  fixed-shape cache, eager).
+- ``patched+compile``: ``arkernels.patch(model, compile=True)`` + ``compile_config`` (``_compile_all_devices``): the
+  decode forward compiled over the fixed-shape paged cache from the first call, CUDA graphs through the config's
+  mode on a GPU.
 - ``patched+host``: ``arkernels.patch(model, compile=False)``: the host-path paged cache (blocks reserved per step).
 - ``arkernels``: ``arkernels.generate`` (eager decode steps).
 - ``arkernels+graphs``: ``arkernels.generate(cuda_graphs=True)``: on a GPU each batch-size bucket's decode step is
@@ -185,8 +185,8 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
         def run(method, n):
             handle = None
             if method.startswith("patched") and method != "patched":
-                handle = arkernels.patch(model, compile=False if method == "patched+host" else "auto",
-                                         compile_after=None if method == "patched-eager" else COMPILE_AFTER)
+                handle = arkernels.patch(model, compile={"patched+host": False, "patched+compile": True}.get(
+                    method, "auto"))  # patched-eager: a fresh patch, below its tier
             try:
                 return fns[method](n)
             finally:
@@ -196,7 +196,7 @@ def bench_model(name, model, batches, prompt_len, new_tokens, device, methods, r
         runs, first = {}, {}
         for m in methods:  # warm-up (and compile) + the check against stock
             calls = 1
-            if m == "patched" and torch.device(device).type == "cpu":  # up to and including the compiling call
+            if m == "patched":  # up to and including the compiling call
                 calls = 1 + max(-(-(COMPILE_AFTER - twin_steps[0]) // max(new_tokens - 1, 1)), 0)
             first[m] = max(_time_once(lambda: runs.__setitem__(m, run(m, new_tokens)), device) for _ in range(calls))
             if m == "patched":

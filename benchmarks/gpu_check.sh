@@ -109,9 +109,9 @@ for graphs in (False, True):
                     [window_attention]="--short"
                     [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024")
   declare -A limit=([decode]=100 [window_attention]=150 [cb]=60)
-  # (on CUDA the default compiles from the first call: patched+compile and patched-eager would repeat it)
+  # (the default tiers up on CUDA too: patched-eager is its first calls, patched its steady state)
   step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host" \
-    --methods static+compile,patched,patched+host,arkernels,arkernels+graphs,arkernels+compile
+    --methods static+compile,patched,patched-eager,patched+host,arkernels,arkernels+graphs,arkernels+compile
   for b in paged_kv window_attention sampling int8_matmul cb decode; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086
