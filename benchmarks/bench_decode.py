@@ -424,8 +424,8 @@ def main():
 
 def isolated(argv, methods, rules, rounds):
     """``--isolate``: every (rules, method) pair of the host-bound case timed in a process of its own (this script
-    with ``--worker``: stock alongside, for its ``match``), ``rounds`` rounds of such processes, the pairs alternating
-    within each round. A row per pair: ``step_ms``, the median over its processes of each process's median step;
+    with ``--worker``: stock alongside, for its ``match`` and ratio; stock's row gathers every process's stock),
+    ``rounds`` rounds of such processes, the pairs alternating within each round. A row per pair: ``step_ms``, the median over its processes of each process's median step;
     ``vs_stock``, the median over its processes of the ratio to the stock method timed interleaved in the same
     process (on a shared machine the drift between processes is larger than the gaps between methods: each process
     is its own control); ``vs_static``, this row's ``vs_stock`` over the ``static+compile`` row's."""
@@ -435,7 +435,7 @@ def isolated(argv, methods, rules, rounds):
     steps, keep = {}, {}
     for k in range(rounds):
         for r in rules:
-            for m in methods:
+            for m in [m for m in methods if m != "stock"] or ["stock"]:  # every process times stock beside its method
                 cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", "--methods", m, "--rules", r,
                        "--repeats", "3", "--out", os.path.join("bench_out", "isolated")]
                 print(f"[bench_decode] round {k + 1}/{rounds}: {r} / {m}", file=sys.stderr, flush=True)
@@ -443,9 +443,10 @@ def isolated(argv, methods, rules, rounds):
                 if run.returncode != 0:
                     raise RuntimeError(f"bench_decode worker {r} / {m} failed:\n{run.stderr[-3000:]}")
                 for row in json.loads(run.stdout.strip().splitlines()[-1]):
-                    if row["method"] == m:
-                        steps.setdefault((r, m, row["batch"]), []).append((row["step_ms"], row["vs_stock"]))
-                        keep[(r, m, row["batch"])] = row
+                    if row["method"] in (m, "stock"):
+                        key = (r, row["method"], row["batch"])
+                        steps.setdefault(key, []).append((row["step_ms"], row["vs_stock"]))
+                        keep[key] = row
     rows = []
     for (r, m, b), xs in steps.items():
         step = _median([x[0] for x in xs])

@@ -172,6 +172,34 @@ def test_training_mode_runs_stock():
     assert not isinstance(out.past_key_values, PagedCache)
 
 
+@pytest.mark.parametrize("call", ["generate", "forward"])
+def test_a_layer_left_in_training_runs_stock(call):
+    """One attention layer left in ``train()`` with attention dropout inside an eval model: stock applies its dropout
+    (sdpa's, seeded here); arkernels' attention has none, so the call runs as the unpatched model, same seed, same
+    values."""
+    model = _model("llama", "sdpa")
+    attn = model.model.layers[0].self_attn
+    attn.attention_dropout = 0.5
+    attn.train()
+
+    def run():
+        torch.manual_seed(3)
+        if call == "forward":
+            return model(IDS, attention_mask=MASK).logits
+        return _generate(model, do_sample=False).sequences
+
+    try:
+        ref = run()
+        model.eval()  # the control: no dropout
+        control = run()
+        attn.train()
+        got = _patched(model, run)
+    finally:
+        model.eval()
+    assert not torch.equal(ref, control)  # the dropout changed stock's result: the test can see it
+    assert torch.equal(got, ref)
+
+
 def test_undo_restores_generate_and_forward():
     model = tiny_model("llama", seed=0)
 

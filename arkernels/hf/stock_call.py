@@ -119,7 +119,7 @@ def wrap_generate(model, original, swap: AttentionSwap, state: dict):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        stock = model.training or wants_attentions(model, signature, args, kwargs)
+        stock = in_training(model) or wants_attentions(model, signature, args, kwargs)
         previous, outer_caches = state.get("stock", False), state.get("call_caches")
         state["stock"], state["call_caches"] = stock, []  # the fixed caches this call makes (cache_hook)
         swap.generating += 1
@@ -147,7 +147,7 @@ def wrap_forward(model, original, swap: AttentionSwap):
         if torch.compiler.is_compiling() or swap.generating or swap.depth:
             return original(*args, **kwargs)
         attentions = _asks_attentions(model, kwargs)
-        if not (attentions or model.training):
+        if not (attentions or in_training(model)):
             return original(*args, **kwargs)
         if _over_paged_cache(kwargs):
             if kwargs.get("output_attentions"):
@@ -161,6 +161,12 @@ def wrap_forward(model, original, swap: AttentionSwap):
             return original(*args, **kwargs)
 
     return forward
+
+
+def in_training(model) -> bool:
+    """Whether any module of the model is in training mode (a layer left in ``train()`` inside an eval model applies
+    its attention dropout stock; arkernels' attention has none): such a call runs as the unpatched model."""
+    return model.training or any(m.training for m in model.modules())
 
 
 def _asks_attentions(model, kwargs) -> bool:
