@@ -44,7 +44,7 @@ CPU_MAX_HEAD_DIM = 512
 # reason says why). Any other keyword with a value other than None refuses: nothing is dropped silently.
 IMPLEMENTED = {
     "scaling": "softmax scale",
-    "dropout": "0 in eval mode (training refuses)",
+    "dropout": "0 in eval mode (a call with any module in training runs as the unpatched model: stock_call)",
     "sliding_window": "window of W keys",
     "softcap": "logit soft-capping",
     "s_aux": "attention sinks: one logit per query head that joins the softmax denominator",
