@@ -200,6 +200,35 @@ def test_a_layer_left_in_training_runs_stock(call):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("ask", ["output_attentions", "is_causal=False", "dropout"])
+def test_a_layer_called_on_its_own_runs_its_original_attention(impl, ask):
+    """An attention layer called directly (outside the model's forward, where neither generate's nor forward's hook
+    sees the call) with what only its original implementation gives: that implementation serves it, output and
+    weights exactly as unpatched (eager: weights; sdpa: None)."""
+    model = _model("llama", impl)
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = model.model.rotary_emb(h, torch.arange(5)[None].expand(2, 5))
+    mask = torch.tril(torch.ones(5, 5, dtype=torch.bool))[None, None].expand(2, 1, 5, 5)
+    kw = {"output_attentions": dict(output_attentions=True), "is_causal=False": dict(is_causal=False),
+          "dropout": {}}[ask]
+
+    def run():
+        if ask == "dropout":
+            attn.attention_dropout = 0.5
+            attn.train()
+        torch.manual_seed(1)
+        try:
+            return attn(h, position_embeddings=pos, attention_mask=mask, **kw)
+        finally:
+            attn.eval()
+
+    ref = run()
+    got = _patched(model, run)
+    _same(got, ref, atol=0)
+
+
 def test_undo_restores_generate_and_forward():
     model = tiny_model("llama", seed=0)
 

@@ -125,10 +125,17 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     Returns:
         ``(out [B, Tq, Hq, D], None)``.
     """
+    step = getattr(key, PAGED_ATTR, None)
+    if _wants_original(module, dropout, is_causal, kwargs) and step is None and not _compact(attention_mask):
+        original = _original_function(module)
+        if original is not None:  # a layer called on its own (the model's forward and generate route such calls)
+            extra = {k: v for k, v in dict(sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
+                                           is_causal=is_causal).items() if v is not None}
+            return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra,
+                            **kwargs)
     if dropout and module.training:
         raise NotImplementedError("arkernels attention: dropout (training) is not supported; use sdpa for training")
     _check_kwargs(module, is_causal=is_causal, **kwargs)
-    step = getattr(key, PAGED_ATTR, None)
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
     chunk = _chunk_size(module)
@@ -161,6 +168,44 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                            kv_start=kv_start, k_scale=k_scale, v_scale=v_scale,
                            check=False, **extra)  # our cache built the indices: no host-sync validation
     return out.view(B, Tq, Hq, D), None
+
+
+def _wants_original(module, dropout, is_causal, kwargs) -> bool:
+    """What only the layer's original implementation gives: attention weights, bidirectional attention, dropout."""
+    return (bool(kwargs.get("output_attentions")) or is_causal is False or getattr(module, "is_causal", True) is False
+            or bool(dropout and module.training))
+
+
+def _compact(mask) -> bool:
+    return mask is not None and mask.dtype == torch.int32  # arkernels_mask's: only our kernels read it
+
+
+# id(config) -> (a weak reference to it, its implementation before arkernels.patch): what a layer called on its own
+# falls back to; kept off the config object itself (save_pretrained writes a config's attributes)
+_originals: dict[int, tuple[weakref.ref, str | None]] = {}
+
+
+def remember_original(config, name: str | None) -> None:
+    """Record the attention implementation ``config`` had before the patch selected ours (stock_call.AttentionSwap)."""
+    _originals[id(config)] = (weakref.ref(config), name)
+
+
+def _original_function(module):
+    """The attention function of ``module``'s implementation before ``arkernels.patch`` (its modeling file's eager
+    attention for "eager"), or None when unknown."""
+    import sys
+
+    config = getattr(module, "config", None)
+    entry = _originals.get(id(config))
+    if entry is None or entry[0]() is not config or entry[1] == NAME:
+        return None
+    name = entry[1]
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if name in (None, "eager"):
+        return eager
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
 
 
 def _check_kwargs(module, **kwargs) -> None:

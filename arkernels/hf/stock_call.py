@@ -10,8 +10,11 @@ original attention implementation gives, for that call only; the next call is ar
   direct forward that asks for them runs that forward on the original implementation.
 - a vision or audio tower (bidirectional attention): it keeps the original implementation for good (the patch
   selects arkernels' attention on the decoder's configs only).
-- a call in training mode (``model.train()``: dropout): the original implementation (arkernels' kernels are
-  inference kernels), ``generate`` and forward alike.
+- a call in training mode (``model.train()``, or any module left in training: dropout): the original
+  implementation (arkernels' kernels are inference kernels), ``generate`` and forward alike.
+- a layer called on its own (outside the model's forward) with ``output_attentions=True``, ``is_causal=False`` or
+  dropout in training: ``arkernels_attention`` hands that call to the layer's original implementation
+  (``arkernels.hf.attention.remember_original``), over the dense keys and the mask the caller passed.
 
 ``AttentionSwap`` holds, per config object of the model, the implementation before the patch and after it; swapping
 writes transformers' internal attribute directly (``set_attn_implementation`` re-validates every submodule: too
@@ -28,6 +31,8 @@ import functools
 import inspect
 
 import torch
+
+from arkernels.hf.attention import remember_original
 
 _INTERNAL = "_attn_implementation_internal"  # where transformers keeps a config's implementation (5.17 - 5.24)
 
@@ -57,6 +62,8 @@ class AttentionSwap:
         self.configs = [self.configs[i] for i in keep]
         self.before = [self.before[i] for i in keep]
         self.after = [after[i] for i in keep]
+        for config, value in zip(self.configs, self.before):
+            remember_original(config, value)
 
     @contextlib.contextmanager
     def stock(self):
