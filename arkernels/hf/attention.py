@@ -126,16 +126,18 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         ``(out [B, Tq, Hq, D], None)``.
     """
     step = getattr(key, PAGED_ATTR, None)
-    if _wants_original(module, dropout, is_causal, kwargs) and step is None and not _compact(attention_mask):
-        original = _original_function(module)
-        if original is not None:  # a layer called on its own (the model's forward and generate route such calls)
-            extra = {k: v for k, v in dict(sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
-                                           is_causal=is_causal).items() if v is not None}
-            return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra,
-                            **kwargs)
-    if dropout and module.training:
-        raise NotImplementedError("arkernels attention: dropout (training) is not supported; use sdpa for training")
-    _check_kwargs(module, is_causal=is_causal, **kwargs)
+    problem = ("dropout in training mode" if dropout and module.training
+               else _kwargs_problem(module, is_causal=is_causal, **kwargs))
+    if problem is not None:
+        original = None if step is not None or _compact(attention_mask) else _original_function(module)
+        if original is None:
+            _refuse(module, problem)
+        # a layer called on its own, over dense keys and its caller's mask (the model's forward and generate route
+        # such calls to the original implementation before they reach here): that implementation serves it
+        extra = {k: v for k, v in dict(sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
+                                       is_causal=is_causal).items() if v is not None}
+        return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra,
+                        **kwargs)
     window = int(sliding_window or 0)
     cap = float(softcap or 0.0)
     chunk = _chunk_size(module)
@@ -170,12 +172,6 @@ def arkernels_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return out.view(B, Tq, Hq, D), None
 
 
-def _wants_original(module, dropout, is_causal, kwargs) -> bool:
-    """What only the layer's original implementation gives: attention weights, bidirectional attention, dropout."""
-    return (bool(kwargs.get("output_attentions")) or is_causal is False or getattr(module, "is_causal", True) is False
-            or bool(dropout and module.training))
-
-
 def _compact(mask) -> bool:
     return mask is not None and mask.dtype == torch.int32  # arkernels_mask's: only our kernels read it
 
@@ -208,22 +204,30 @@ def _original_function(module):
     return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
 
 
-def _check_kwargs(module, **kwargs) -> None:
-    """Refuse, naming the layer and the keyword, any keyword whose value arkernels does not implement."""
-    from arkernels.hf.capability import ALWAYS_HARMLESS, attention_kwarg_problem, describe_module
+def _refuse(module, problem: str) -> None:
+    from arkernels.hf.capability import describe_module
+
+    hint = (" (a vision or audio tower under the patch: run such inputs on the unpatched model)"
+            if problem.startswith("is_causal=False") else "")
+    raise NotImplementedError(
+        f"arkernels attention: {describe_module(module)} passes {problem}, which arkernels attention does not "
+        f"implement{hint}; keep this model on transformers' attention (undo the patch)")
+
+
+def _kwargs_problem(module, **kwargs) -> str | None:
+    """The first keyword whose value arkernels does not implement, described, or None (every call of every layer:
+    the common keywords cost nothing)."""
+    from arkernels.hf.capability import ALWAYS_HARMLESS, attention_kwarg_problem
 
     if getattr(module, "is_causal", True) is False:
-        kwargs["is_causal"] = False  # the module's own flag: sdpa would honour it, so it refuses the same way
+        kwargs["is_causal"] = False  # the module's own flag: sdpa would honour it, so it counts the same way
     for name, value in kwargs.items():
-        if value is None or name in ALWAYS_HARMLESS:  # (every call, every layer: the common keywords cost nothing)
+        if value is None or name in ALWAYS_HARMLESS:
             continue
         problem = attention_kwarg_problem(name, value)
         if problem is not None:
-            hint = (" (a vision or audio tower under the patch: run such inputs on the unpatched model)"
-                    if name == "is_causal" else "")
-            raise NotImplementedError(
-                f"arkernels attention: {describe_module(module)} passes {problem}, which arkernels attention does not "
-                f"implement{hint}; keep this model on transformers' attention (undo the patch)")
+            return problem
+    return None
 
 
 _chunk_sizes: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, int]]" = weakref.WeakKeyDictionary()
