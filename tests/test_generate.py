@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 
 import arkernels
 from arkernels.cache import SCRATCH_BLOCK
-from arkernels.hf.cache import PagedLayer
+from arkernels.hf.cache_layer import PagedLayer
 from arkernels.hf.tiny import FAMILIES, TINY_WINDOW, tiny_model
 
 from arkernels.decode import step as STEP  # the decode step (arkernels.generate is the function)
