@@ -318,6 +318,21 @@ class BlockTable:
             self.kept_from = max(new_len - self.window + 1, 0)
         self.plan = self.step = None
 
+    def truncate_row(self, r: int, new_len: int) -> None:
+        """Row ``r`` back to ``new_len`` positions (speculative decoding's rollback of rejected drafts): whole blocks
+        past it return to the pool, nothing is copied. A sliding row keeps what it holds: the blocks ``advance`` freed
+        lay before the first key its last forward's first query saw, so none of them is visible again."""
+        if self.allocator is None or new_len >= self.lens[r]:
+            return
+        keep = -(-new_len // self.block_size)
+        blocks = self.rows[r]
+        if len(blocks) > keep:
+            self.allocator.free([b for b in blocks[keep:] if b is not None])
+            del blocks[keep:]
+            self.table[r, keep:] = SCRATCH_BLOCK
+        self.lens[r] = new_len
+        self.plan = self.step = None
+
     def _slots(self, rows, q_lens, dirty) -> torch.Tensor:
         bs = self.block_size
         dev = self.table.device

@@ -319,6 +319,7 @@ class Plan:
     stream: Callable[[int, int], None] | None
     logprobs: int | None
     logprobs_mode: str
+    lookup: tuple[int, int] | None = None  # prompt lookup: (prompt_lookup_num_tokens, max_matching_ngram_size)
 
     @property
     def rows(self) -> int:
@@ -333,7 +334,7 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
               top_k, top_p, min_p, seed, eos_token_id, tokenizer, stream, cuda_graphs, block_size,
               num_return_sequences, compile, kv_cache_dtype, k_scale, v_scale, repetition_penalty, frequency_penalty,
               presence_penalty, min_new_tokens, logit_bias, bad_words_ids, suppress_tokens, logprobs,
-              logprobs_mode) -> Plan:
+              logprobs_mode, prompt_lookup_num_tokens=None, max_matching_ngram_size=None) -> Plan:
     """Every argument of ``arkernels.generate`` checked (in one place) and turned into a ``Plan``."""
     from arkernels.hf.capability import check_model, check_model_tensors
     from arkernels.ops.sampling import seed_stream
@@ -343,6 +344,7 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
     check_args(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)
     _check_logprobs(logprobs, logprobs_mode, cuda_graphs or compile, vocab_size_of(model))
+    lookup = lookup_of(prompt_lookup_num_tokens, max_matching_ngram_size, cuda_graphs or compile)
     # composite configs (Gemma 3, Fuyu: a text config inside) keep the token ids on the text config
     bos_id = (getattr(tokenizer, "bos_token_id", None) if tokenizer is not None
               else getattr(model.config.get_text_config(decoder=True), "bos_token_id", None))
@@ -365,7 +367,24 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                 dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p), max_new_tokens,
                 cuda_graphs or compile, compile, block_size,
                 dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale), stream, logprobs,
-                logprobs_mode)
+                logprobs_mode, lookup)
+
+
+def lookup_of(num_tokens, max_ngram, static: bool) -> tuple[int, int] | None:
+    """Prompt lookup's options (transformers' names and default n-gram size, 2) checked: ``(k, n)`` or None (off)."""
+    if num_tokens is None:
+        if max_ngram is not None:
+            raise ValueError("generate: max_matching_ngram_size goes with prompt_lookup_num_tokens")
+        return None
+    if not is_int(num_tokens) or num_tokens < 1:
+        raise ValueError(f"generate: prompt_lookup_num_tokens must be None or an int >= 1, got {num_tokens!r}")
+    n = 2 if max_ngram is None else max_ngram
+    if not is_int(n) or n < 1:
+        raise ValueError(f"generate: max_matching_ngram_size must be None or an int >= 1, got {max_ngram!r}")
+    if static:
+        raise ValueError("generate: prompt_lookup_num_tokens runs on the eager decode path (cuda_graphs=False, "
+                         "compile=False): a speculative step with a fixed draft length per bucket is not built yet")
+    return int(num_tokens), int(n)
 
 
 def _check_logprobs(logprobs, logprobs_mode, static: bool, vocab: int | None) -> None:

@@ -15,46 +15,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
 
+from arkernels.decode.emit import draw, take
 from arkernels.decode.inputs import Plan, cache_kwarg, make_plan
+from arkernels.decode.result import GenerateResult
+from arkernels.decode.spec import decode_lookup
 from arkernels.decode.step import DecodeStep, StaticDecode, register_static
-
-
-@dataclass
-class GenerateResult:
-    """``tokens[b]``: the new token ids of prompt ``b`` (EOS included when emitted); ``texts[b]`` their decoded text
-    when a tokenizer was given; ``prompt_lens[b]``; timings in seconds; ``decode_tokens``: tokens produced by the
-    decode steps (the first token of each row comes from prefill)."""
-
-    tokens: list[list[int]]
-    texts: list[str] | None
-    prompt_lens: list[int]
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_tokens: int = 0
-    finished_by_eos: list[bool] = field(default_factory=list)
-    cache_blocks_in_use: dict[int, int] = field(default_factory=dict)  # per cache group after the call: all 0
-    logprobs: list[list["TokenLogprobs"]] | None = None  # with generate(logprobs=n): one per token of tokens[b]
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
-
-
-@dataclass
-class TokenLogprobs:
-    """One generated token's logprobs (``generate(logprobs=n)``): the chosen ``token``, its ``logprob`` and vLLM's
-    ``rank`` (how many tokens have a logprob >= its own), and ``top``: the ``n`` most likely ``(id, logprob, rank)``,
-    rank ``j + 1`` for entry ``j``, equal logprobs ordered by lowest id first."""
-
-    token: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float, int]]
 
 
 @torch.inference_mode()
@@ -69,7 +38,8 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
              frequency_penalty: float | Sequence[float] = 0.0, presence_penalty: float | Sequence[float] = 0.0,
              min_new_tokens: int | Sequence[int] = 0, logit_bias: Mapping[int, float] | Sequence | None = None,
              bad_words_ids: Sequence[Sequence[int]] | None = None, suppress_tokens: Sequence[int] | None = None,
-             logprobs: int | None = None, logprobs_mode: str = "raw") -> GenerateResult:
+             logprobs: int | None = None, logprobs_mode: str = "raw", prompt_lookup_num_tokens: int | None = None,
+             max_matching_ngram_size: int | None = None) -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -123,6 +93,13 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
             rules, temperature, top-k / top-p / min-p; a greedy row's is one-hot). An extra full-vocabulary pass per
             step (not fused into the sampler), on the eager decode path only (``cuda_graphs=False``).
 
+        prompt_lookup_num_tokens: None (off) or ``k >= 1``: speculative decoding with prompt-lookup drafts
+            (transformers' name and rule): each step a row proposes up to ``k`` tokens that followed the earliest
+            earlier occurrence of its last ``max_matching_ngram_size`` (default 2, then shorter) tokens, and one
+            forward verifies them all; the tokens are those of ``prompt_lookup_num_tokens=None`` for the same seeds
+            (``arkernels.decode.spec``). ``result.proposed_tokens`` / ``accepted_tokens`` count the drafts per row.
+            Eager decode path only (not with ``cuda_graphs`` / ``compile``).
+
     Every argument is checked before the prefill runs (a ValueError naming it; TypeError for a model dtype the
     kernels do not take). A prompt + ``max_new_tokens`` past ``max_position_embeddings`` warns, as stock does.
 
@@ -137,7 +114,9 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
                      k_scale=k_scale, v_scale=v_scale, repetition_penalty=repetition_penalty,
                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                      min_new_tokens=min_new_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
-                     suppress_tokens=suppress_tokens, logprobs=logprobs, logprobs_mode=logprobs_mode)
+                     suppress_tokens=suppress_tokens, logprobs=logprobs, logprobs_mode=logprobs_mode,
+                     prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                     max_matching_ngram_size=max_matching_ngram_size)
     B = plan.rows
     result = GenerateResult([[] for _ in range(B)], None, plan.prompt_lens, finished_by_eos=[False] * B)
     if logprobs is not None:
@@ -151,7 +130,6 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
     """The call on arkernels' attention (selected for it, restored after) over one paged cache: prefill, then decode."""
     from arkernels.hf.attention import NAME, register
     from arkernels.hf.cache import PagedCache
-    from arkernels.ops.sampling import sample
 
     B = plan.rows
     saved_attn = model.config._attn_implementation
@@ -162,22 +140,15 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
                        max_length=max(plan.prompt_lens) + plan.max_new_tokens, **plan.cache_options)
     cache.set_rows(B)
     try:
-        aux: dict = {}  # the last draw's logprobs (eager path)
-
-        def draw(lg, sd, st, hr):
-            return _draw(sample, lg, None, sd, st, **plan.sampling, idx=..., rules=plan.rules, rows=hr,
-                         logprobs=plan.logprobs, logprobs_mode=plan.logprobs_mode, aux=aux)
-
-        kind = StaticDecode if plan.cuda_graphs else DecodeStep
-        dec = kind(model, cache, cache_kw, B, plan.seed_list, draw,
-                   capture=plan.cuda_graphs and plan.device.type == "cuda", compile=plan.compile,
-                   token_state=None if plan.rules is None else plan.rules["token_state"])
         t0 = time.perf_counter()
+        aux: dict = {}  # the last draw's logprobs (eager path)
         first = _prefill(model, plan, cache, cache_kw, aux)
-        inflight = deque([(list(range(B)), dec.fetch(first), aux.pop("lp", None))])  # launched, tokens not read yet
         result.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _decode(plan, cache, dec, inflight, aux, result)
+        if plan.lookup is not None:
+            decode_lookup(model, plan, cache, cache_kw, first, aux.pop("lp", None), result)
+        else:
+            _decode_one_token(model, plan, cache, cache_kw, first, aux, result)
         result.decode_s = time.perf_counter() - t0
     finally:
         if model.config._attn_implementation != saved_attn:
@@ -185,6 +156,25 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
         for r in range(B):  # rows cut short by an exception (finished rows hold nothing: a no-op for them)
             cache.release_row(r)
     result.cache_blocks_in_use = cache.blocks_in_use
+
+
+def _decode_one_token(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, aux: dict,
+                      result: GenerateResult) -> None:
+    """The one-token decode loop: ``DecodeStep`` (eager) or ``StaticDecode`` (buffers, graphs, compile)."""
+    from arkernels.ops.sampling import sample
+
+    B = plan.rows
+
+    def step_draw(lg, sd, st, hr):
+        return draw(sample, lg, None, sd, st, **plan.sampling, idx=..., rules=plan.rules, rows=hr,
+                    logprobs=plan.logprobs, logprobs_mode=plan.logprobs_mode, aux=aux)
+
+    kind = StaticDecode if plan.cuda_graphs else DecodeStep
+    dec = kind(model, cache, cache_kw, B, plan.seed_list, step_draw,
+               capture=plan.cuda_graphs and plan.device.type == "cuda", compile=plan.compile,
+               token_state=None if plan.rules is None else plan.rules["token_state"])
+    inflight = deque([(list(range(B)), dec.fetch(first), aux.pop("lp", None))])  # launched, tokens not read yet
+    _decode(plan, cache, dec, inflight, aux, result)
 
 
 def _prefill(model, plan: Plan, cache, cache_kw: str, aux: dict) -> torch.Tensor:
@@ -208,8 +198,8 @@ def _prefill(model, plan: Plan, cache, cache_kw: str, aux: dict) -> torch.Tensor
                 cache.fork_row(h, h + j)
         logits = logits.repeat_interleave(n_seq, dim=0)
     steps = torch.zeros(plan.rows, dtype=torch.int64, device=device)
-    new = _draw(sample, logits, rows, plan.seeds, steps, **plan.sampling, rules=plan.rules, logprobs=plan.logprobs,
-                logprobs_mode=plan.logprobs_mode, aux=aux)
+    new = draw(sample, logits, rows, plan.seeds, steps, **plan.sampling, rules=plan.rules, logprobs=plan.logprobs,
+               logprobs_mode=plan.logprobs_mode, aux=aux)
     if plan.rules is not None:
         from arkernels.ops.sampling import update_token_state
 
@@ -242,61 +232,7 @@ def _decode(plan: Plan, cache, dec, inflight: deque, aux: dict, result: Generate
                 issued[r] += 1
             inflight.append((go, dec.fetch(out), aux.pop("lp", None)))
         got, handle, lp = inflight.popleft()
-        _take(plan, cache, dec.read(handle), got, None if lp is None else [t.tolist() for t in lp], done, result)
-
-
-def _take(plan: Plan, cache, toks: list[int], got: list[int], lp, done: list[bool], result: GenerateResult) -> None:
-    """One step's tokens read back: appended to their rows (streamed, logprobs), rows ended by EOS or the length."""
-    for i, (r, tok) in enumerate(zip(got, toks)):
-        if done[r]:  # the step after its EOS: dropped
-            continue
-        result.tokens[r].append(tok)
-        if lp is not None:
-            top = [(t, v, j + 1) for j, (t, v) in enumerate(zip(lp[2][i], lp[3][i]))]
-            result.logprobs[r].append(TokenLogprobs(tok, lp[0][i], lp[1][i], top))
-        if plan.stream is not None:
-            plan.stream(r, tok)
-        if len(result.tokens[r]) > 1:
-            result.decode_tokens += 1
-        if tok in plan.eos:
-            result.finished_by_eos[r] = True
-        if tok in plan.eos or len(result.tokens[r]) >= plan.max_new_tokens:
-            done[r] = True
-            cache.release_row(r)  # a step still in flight for it runs first (stream order)
-
-
-def _draw(sample, logits, active, seeds, steps, temperature, top_k, top_p, min_p, idx=None, rules=None, rows=None,
-          logprobs=None, logprobs_mode="raw", aux=None):
-    """Greedy argmax or the fused sampler; ``idx=...`` (Ellipsis): ``seeds``/``steps`` are already per row and
-    ``rows`` holds each row's cache (= history) row, -1 for padding. ``rules``: ``token_rules``' keywords (the
-    per-row values gathered by row here); with ``logprobs``, ``aux["lp"]`` receives ``top_logprobs``' tensors."""
-    lp_mode = logprobs is not None
-    if rules is None and not lp_mode and isinstance(temperature, (int, float)) and temperature == 0:
-        # greedy: the sampler's rule (lowest index among the max logits) is torch.argmax's; skipping the sampler's
-        # parameter set-up saves ~1 ms per step on the CPU
-        return torch.argmax(logits, dim=-1)
-    if idx is None:
-        idx = torch.tensor(active, device=logits.device)
-    if rows is None:
-        rows = idx if idx is not ... else torch.arange(logits.shape[0], device=logits.device)
-    seed, step = seeds[idx], steps[idx]
-    kw = {}
-    if rules is not None:
-        safe = rows.clamp(min=0)  # padding columns read row 0's values; their history row -1 applies no rule
-        kw = dict(token_state=rules["token_state"], logit_bias=rules["logit_bias"], history_rows=rows,
-                  new_tokens=step, **{n: rules[n][safe] for n in ("repetition_penalty", "frequency_penalty",
-                                                                   "presence_penalty", "min_new_tokens")})
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    ids = sample(logits, **sampling, seed=seed, step=step, **kw)
-    if lp_mode:
-        from arkernels.ops.sampling import raw_logprobs, sampling_probs, top_logprobs
-
-        if logprobs_mode == "raw":
-            lp = raw_logprobs(logits)
-        else:
-            lp = torch.log(sampling_probs(logits, **sampling, **kw))
-        aux["lp"] = top_logprobs(lp, ids, logprobs)
-    return ids
+        take(plan, cache, dec.read(handle), got, None if lp is None else [t.tolist() for t in lp], done, result)
 
 
 def _finish(result: GenerateResult, tokenizer) -> GenerateResult:

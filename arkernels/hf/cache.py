@@ -313,6 +313,13 @@ class PagedCache(DynamicCache):
             if g.allocator is not None:
                 g.release_row(r)
 
+    def truncate_row(self, r: int, new_len: int) -> None:
+        """``arkernels.generate``'s speculative steps: row ``r`` back to ``new_len`` positions in every group (the
+        rejected drafts' K/V dropped by length; whole blocks past it return to the pool)."""
+        for g in self.groups.values():
+            g.truncate_row(r, new_len)
+        self.version += 1
+
     def fork_row(self, src: int, dst: int) -> None:
         """``arkernels.generate``: row ``dst`` continues from row ``src``'s cache (parallel samples of one prompt share
         its blocks; a shared, partly filled last block is copied when a row first writes to it)."""
