@@ -317,7 +317,7 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
         w = w.t().contiguous().t()
     d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
     out = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=GEMV_CFG if path == "gemv" else SPLITK_CFG,
-                                 path=path)
+                                  path=path)
     _check_w8a16(out.cpu(), x, w, w_scale, bias)
 
 
@@ -359,7 +359,7 @@ def test_w8a16_path_follows_m(monkeypatch):
     monkeypatch.setattr(tkl, "_launch", lambda *a: taken.append("tiled"))
     for M in (1, 4, 5, 16, 17):
         tkl.w8a16_matmul_triton(torch.zeros(M, 32, dtype=torch.float16), torch.zeros(8, 32, dtype=torch.int8),
-                               torch.ones(8))
+                                torch.ones(8))
     assert taken == ["gemv", "gemv", "splitk", "splitk", "tiled"]
 
 
@@ -657,7 +657,7 @@ def test_autotune_buckets_follow_m():
     no taller than itself, always at least the family's first; the new deep-K large tiles keep wgmma's rules."""
     Ms = [1, 2, 16, 17, 33, 64, 65, 200, 512, 4095, 4096, 8192, 8193, 100000]
     assert [tkp.tune_bucket(m) for m in Ms] == [1, 16, 16, 32, 64, 64, 128, 256, 512, 4096, 4096, 8192, tk.LARGE_M,
-                                               tk.LARGE_M]
+                                                tk.LARGE_M]
     for m in Ms:
         b = tkp.tune_bucket(m)
         for fp32 in (False, True):
@@ -699,7 +699,7 @@ def test_int8_matmul_triton_strided_scales_and_bias(tile):
     a, b = _operands(M, K, N, gen)
     a_scale, b_scale, bias = _strided_vectors(M, N, gen, TRITON_DEVICE)
     got = tkl.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), a_scale, b_scale, bias, torch.float32,
-                                config=tile)
+                                 config=tile)
     _check_scaled(got, a, b, a_scale, b_scale, bias)
 
 

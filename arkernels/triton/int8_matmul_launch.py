@@ -44,7 +44,7 @@ def quantize_rowwise_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     block_k = max(16, triton.next_power_of_2(K)) if one_pass else 4096
     num_warps = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
     quantize_rowwise_kernel[(M,)](x, q, scale, K, x.stride(0), x.stride(1), BLOCK_K=block_k, ONE_PASS=one_pass,
-                                   num_warps=num_warps)
+                                  num_warps=num_warps)
     return q, scale
 
 
