@@ -2,9 +2,9 @@
 
 Defined here once, as plain ints, for every reader: ``arkernels/triton/sampling.py`` wraps them in ``tl.constexpr``
 for its kernels, ``arkernels/ops/sampling.py`` builds and updates the table (``token_state``,
-``update_token_state``) and runs the CPU rules, ``arkernels/hf/sampler_hook.py`` marks prompt tokens. The schema
-comment in ``csrc/torch_bindings.cpp`` and the ``token_state`` docstring state the same bits in words
-(tests/test_sampling_penalties.py checks that they agree).
+``update_token_state``), ``arkernels/ops/sampling_cpu.py`` runs the CPU rules, ``arkernels/hf/sampler_hook.py`` marks
+prompt tokens. The schema comment in ``csrc/torch_bindings.cpp`` and the ``token_state`` docstring state the same
+bits in words (tests/test_sampling_penalties.py checks that they agree).
 
     bits 0-23  count of generated occurrences; saturates at COUNT_MAX (2**24 - 1: exact in fp32, so
                frequency * count is exact)

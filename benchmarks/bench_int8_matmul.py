@@ -46,7 +46,8 @@ from _common import device_name, parser, print_table, timeit, write_results  # n
 
 import arkernels  # noqa: E402
 from arkernels.reference.int8_matmul import int8_matmul_ref, w8a16_matmul_ref  # noqa: E402
-from arkernels.triton import int8_matmul as tk  # noqa: E402
+from arkernels.triton import int8_matmul_launch as tkl  # noqa: E402
+from arkernels.triton import int8_matmul_plan as tkp  # noqa: E402
 
 LLAMA_8B = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (N, K) = (out_features, in_features)
 MS_DECODE = [1, 2, 4, 8, 16]
@@ -92,8 +93,8 @@ def check(x, w_q, w_s, x_q, x_s, dtype, torch_wo):
 def decode_reduce_impls(x, w_q, w_s, dtype, nbytes):
     """The fused and two-launch split-K reduce rows (see the module docstring), checked against each other (same
     bits) and against the reference before they are timed."""
-    path = tk.w8a16_path(x.shape[0], torch.bfloat16)  # fp32 x (CPU interpreter) forced onto the same decode path
-    fns = {name: (lambda ws, r=reduce: tk.w8a16_matmul_triton(x, ws[1], ws[2], path=path, reduce=r))
+    path = tkp.w8a16_path(x.shape[0], torch.bfloat16)  # fp32 x (CPU interpreter) forced onto the same decode path
+    fns = {name: (lambda ws, r=reduce: tkl.w8a16_matmul_triton(x, ws[1], ws[2], path=path, reduce=r))
            for name, reduce in zip(DECODE_REDUCE_ROWS, ("fused", "launch"))}
     ws = (None, w_q, w_s)
     fused, two = fns["w8a16-fused"](ws), fns["w8a16-2launch"](ws)
@@ -148,7 +149,7 @@ def bench_shape(M, N, K, dtype, device, torch_wo, copy_gbps):
     }
     if device != "cuda" or M > 16:  # cuBLAS int8 (torch._int_mm) needs M > 16 on CUDA
         impls["torch._int_mm"] = (lambda ws: torch._int_mm(x_q, ws[1].t()), M * K + N * K + 4 * M * N)
-    if M <= tk.DECODE_MAX_M and (device == "cuda" or tk.interpreting()):
+    if M <= tkp.DECODE_MAX_M and (device == "cuda" or tkl.interpreting()):
         impls.update(decode_reduce_impls(x, w_q, w_s, dtype, e * M * K + N * K + 4 * N + e * M * N))
     # the interpreter's decode rows: one timed call each (a call is ~0.5 s there; --quick stays quick)
     slow = dict(warmup=0, iters=1) if device != "cuda" else {}

@@ -40,7 +40,7 @@ from _common import device_name, parser, print_table, timeit, write_results  # n
 
 import arkernels  # noqa: E402
 from arkernels.reference.sampling import sampling_probs_ref  # noqa: E402
-from arkernels.triton.sampling import sample_triton  # noqa: E402
+from arkernels.triton.sampling_launch import sample_triton  # noqa: E402
 
 T0 = 0.8
 # name: (temperature, top_k, top_p, min_p)

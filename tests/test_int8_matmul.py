@@ -17,7 +17,9 @@ import arkernels
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
 from arkernels.reference.int8_matmul import (dequantize_rowwise_ref, int8_matmul_ref, quantize_rowwise_ref,
                                              sqnr_db, w8a16_matmul_ref)
-from arkernels.triton import int8_matmul as tk
+from arkernels.triton import int8_matmul as tk  # the jit kernels and their configs
+from arkernels.triton import int8_matmul_launch as tkl
+from arkernels.triton import int8_matmul_plan as tkp
 from conftest import DEVICES, HAS_CUDA
 
 # The issue's grid: M spans every shape class (1, <=16, <=64, larger) and its edges; K is never a multiple of
@@ -235,7 +237,7 @@ TRITON_MATMUL_CASES = [  # (M, K, N, tile): every tile path, K tails and EVEN_K,
 def test_int8_matmul_triton_exact(M, K, N, tile):
     gen = torch.Generator().manual_seed(M * 7 + K)
     a, b = _operands(M, K, N, gen)
-    got = tk.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), config=tile)
+    got = tkl.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), config=tile)
     assert got.dtype == torch.int32
     assert torch.equal(got.cpu().double(), int8_matmul_ref(a, b))
 
@@ -244,7 +246,7 @@ def test_int8_matmul_triton_noncontiguous_and_default_config():
     gen = torch.Generator().manual_seed(9)
     a = _int8((7, 2 * 96), gen)[:, ::2]
     b = _int8((96, 100), gen).t()
-    got = tk.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))  # the config of its M class
+    got = tkl.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE))  # the config of its M class
     assert torch.equal(got.cpu().double(), int8_matmul_ref(a, b))
 
 
@@ -257,7 +259,7 @@ def test_int8_matmul_triton_scaled(out_dtype, tile):
     a_scale, b_scale = torch.rand(M, generator=gen) * 0.05, torch.rand(N, generator=gen) * 1e-3
     bias = torch.randn(N, generator=gen).to(torch.bfloat16)
     d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
-    got = tk.int8_matmul_triton(d(a), d(b), d(a_scale), d(b_scale), d(bias), out_dtype, config=tile)
+    got = tkl.int8_matmul_triton(d(a), d(b), d(a_scale), d(b_scale), d(bias), out_dtype, config=tile)
     assert got.dtype == out_dtype
     _float_close(got, int8_matmul_ref(a, b, a_scale, b_scale, bias), out_dtype,
                  int8_matmul_ref(a.double().abs(), b.double().abs(), a_scale, b_scale) + bias.abs().double())
@@ -270,7 +272,7 @@ def test_w8a16_matmul_triton(dtype, M, K, N, tile):
     gen = torch.Generator().manual_seed(11)
     x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias=M != 16)
     d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
-    _check_w8a16(tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=tile).cpu(), x, w, w_scale, bias)
+    _check_w8a16(tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=tile).cpu(), x, w, w_scale, bias)
 
 
 # w8a16 decode paths (M <= 16): GEMV (M <= 4) and split-K (5..16) with the ordered split reduction. Explicit small
@@ -314,8 +316,8 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
         x = torch.randn(M, 2 * K, generator=gen).to(dtype)[:, ::2]
         w = w.t().contiguous().t()
     d = lambda t: None if t is None else t.to(TRITON_DEVICE)  # noqa: E731
-    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=GEMV_CFG if path == "gemv" else SPLITK_CFG,
-                                 path=path)
+    out = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=GEMV_CFG if path == "gemv" else SPLITK_CFG,
+                                  path=path)
     _check_w8a16(out.cpu(), x, w, w_scale, bias)
 
 
@@ -327,10 +329,10 @@ def test_w8a16_decode_deterministic_and_default_config(path):
     M = 3 if path == "gemv" else 11
     x, w, w_scale, bias = _w8a16_case(M, 2000, 40, torch.bfloat16, gen)
     d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
-    cfg = tk.w8a16_decode_config(path, M, 40, 2000, tk._num_sms(torch.device(TRITON_DEVICE)))
+    cfg = tkp.w8a16_decode_config(path, M, 40, 2000, tkl._num_sms(torch.device(TRITON_DEVICE)))
     assert triton.cdiv(2000, cfg["K_PER_SPLIT"]) > 1  # the reduction runs
-    first = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
-    second = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
+    first = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
+    second = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
     assert torch.equal(first, second)
     _check_w8a16(first.cpu(), x, w, w_scale, bias)
 
@@ -341,7 +343,7 @@ def test_w8a16_decode_empty_k(path):
     x, w = torch.zeros(2, 0, dtype=torch.float16), torch.zeros(24, 0, dtype=torch.int8)
     w_scale, bias = torch.rand(24), torch.randn(24).half()
     d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
-    out = tk.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
+    out = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
     assert torch.equal(out.cpu(), bias.expand(2, 24))
 
 
@@ -350,14 +352,14 @@ def test_w8a16_path_follows_m(monkeypatch):
     that path when no config is given."""
     want = {1: "gemv", 4: "gemv", 5: "splitk", 16: "splitk", 17: "tiled", 4096: "tiled"}
     for M, path in want.items():
-        assert tk.w8a16_path(M, torch.bfloat16) == tk.w8a16_path(M, torch.float16) == path
-        assert tk.w8a16_path(M, torch.float32) == "tiled"
+        assert tkp.w8a16_path(M, torch.bfloat16) == tkp.w8a16_path(M, torch.float16) == path
+        assert tkp.w8a16_path(M, torch.float32) == "tiled"
     taken = []
-    monkeypatch.setattr(tk, "_w8a16_decode", lambda path, *a: taken.append(path))
-    monkeypatch.setattr(tk, "_launch", lambda *a: taken.append("tiled"))
+    monkeypatch.setattr(tkl, "_w8a16_decode", lambda path, *a: taken.append(path))
+    monkeypatch.setattr(tkl, "_launch", lambda *a: taken.append("tiled"))
     for M in (1, 4, 5, 16, 17):
-        tk.w8a16_matmul_triton(torch.zeros(M, 32, dtype=torch.float16), torch.zeros(8, 32, dtype=torch.int8),
-                               torch.ones(8))
+        tkl.w8a16_matmul_triton(torch.zeros(M, 32, dtype=torch.float16), torch.zeros(8, 32, dtype=torch.int8),
+                                torch.ones(8))
     assert taken == ["gemv", "gemv", "splitk", "splitk", "tiled"]
 
 
@@ -365,8 +367,8 @@ LLAMA_8B_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
 
 
 def _plan(M, N, K, num_sms):
-    path = tk.w8a16_path(M)
-    cfg = tk.w8a16_decode_config(path, M, N, K, num_sms)
+    path = tkp.w8a16_path(M)
+    cfg = tkp.w8a16_decode_config(path, M, N, K, num_sms)
     splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
     return path, cfg, splits, triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]) * splits
 
@@ -384,8 +386,8 @@ def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
             path, cfg, splits, programs = _plan(M, N, K, num_sms)
             assert (path, cfg, splits, programs) == _plan(M, N, K, num_sms)
             assert cfg["K_PER_SPLIT"] % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= M
-            wave = tk.PROGRAMS_PER_SM[path] * num_sms
-            eff = tk.wave_efficiency(programs, wave)
+            wave = tkp.PROGRAMS_PER_SM[path] * num_sms
+            eff = tkp.wave_efficiency(programs, wave)
             if N * K >= 4096 * 4096:
                 assert 2 * splits * M * N * 4 <= 0.1 * N * K, (M, path, cfg)
             if path == "gemv":
@@ -396,19 +398,19 @@ def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
                 k_blocks = triton.cdiv(K, cfg["BLOCK_K"])
                 options = [triton.cdiv(N, 64) * triton.cdiv(K, triton.cdiv(k_blocks, s) * cfg["BLOCK_K"])
                            for s in range(1, max(1, min(k_blocks, K // (80 * M))) + 1)]
-            assert eff >= max(tk.wave_efficiency(p, wave) for p in options) - tk.WAVE_SLACK, (M, N, K, cfg)
+            assert eff >= max(tkp.wave_efficiency(p, wave) for p in options) - tkp.WAVE_SLACK, (M, N, K, cfg)
     assert _plan(1, 4096, 14336, 132)[3] == 3584  # 28 splits x 128 column tiles: 6.8 waves of 528, 0.97 busy
-    assert tk.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
+    assert tkp.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
 
 
 def test_w8a16_tickets_epochs_and_growth():
     """Each fused launch takes the next epoch (EPOCH_MAX wraps to 1, never 0: the reset value's tag); a grid with
     more tiles than the tickets hold gets a larger, zeroed tensor."""
-    t = tk._Tickets()
+    t = tkl._Tickets()
     first, e1 = t.take(torch.device("cpu"), 5)
     assert e1 == 1 and first.numel() >= 5 and not first.any()
     assert t.take(torch.device("cpu"), 5) == (first, 2)
-    t.epoch = tk.EPOCH_MAX
+    t.epoch = tkl.EPOCH_MAX
     assert t.take(torch.device("cpu"), 5)[1] == 1
     first[0] = 7
     grown, _ = t.take(torch.device("cpu"), first.numel() + 1)
@@ -423,7 +425,7 @@ def _decode_inputs(M, K, N, seed):
 
 
 def _tickets_state():
-    t = tk._TICKETS.get((torch.device(TRITON_DEVICE), 0))
+    t = tkl._TICKETS.get((torch.device(TRITON_DEVICE), 0))
     return None if t is None else (t.tensor.clone(), t.epoch)
 
 
@@ -436,15 +438,15 @@ def test_w8a16_fused_reduce_same_bits(path, M, cfg):
     path's bits, the same bits on every run, and the reference's values; it leaves every ticket at 0 and takes a
     new epoch per launch. K = 600 over splits of 256 / 192: 3 / 4 splits, the last one partial."""
     x, w, w_scale, bias = _decode_inputs(M, 600, 130, seed=M)
-    runs = [tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path) for _ in range(2)]
+    runs = [tkl.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path) for _ in range(2)]
     before = _tickets_state()
-    two_launch = tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path, reduce="launch")
+    two_launch = tkl.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path, reduce="launch")
     assert _tickets_state()[1] == before[1]  # the two-launch path takes no ticket
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], two_launch)
     assert not _tickets_state()[0].any()
     _check_w8a16(runs[0].cpu(), x.cpu(), w.cpu(), w_scale.cpu(), bias.cpu())
     with pytest.raises(ValueError, match="w8a16_matmul: reduce must be one of"):
-        tk.w8a16_matmul_triton(x, w, w_scale, bias, path=path, reduce="atomic")
+        tkl.w8a16_matmul_triton(x, w, w_scale, bias, path=path, reduce="atomic")
 
 
 def test_w8a16_decode_same_bits_across_m_in_the_gemv_class():
@@ -452,11 +454,11 @@ def test_w8a16_decode_same_bits_across_m_in_the_gemv_class():
     same 16-row dot): row r of an M = 4 call has the bits of the M = 1 call on row r alone. The split-K class (5..16)
     is deterministic per M (test above); its split count follows M (the workspace bound), so its bits may not."""
     x, w, w_scale, bias = _decode_inputs(4, 1100, 70, seed=3)
-    full = tk.w8a16_matmul_triton(x, w, w_scale, bias, path="gemv")
-    assert triton.cdiv(1100, tk.w8a16_decode_config("gemv", 4, 70, 1100, 1)["K_PER_SPLIT"]) == 3  # 3 splits
+    full = tkl.w8a16_matmul_triton(x, w, w_scale, bias, path="gemv")
+    assert triton.cdiv(1100, tkp.w8a16_decode_config("gemv", 4, 70, 1100, 1)["K_PER_SPLIT"]) == 3  # 3 splits
     for m in range(4):
-        assert torch.equal(tk.w8a16_matmul_triton(x[m:m + 1], w, w_scale, bias, path="gemv")[0], full[m])
-    assert torch.equal(tk.w8a16_matmul_triton(x[1:3], w, w_scale, bias, path="gemv"), full[1:3])
+        assert torch.equal(tkl.w8a16_matmul_triton(x[m:m + 1], w, w_scale, bias, path="gemv")[0], full[m])
+    assert torch.equal(tkl.w8a16_matmul_triton(x[1:3], w, w_scale, bias, path="gemv"), full[1:3])
 
 
 @pytest.mark.parametrize("path,M,cfg", FUSED_CASES[1:3])
@@ -466,24 +468,24 @@ def test_w8a16_tickets_survive_an_aborted_launch(path, M, cfg):
     leaves the tickets at 0 again. Sensitivity: the same stale counts under the *next* launch's own epoch (what
     the tag exists to tell apart) do mis-combine: the ticket logic really runs (also under the interpreter)."""
     x, w, w_scale, bias = _decode_inputs(M, 600, 130, seed=7 + M)
-    good = tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path)
+    good = tkl.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path)
     tickets, epoch = _tickets_state()
     n = 3  # column tiles of N = 130: 130 / (32 x 2) (gemv) or 130 / 64 (split-K)
     splits = triton.cdiv(600, cfg["K_PER_SPLIT"])
-    live = tk._TICKETS[(torch.device(TRITON_DEVICE), 0)].tensor
+    live = tkl._TICKETS[(torch.device(TRITON_DEVICE), 0)].tensor
     assert splits > 1
     stale = [(epoch << 32) | (1 + i % (splits - 1)) for i in range(n)]  # epoch's launch aborted after k < S arrivals
     garbage = [-1, (123 << 32) | 77, 1 << 40]
     for poison in (stale, garbage, [0xFFFFFFFF] * n):
         live[:n] = torch.tensor(poison[:n], dtype=torch.int64)
-        assert torch.equal(tk.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path), good)
+        assert torch.equal(tkl.w8a16_matmul_triton(x, w, w_scale, bias, config=cfg, path=path), good)
         assert not live.any()
     # the negative control: the next epoch's tag with a count of 1 makes its second-to-last program the "last"
     x2, w2, w_scale2, bias2 = _decode_inputs(M, 600, 130, seed=99 + M)
-    want = tk.w8a16_matmul_triton(x2, w2, w_scale2, bias2, config=cfg, path=path)
-    nxt = tk._TICKETS[(torch.device(TRITON_DEVICE), 0)].epoch % tk.EPOCH_MAX + 1
+    want = tkl.w8a16_matmul_triton(x2, w2, w_scale2, bias2, config=cfg, path=path)
+    nxt = tkl._TICKETS[(torch.device(TRITON_DEVICE), 0)].epoch % tkl.EPOCH_MAX + 1
     live[:n] = (nxt << 32) | 1
-    early = tk.w8a16_matmul_triton(x2.clone(), w2, w_scale2, bias2, config=cfg, path=path)
+    early = tkl.w8a16_matmul_triton(x2.clone(), w2, w_scale2, bias2, config=cfg, path=path)
     assert not torch.equal(early, want)
     live.zero_()
 
@@ -554,16 +556,16 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
     ~30-40 s of compiles per case on 2 cores."""
     import re
 
-    cfg = tk.w8a16_decode_config(path, M, N, K, 132)
+    cfg = tkp.w8a16_decode_config(path, M, N, K, 132)
     consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
     if path == "splitk":
         consts.pop("K_HALVES", None)
     assert triton.cdiv(K, cfg["K_PER_SPLIT"]) > 1
     splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
-    block, unroll = tk.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
+    block, unroll = tkp.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
     consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
                   REDUCE_BLOCK=block, REDUCE_UNROLL=unroll)
-    kernel = "_w8a16_gemv_kernel" if path == "gemv" else "_w8a16_splitk_kernel"
+    kernel = "w8a16_gemv_kernel" if path == "gemv" else "w8a16_splitk_kernel"
     ptx, sass, res = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
     assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
     assert not re.search(r"\b(?:STL|LDL)\b", sass)
@@ -600,31 +602,31 @@ def test_no_autotuning_during_graph_capture(monkeypatch):
     """A launch while the stream captures a CUDA graph never runs the autotuner (its benchmark launches and syncs
     would break the capture): it takes the config the same shape settled on before the capture (tuned ahead by
     the warm-up), else the bucket's first config. Outside a capture the autotuner runs. Mocked: no GPU here."""
-    monkeypatch.setattr(tk, "autotuning", lambda: True)
-    monkeypatch.setattr(tk, "interpreting", lambda: False)  # as on a GPU
+    monkeypatch.setattr(tkl, "autotuning", lambda: True)
+    monkeypatch.setattr(tkl, "interpreting", lambda: False)  # as on a GPU
     capturing = [False]
-    monkeypatch.setattr(tk, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(tkl, "_capturing", lambda: capturing[0])
     tuned, kernel = _Recorder(best=_FakeConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, GROUP_M=1)), _Recorder()
     a = torch.zeros(8, 64, dtype=torch.int8)
     args = (a, a, a, a, a, a, 8, 8, 64, 64, 1, 64, 1, 8, 1)
     flags = dict(HAS_A_SCALE=True, HAS_B_SCALE=True, HAS_BIAS=False, EPILOGUE=True)
-    monkeypatch.setattr(tk, "_TUNED", {})
+    monkeypatch.setattr(tkl, "_TUNED", {})
     for M in (1, 8):  # w8a8 at M <= 16: buckets 1 and 16
         capturing[0] = True  # a capture before any tuning of this shape: the bucket's first config, no sweep
-        tk._launch(tuned, kernel, M, 8, 64, args, flags, None)
-        first = tk.configs_for(tk.tune_bucket(M))[0]
+        tkl._launch(tuned, kernel, M, 8, 64, args, flags, None)
+        first = tkp.configs_for(tkp.tune_bucket(M))[0]
         assert not tuned.calls and kernel.calls[-1]["BLOCK_N"] == first.kwargs["BLOCK_N"]
         assert kernel.calls[-1]["num_warps"] == first.num_warps
         capturing[0] = False  # the warm-up outside the capture tunes
-        tk._launch(tuned, kernel, M, 8, 64, args, flags, None)
+        tkl._launch(tuned, kernel, M, 8, 64, args, flags, None)
         assert len(tuned.calls) == 1
         capturing[0] = True  # the capture replays the tuned choice, still without a sweep
-        tk._launch(tuned, kernel, M, 8, 64, args, flags, None)
+        tkl._launch(tuned, kernel, M, 8, 64, args, flags, None)
         assert len(tuned.calls) == 1 and kernel.calls[-1]["BLOCK_N"] == 128 and kernel.calls[-1]["num_stages"] == 3
         tuned.calls.clear()
     capturing[0] = True  # another K: not tuned, back to the first config
-    tk._launch(tuned, kernel, 1, 8, 128, args, flags, None)
-    assert not tuned.calls and kernel.calls[-1]["BLOCK_N"] == tk.configs_for(1)[0].kwargs["BLOCK_N"]
+    tkl._launch(tuned, kernel, 1, 8, 128, args, flags, None)
+    assert not tuned.calls and kernel.calls[-1]["BLOCK_N"] == tkp.configs_for(1)[0].kwargs["BLOCK_N"]
 
 
 def test_w8a16_unaligned_weight_reason_and_warning():
@@ -633,12 +635,12 @@ def test_w8a16_unaligned_weight_reason_and_warning():
     from arkernels.ops import int8_matmul as ops_mod
 
     w = torch.zeros(64, 2 * 4096, dtype=torch.int8)
-    assert tk.weight_unaligned_reason(w[:, :4096]) is None  # a padded view: rows 16-byte aligned
-    assert "not multiples of 16" in tk.weight_unaligned_reason(torch.zeros(64, 4099, dtype=torch.int8))
-    assert "not multiples of 16" in tk.weight_unaligned_reason(w[:, :4099])
-    assert "not K-contiguous" in tk.weight_unaligned_reason(torch.zeros(4096, 64, dtype=torch.int8).t())
+    assert tkp.weight_unaligned_reason(w[:, :4096]) is None  # a padded view: rows 16-byte aligned
+    assert "not multiples of 16" in tkp.weight_unaligned_reason(torch.zeros(64, 4099, dtype=torch.int8))
+    assert "not multiples of 16" in tkp.weight_unaligned_reason(w[:, :4099])
+    assert "not K-contiguous" in tkp.weight_unaligned_reason(torch.zeros(4096, 64, dtype=torch.int8).t())
     shifted = torch.zeros(64 * 4096 + 16, dtype=torch.int8)[3:3 + 64 * 4096].view(64, 4096)
-    assert shifted.data_ptr() % 16 and "past a 16-byte boundary" in tk.weight_unaligned_reason(shifted)
+    assert shifted.data_ptr() % 16 and "past a 16-byte boundary" in tkp.weight_unaligned_reason(shifted)
     ops_mod._UNALIGNED_SEEN.clear()
     odd = torch.zeros(8, 4099, dtype=torch.int8)
     with pytest.warns(UserWarning, match=r"w8a16_matmul: the int8 weight \(8, 4099\) is rows of 4099 bytes"):
@@ -654,22 +656,22 @@ def test_autotune_buckets_follow_m():
     """Every power of two up to 8192 is its own tuning bucket (then one above); a bucket tries its family's configs
     no taller than itself, always at least the family's first; the new deep-K large tiles keep wgmma's rules."""
     Ms = [1, 2, 16, 17, 33, 64, 65, 200, 512, 4095, 4096, 8192, 8193, 100000]
-    assert [tk.tune_bucket(m) for m in Ms] == [1, 16, 16, 32, 64, 64, 128, 256, 512, 4096, 4096, 8192, tk.LARGE_M,
-                                               tk.LARGE_M]
+    assert [tkp.tune_bucket(m) for m in Ms] == [1, 16, 16, 32, 64, 64, 128, 256, 512, 4096, 4096, 8192, tk.LARGE_M,
+                                                tk.LARGE_M]
     for m in Ms:
-        b = tk.tune_bucket(m)
+        b = tkp.tune_bucket(m)
         for fp32 in (False, True):
-            family = (tk.FP32_DOT_CONFIGS_BY_CLASS if fp32 else tk.CONFIGS_BY_CLASS)[tk.m_class(b)]
-            cfgs = tk.configs_for(b, fp32)
+            family = (tk.FP32_DOT_CONFIGS_BY_CLASS if fp32 else tk.CONFIGS_BY_CLASS)[tkp.m_class(b)]
+            cfgs = tkp.configs_for(b, fp32)
             assert cfgs and cfgs[0] is family[0] and all(c.kwargs["BLOCK_M"] <= max(b, 16) for c in cfgs)
-    assert [c.kwargs["BLOCK_M"] for c in tk.configs_for(128)] == [128, 128, 128, 128, 64, 64, 128]
-    assert len(tk.configs_for(tk.LARGE_M)) == len(tk.CONFIGS_BY_CLASS[tk.LARGE_M]) == 9
-    assert all(c.kwargs["BLOCK_M"] % 64 == 0 and c.num_warps % 4 == 0 for c in tk.configs_for(8192))
+    assert [c.kwargs["BLOCK_M"] for c in tkp.configs_for(128)] == [128, 128, 128, 128, 64, 64, 128]
+    assert len(tkp.configs_for(tk.LARGE_M)) == len(tk.CONFIGS_BY_CLASS[tk.LARGE_M]) == 9
+    assert all(c.kwargs["BLOCK_M"] % 64 == 0 and c.num_warps % 4 == 0 for c in tkp.configs_for(8192))
     # shared memory: every int8 config fits sm_90; w8a16 with a bf16 x drops exactly the two that do not
     x16, i8 = torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int8)
-    assert tk._prune_by_class(tk._ALL_CONFIGS, {"M_CLASS": 8192, "a_ptr": i8}) == tk.configs_for(8192)
-    dropped = [c for c in tk.configs_for(8192) if c not in tk._prune_by_class(
-        tk._w8a16_matmul_tuned.configs, {"M_CLASS": 8192, "x_ptr": x16}, DOT_FP32=False)]
+    assert tkl._prune_by_class(tk.ALL_CONFIGS, {"M_CLASS": 8192, "a_ptr": i8}) == tkp.configs_for(8192)
+    dropped = [c for c in tkp.configs_for(8192) if c not in tkl._prune_by_class(
+        tkl._w8a16_matmul_tuned.configs, {"M_CLASS": 8192, "x_ptr": x16}, DOT_FP32=False)]
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in dropped] == [(256, 128, 3), (128, 256, 4)]
 
 
@@ -696,8 +698,8 @@ def test_int8_matmul_triton_strided_scales_and_bias(tile):
     M, K, N = 9, 96, 130
     a, b = _operands(M, K, N, gen)
     a_scale, b_scale, bias = _strided_vectors(M, N, gen, TRITON_DEVICE)
-    got = tk.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), a_scale, b_scale, bias, torch.float32,
-                                config=tile)
+    got = tkl.int8_matmul_triton(a.to(TRITON_DEVICE), b.to(TRITON_DEVICE), a_scale, b_scale, bias, torch.float32,
+                                 config=tile)
     _check_scaled(got, a, b, a_scale, b_scale, bias)
 
 
@@ -705,7 +707,7 @@ def test_w8a16_matmul_triton_strided_scale_and_bias():
     gen = torch.Generator().manual_seed(17)
     x, w, _, _ = _w8a16_case(5, 96, 130, torch.float32, gen)
     _, w_scale, bias = _strided_vectors(1, 130, gen, TRITON_DEVICE)
-    got = tk.w8a16_matmul_triton(x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), w_scale, bias, config=SMALL_TILE)
+    got = tkl.w8a16_matmul_triton(x.to(TRITON_DEVICE), w.to(TRITON_DEVICE), w_scale, bias, config=SMALL_TILE)
     _check_w8a16(got.cpu(), x, w, w_scale.cpu(), bias.cpu())
 
 
@@ -727,17 +729,17 @@ def test_quantize_rowwise_triton(dtype):
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(6, 2 * 300, generator=gen) * 3).to(dtype)[:, ::2]  # strided rows
     x[2] = 0
-    q, scale = tk.quantize_rowwise_triton(x.to(TRITON_DEVICE))
+    q, scale = tkl.quantize_rowwise_triton(x.to(TRITON_DEVICE))
     _assert_quant_matches(q, scale, x)
     assert scale[2] == 1 and not q[2].any()
 
 
-@pytest.mark.parametrize("K", [8, tk.ONE_PASS_MAX_K + 8])  # the one-pass and the two-pass paths
+@pytest.mark.parametrize("K", [8, tkl.ONE_PASS_MAX_K + 8])  # the one-pass and the two-pass paths
 def test_quantize_rowwise_triton_rounds_half_away_from_zero(K):
     ties = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 2.4999, -126.5, 0.0])
     x = torch.zeros(1, K)
     x[0, -8:] = ties  # in the last (masked) block of the two-pass path
-    q, scale = tk.quantize_rowwise_triton(x.to(TRITON_DEVICE))
+    q, scale = tkl.quantize_rowwise_triton(x.to(TRITON_DEVICE))
     assert scale.item() == 1.0
     assert q[0, -8:].cpu().tolist() == [127, 1, -1, 2, -3, 2, -127, 0] and not q[0, :-8].any()
 
@@ -745,9 +747,9 @@ def test_quantize_rowwise_triton_rounds_half_away_from_zero(K):
 def test_quantize_rowwise_triton_two_pass_long_rows():
     """Rows longer than ONE_PASS_MAX_K take the two-pass (absmax, then quantize) path."""
     gen = torch.Generator().manual_seed(13)
-    x = torch.randn(2, tk.ONE_PASS_MAX_K + 37, generator=gen)
+    x = torch.randn(2, tkl.ONE_PASS_MAX_K + 37, generator=gen)
     x[1, -1] = 50.0  # the absmax sits in the masked tail block
-    q, scale = tk.quantize_rowwise_triton(x.to(TRITON_DEVICE))
+    q, scale = tkl.quantize_rowwise_triton(x.to(TRITON_DEVICE))
     _assert_quant_matches(q, scale, x)
     assert q[1, -1] == 127
 
@@ -755,22 +757,22 @@ def test_quantize_rowwise_triton_two_pass_long_rows():
 def test_autotune_shape_classes():
     """Decode never sweeps: every M <= 16 maps to two classes whose configs are small-M tiles; large-M configs
     satisfy Hopper's int8 wgmma constraints."""
-    assert [tk.m_class(m) for m in (1, 2, 16, 17, 64, 65, 8192)] == [1, 16, 16, 64, 64, tk.LARGE_M, tk.LARGE_M]
+    assert [tkp.m_class(m) for m in (1, 2, 16, 17, 64, 65, 8192)] == [1, 16, 16, 64, 64, tk.LARGE_M, tk.LARGE_M]
     for mc, configs in tk.CONFIGS_BY_CLASS.items():
-        assert tk._prune_by_class(tk._ALL_CONFIGS, {"M_CLASS": mc}) == configs
+        assert tkl._prune_by_class(tk.ALL_CONFIGS, {"M_CLASS": mc}) == configs
     assert all(c.kwargs["BLOCK_M"] == 16 for c in tk.CONFIGS_BY_CLASS[16])
     assert all(c.kwargs["BLOCK_M"] % 64 == 0 and c.num_warps % 4 == 0 for c in tk.CONFIGS_BY_CLASS[tk.LARGE_M])
-    assert tk._int8_matmul_tuned.keys == ["M_CLASS", "N", "K"]
+    assert tkl._int8_matmul_tuned.keys == ["M_CLASS", "N", "K"]
 
 
 def test_autotune_fp32_w8a16_gets_shallow_k_tiles():
     """fp32 x on a GPU runs an FMA dot: only its own shallow-K tiles are tuned (the tensor-core tiles spill, exceed
     shared memory and take minutes of ptxas on sm_90); bf16/fp16 x never sees them."""
-    tuned = tk._w8a16_matmul_tuned.configs
+    tuned = tkl._w8a16_matmul_tuned.configs
     for mc in (1, 16, 64, tk.LARGE_M):
-        fp32 = tk._prune_by_class(tuned, {"M_CLASS": mc}, HAS_BIAS=True, DOT_FP32=True)
+        fp32 = tkl._prune_by_class(tuned, {"M_CLASS": mc}, HAS_BIAS=True, DOT_FP32=True)
         assert fp32 == tk.FP32_DOT_CONFIGS_BY_CLASS[mc] and all(c.kwargs["BLOCK_K"] <= 32 for c in fp32)
-        assert tk._prune_by_class(tuned, {"M_CLASS": mc}, HAS_BIAS=True, DOT_FP32=False) == tk.CONFIGS_BY_CLASS[mc]
+        assert tkl._prune_by_class(tuned, {"M_CLASS": mc}, HAS_BIAS=True, DOT_FP32=False) == tk.CONFIGS_BY_CLASS[mc]
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs
@@ -847,16 +849,16 @@ def test_int8_compile_fullgraph():
 
 def test_autotune_switch(monkeypatch):
     """ARKERNELS_AUTOTUNE=0 turns the GPU sweeps off (the GPU check's test step); the interpreter never sweeps."""
-    from arkernels.triton import int8_matmul as tk
+    from arkernels.triton import int8_matmul_launch as tkl
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("ARKERNELS_AUTOTUNE", "1")
-    assert tk.autotuning()
+    assert tkl.autotuning()
     monkeypatch.setenv("ARKERNELS_AUTOTUNE", "0")
-    assert not tk.autotuning()
+    assert not tkl.autotuning()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("ARKERNELS_AUTOTUNE", "1")
-    assert not tk.autotuning()
+    assert not tkl.autotuning()
 
 
 if __name__ == "__main__":  # the offline sm_90 compile's subprocess (see _compile_sm90)

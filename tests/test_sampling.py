@@ -12,10 +12,11 @@ import torch
 from scipy import stats
 
 import arkernels
+from arkernels.ops.sampling_cpu import row_key_torch, uniform_torch
 from arkernels.reference.sampling import sample_ref, sampling_probs_ref
-from arkernels.triton.sampling import (MAX_SPLITS, STATS_BLOCK, TARGET_PROGRAMS, TILE_CHUNKS, row_key_torch,
-                                       sample_triton, sampling_probs_triton, sampling_splits, sampling_tile_chunks,
-                                       uniform_torch)
+from arkernels.triton.sampling import MAX_SPLITS, STATS_BLOCK, TILE_CHUNKS
+from arkernels.triton.sampling_launch import (TARGET_PROGRAMS, sample_triton, sampling_probs_triton, sampling_splits,
+                                              sampling_tile_chunks)
 from conftest import DEVICES
 
 VOCABS = [111, 32003]  # odd small vocab, and a 32k-scale one (not a power of two)

@@ -16,7 +16,7 @@ from arkernels.ops.sampling import _rules
 from arkernels.reference.sampling import sampling_probs_ref, token_rules_ref
 from arkernels.token_state_layout import COUNT_MAX
 from arkernels.triton import sampling as triton_sampling
-from arkernels.triton.sampling import sample_triton, sampling_probs_triton, sampling_rules_triton
+from arkernels.triton.sampling_launch import sample_triton, sampling_probs_triton, sampling_rules_triton
 
 BINDINGS = pathlib.Path(__file__).parent.parent / "csrc" / "torch_bindings.cpp"
 

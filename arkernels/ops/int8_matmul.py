@@ -4,24 +4,24 @@ Convention of ``F.linear``: ``out[M, N] = a[M, K] @ b[N, K].T``. Quantization is
 ``scale = absmax / 127`` (fp32), ``q = clamp(round_half_away(x / scale), -127, 127)``; an all-zero row gets
 ``scale = 1`` and ``q = 0``. Scales are always fp32 (an int32 accumulator times an fp16 scale overflows).
 
-Kernels: Triton on CUDA (arkernels/triton/int8_matmul.py), registered here for the "cuda" key; a CPU implementation
-(``torch._int_mm`` for the exact int32 product, fp32 math elsewhere) registered for "cpu", so quantized models run
-and are tested without a GPU. The schemas live in csrc/torch_bindings.cpp; the fakes sit under their wrappers.
+Kernels: Triton on CUDA (arkernels/triton/int8_matmul.py, launched by arkernels/triton/int8_matmul_launch.py),
+registered here for the "cuda" key; a CPU implementation (arkernels/ops/int8_matmul_cpu.py: ``torch._int_mm`` for the
+exact int32 product, fp32 math elsewhere) registered for "cpu", so quantized models run and are tested without a
+GPU. The schemas live in csrc/torch_bindings.cpp; the fakes sit under their wrappers.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas)
 from arkernels.ops._checks import expect
+from arkernels.ops.int8_matmul_cpu import int8_matmul_cpu, quantize_rowwise_cpu, w8a16_matmul_cpu
 
 _ops = torch.ops.arkernels
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-QMAX = 127.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,58 +208,32 @@ def _(x, w, w_scale, bias):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CPU kernels: exact int32 product through torch._int_mm, fp32 everywhere else.
+# CPU kernels (arkernels/ops/int8_matmul_cpu.py), behind the checks.
 # ---------------------------------------------------------------------------------------------------------------
 @torch.library.register_kernel("arkernels::quantize_rowwise", "cpu")
 def _quantize_rowwise_cpu(x):
     _check_quantize_rowwise(x)
-    xf = x.to(torch.float32)
-    absmax = xf.abs().amax(dim=1) if x.shape[1] > 0 else xf.new_zeros(x.shape[0])
-    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-    v = xf / scale[:, None]
-    r = v.abs().add_(0.5).floor_().copysign_(v)  # half away from zero; in-place: 4 passes fewer on big weights
-    return r.clamp_(-QMAX, QMAX).to(torch.int8).contiguous(), scale
-
-
-def _epilogue_cpu(acc, a_scale, b_scale, bias, dtype):
-    out = acc.to(torch.float32)
-    if a_scale is not None:
-        out = out * a_scale[:, None]
-    if b_scale is not None:
-        out = out * b_scale[None, :]
-    if bias is not None:
-        out = out + bias.to(torch.float32)[None, :]
-    return out.to(dtype)
+    return quantize_rowwise_cpu(x)
 
 
 @torch.library.register_kernel("arkernels::int8_matmul", "cpu")
 def _int8_matmul_cpu(a, b, a_scale, b_scale, bias, out_dtype):
     dtype = _check_int8_matmul(a, b, a_scale, b_scale, bias, out_dtype)
-    M, N = a.shape[0], b.shape[0]
-    if M == 0 or N == 0 or a.shape[1] == 0:
-        acc = torch.zeros((M, N), dtype=torch.int32)
-    else:
-        acc = torch._int_mm(a, b.t())  # exact int32 accumulation, any M/N/K on the CPU
-    return acc if dtype == torch.int32 else _epilogue_cpu(acc, a_scale, b_scale, bias, dtype)
+    return int8_matmul_cpu(a, b, a_scale, b_scale, bias, dtype)
 
 
 @torch.library.register_kernel("arkernels::w8a16_matmul", "cpu")
 def _w8a16_matmul_cpu(x, w, w_scale, bias):
     _check_w8a16_matmul(x, w, w_scale, bias)
-    # Dequantising per call costs ~4 bytes per weight of scratch, still ~20x faster on the CPU than
-    # torch._weight_int8pack_mm here (0.18 ms vs 4 ms at [1, 576] x [1536, 576]); the scale is applied after the
-    # sum (it factors out of it), as the CUDA kernel does.
-    out = F.linear(x.to(torch.float32), w.to(torch.float32)) * w_scale[None, :]
-    if bias is not None:
-        out = out + bias.to(torch.float32)[None, :]
-    return out.to(x.dtype)
+    return w8a16_matmul_cpu(x, w, w_scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA kernels: Triton. Skipped when triton is not importable (a CPU-only torch), the CPU path still works.
 # ---------------------------------------------------------------------------------------------------------------
 try:
-    from arkernels.triton import int8_matmul as _tk
+    from arkernels.triton import int8_matmul_launch as _tk
+    from arkernels.triton.int8_matmul_plan import weight_unaligned_reason
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     _tk = None
 
@@ -281,7 +255,7 @@ if _tk is not None:
     def _warn_unaligned(w):
         """Never a silent 4x: an unaligned or odd-stride weight still runs (the op takes any view), once warned
         per (shape, strides). Int8Linear refuses such layers at construction; this is for direct op calls."""
-        reason = _tk.weight_unaligned_reason(w)
+        reason = weight_unaligned_reason(w)
         key = (tuple(w.shape), tuple(w.stride()), reason)
         if reason is not None and key not in _UNALIGNED_SEEN:
             _UNALIGNED_SEEN.add(key)

@@ -31,8 +31,9 @@ bias is set. ``update_token_state`` adds each step's draws on the device (no hos
 implemented here (patched ``generate`` keeps transformers' processors for them).
 
 The CUDA kernels are the Triton kernels in arkernels/triton/sampling.py (``sample``: truncate to <= 4096
-candidates, then search; ``sampling_probs``: the full-row search); the CPU kernel (below the fakes) is a
-vectorised torch version of the same thresholds, using the same hash, so both draw the same tokens.
+candidates, then search; ``sampling_probs``: the full-row search), launched by arkernels/triton/sampling_launch.py;
+the CPU kernel (arkernels/ops/sampling_cpu.py) is a vectorised torch version of the same thresholds, using the same
+hash, so both draw the same tokens. Both are registered below the fakes, behind one set of argument checks.
 """
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas live in csrc/torch_bindings.cpp)
 from arkernels.ops._checks import expect, per_row
-from arkernels.token_state_layout import BAN_BIT, COUNT_MAX, EOS_BIT, PROMPT_BIT, SEEN_MASK
-from arkernels.triton.sampling import (row_key_torch, sample_triton, sampling_probs_triton, sampling_rules_triton,
-                                       uniform_torch)
+from arkernels.ops.sampling_cpu import sample_cpu, sampling_probs_cpu, sampling_rules_cpu
+from arkernels.token_state_layout import BAN_BIT, COUNT_MAX, EOS_BIT, PROMPT_BIT
+from arkernels.triton.sampling_launch import sample_triton, sampling_probs_triton, sampling_rules_triton
 
 _ops = torch.ops.arkernels
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -438,118 +439,24 @@ def _sampling_rules_cuda(logits, token_state, history, penalties, logit_bias):
                                                        logit_bias))
 
 
-def _rules_cpu(logits, token_state, history, penalties, logit_bias):
-    """The token rules on the CPU, vectorised over the batch (the same fp32 operations, in the same order, as
-    ``_load_x`` in the Triton kernels): the processed, sanitised fp32 logits."""
-    x = logits.float()
-    x = torch.where(torch.isnan(x), float("-inf"), x).clamp(max=_FLT_MAX)
-    if token_state is None and logit_bias is None:
-        return torch.where(x == 0, 0.0, x)
-    N = (token_state if token_state is not None else logit_bias).shape[0]
-    h = history[:, 0]
-    rv = ((h >= 0) & (h < N))[:, None]
-    hr = torch.where(rv[:, 0], h, 0)
-    if logit_bias is not None:
-        x = x + torch.where(rv, logit_bias[hr], 0.0)
-    if token_state is not None:
-        w = torch.where(rv, token_state[hr], 0)
-        if penalties is None:
-            penalties = torch.tensor([[1.0, 0.0, 0.0]]).expand(x.shape[0], 3)
-        rp, fq, pr = (penalties[:, i:i + 1] for i in range(3))
-        cnt = w & COUNT_MAX
-        x = torch.where((w & SEEN_MASK) != 0, torch.where(x < 0, x * rp, x / rp), x)
-        x = x - fq * cnt.float()
-        x = x - torch.where(cnt > 0, pr, 0.0)
-        eos_on = (history[:, 1] < history[:, 2])[:, None]
-        x = torch.where(((w & BAN_BIT) != 0) | (((w & EOS_BIT) != 0) & eos_on), float("-inf"), x)
-    x = torch.where(torch.isnan(x), float("-inf"), x).clamp(max=_FLT_MAX)
-    return torch.where(x == 0, 0.0, x)
-
-
 def _sampling_rules_cpu(logits, token_state, history, penalties, logit_bias):
     logits = _check_rules_logits("sampling_rules", logits)
-    return _rules_cpu(logits, *_check_rules("sampling_rules", logits, token_state, history, penalties, logit_bias))
-
-
-def _keep_cpu(logits, temperature, top_k, top_p, min_p):
-    """The kernel's filter on the CPU, vectorised over the batch: returns ``(z, e, keep, arg, valid,
-    sampled)``, all ``[batch, vocab]`` or ``[batch]``. Same thresholds as the Triton kernels (only float
-    sums are taken in another order)."""
-    batch, vocab = logits.shape
-    x = logits.float()
-    x = torch.where(torch.isnan(x), float("-inf"), x).clamp(max=_FLT_MAX)
-    m, arg = x.max(dim=1)  # ties: torch.max returns the first maximal index
-    valid = m > float("-inf")
-    sampled = valid & (temperature > 0)
-    T = torch.where(sampled, temperature, 1.0)
-    mm = torch.where(valid, m, 0.0)[:, None]
-    z = (x - mm) / T[:, None]
-    e = torch.exp(z)
-
-    # top-k: the k-th largest logit, ties kept
-    tk = torch.full((batch,), float("-inf"))
-    use_k = sampled & (top_k > 0) & (top_k < vocab)
-    if bool(use_k.any()):
-        kmax = int(top_k[use_k].max())
-        vals = torch.topk(x[use_k], kmax, dim=1).values
-        tk[use_k] = vals.gather(1, (top_k[use_k].long() - 1)[:, None])[:, 0]
-    in_k = x >= tk[:, None]
-
-    # top-p over the top-k set, compared the way transformers' TopPLogitsWarper does: fp32 probabilities
-    # e / mass summed from the bottom, a token dropped iff the mass strictly below it plus its own is
-    # <= 1 - top_p (ties: the group is kept when its top member would be). tp is the largest z whose mass
-    # strictly below is <= 1 - top_p. Tokens with probability < (1 - p) / vocab hold < 1 - p together, so
-    # all are dropped: only the others are sorted (a handful for a peaked row), the rest enter as one sum.
-    tp = torch.full((batch,), float("-inf"))
-    use_p = sampled & (top_p < 1)
-    if bool(use_p.any()):
-        rows = use_p.nonzero()[:, 0]
-        eK = torch.where(in_k[rows], e[rows], 0.0)
-        pr = eK / eK.sum(dim=1, keepdim=True)
-        q = 1 - top_p[rows]  # fp32, as transformers' fp32 cumsum against 1 - top_p
-        cand = in_k[rows] & (pr >= (q / vocab * (1 - 1e-3))[:, None])
-        n_cand = int(cand.sum(dim=1).max())
-        rest = torch.where(cand, 0.0, pr).sum(dim=1)
-        vals, idx = torch.topk(torch.where(cand, z[rows], float("-inf")), n_cand, dim=1)
-        vals, idx = vals.flip(1), idx.flip(1)  # ascending, as transformers' cumsum
-        pc = torch.where(vals > float("-inf"), pr.gather(1, idx), 0.0)
-        below = rest[:, None] + (pc.cumsum(dim=1) - pc)
-        tp[rows] = torch.where(below <= q[:, None], vals, float("-inf")).max(dim=1).values
-
-    keep = sampled[:, None] & in_k & (z >= tp[:, None]) & (e >= min_p[:, None])
-    return z, e, keep, arg, valid, sampled
+    return sampling_rules_cpu(logits, *_check_rules("sampling_rules", logits, token_state, history, penalties,
+                                                    logit_bias))
 
 
 def _sampling_probs_cpu(logits, temperature, top_k, top_p, min_p, token_state=None, history=None, penalties=None,
                         logit_bias=None):
     logits = _check("sampling_probs", logits, temperature, top_k, top_p, min_p)
-    logits = _rules_cpu(logits, *_check_rules("sampling_probs", logits, token_state, history, penalties, logit_bias))
-    z, e, keep, arg, valid, sampled = _keep_cpu(logits, temperature, top_k, top_p, min_p)
-    kept = torch.where(keep, e, 0.0)
-    probs = kept / kept.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    onehot = torch.zeros_like(probs).scatter_(1, arg[:, None], 1.0) * valid[:, None]
-    return torch.where(sampled[:, None], probs, onehot)
+    rules = _check_rules("sampling_probs", logits, token_state, history, penalties, logit_bias)
+    return sampling_probs_cpu(logits, temperature, top_k, top_p, min_p, *rules)
 
 
 def _sample_cpu(logits, temperature, top_k, top_p, min_p, seed, step, token_state=None, history=None,
                 penalties=None, logit_bias=None):
     logits = _check("sample", logits, temperature, top_k, top_p, min_p, seed, step)
-    logits = _rules_cpu(logits, *_check_rules("sample", logits, token_state, history, penalties, logit_bias))
-    vocab = logits.shape[1]
-    z, e, keep, arg, valid, sampled = _keep_cpu(logits, temperature, top_k, top_p, min_p)
-    ids = arg.clone()
-    rows = sampled.nonzero()[:, 0]
-    if rows.numel() > 0:
-        # exponential race over the kept tokens: argmax z - log(E), E = -log(U), U from the shared hash.
-        # U lies in [2^-25, 1 - 2^-25], so -log(E) lies in [-2.85, 17.33]: the maximum (z = 0) scores
-        # >= -2.86 and a token with z < -20.5 can never win. Hashing only the tokens that can win skips
-        # most of the vocabulary (the hash is ~20 int64 ops per element) and changes no draw.
-        r, c = (keep[rows] & (z[rows] >= -20.5)).nonzero(as_tuple=True)
-        u = uniform_torch(row_key_torch(seed[rows], step[rows])[r], c)
-        score = torch.full((rows.numel(), vocab), float("-inf"))
-        score[r, c] = z[rows][r, c] - torch.log(-torch.log(u))
-        ids[rows] = score.argmax(dim=1)
-    return ids, valid
+    rules = _check_rules("sample", logits, token_state, history, penalties, logit_bias)
+    return sample_cpu(logits, temperature, top_k, top_p, min_p, seed, step, *rules)
 
 
 torch.library.register_kernel("arkernels::sample", "cuda", _sample_cuda)

@@ -68,19 +68,15 @@ Arithmetic (ESTIMATES, not run on a GPU; H200: 132 SMs, ~4.3 TB/s, ~0.7 us DRAM 
   histogram) and the race are the same; only the order of a chunk's fp32 sum inside Triton's reduction tree
   can move with the layout, as it could between Triton versions (top-p within fp32 rounding of a boundary).
 
-Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback without top-k and
-top-p 2 (stats + split race); other fallbacks 1 + the search passes (top-k: 1 per search pass, top-p: 1 for
-the mass with top-k + its search passes) + 1 (draw).
-
 Why an exponential race for the draw: ``argmax_i z_i - log(E_i)`` with ``E_i ~ Exp(1)`` draws ``i`` with
 probability ``p_i`` (Gumbel-max); it needs no normalisation, no prefix sum and one pass, and ``E_i``
 comes from a counter-based hash of (seed, step, column), so a row's token never depends on its batch
-position. ``row_key_torch`` / ``uniform_torch`` below are the bit-identical torch twins the CPU path
-uses, so CPU and GPU draw the same token up to rounding of exp/log (a race decided within an ulp, ~1e-6 of draws).
+position. ``row_key_torch`` / ``uniform_torch`` (arkernels/ops/sampling_cpu.py), the bit-identical torch twins, let
+the CPU kernel draw the same token up to rounding of exp/log (a race decided within an ulp, ~1e-6 of draws).
+The host side (splits, scratch, launches): arkernels/triton/sampling_launch.py.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -94,12 +90,9 @@ STATS_BLOCK = 1024  # columns per chunk (the unit of the chunk partials); loops 
 SEARCH_BLOCK = 512  # elements per block in the search passes ([SEARCH_BLOCK, PIVOTS] tiles)
 NB = tl.constexpr(4096)  # histogram buckets = the top 12 bits of the fp32 key: 8 buckets per octave (16 KB)
 BUCKET_SHIFT = tl.constexpr(20)  # 32 - 12
-CAND_CAP = 4096  # candidates per row on the fast path: 32 KB of scratch per row (value + column)
 MAX_SPLITS = 64  # programs per row at most (batch 1): 128k columns over 63 programs of 2 chunks
-TARGET_PROGRAMS = 264  # 2 per SM on an H200 (132 SMs)
 TILE_CHUNKS = 4  # chunks per loop trip in the stats / compaction passes: a [4, 1024] tile, 4 chunks' loads in flight
 MERGE_TILE = 8192  # partial-histogram words each merge program loads at once ([64, 128] at 64 splits: 32 KB)
-MERGE_PROGRAMS = 32  # merge programs per row at most (128 buckets each)
 # Launch options per kernel (the offline sm_90 compile test reads them too). Registers and spills are ptxas's
 # for Triton 3.8's sm_90 compile with the runtime's 16-byte divisibility specialisation, rules off / on:
 LAUNCH = {
@@ -147,42 +140,6 @@ def _uniform(key, cols):
     h = _fmix32(h ^ key)
     # 24 random bits + 0.5, times 2^-24: exact in fp32, never 0 or 1
     return ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
-
-
-# The torch twin works on int32 holding the uint32 bits: int32 multiplication wraps mod 2^32 like uint32, and
-# a logical right shift is an arithmetic one masked to the remaining bits (2-3x faster than int64 on the CPU).
-def _s32(c: int) -> int:
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
-def _to_u32_bits(v: torch.Tensor) -> torch.Tensor:
-    """The low 32 bits of an int64 tensor as int32."""
-    lo = v & 0xFFFFFFFF
-    return (lo - ((lo >> 31) << 32)).to(torch.int32)
-
-
-def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _s32(0x85EBCA6B)
-    h = h ^ ((h >> 13) & 0x7FFFF)
-    h = h * _s32(0xC2B2AE35)
-    return h ^ ((h >> 16) & 0xFFFF)
-
-
-def row_key_torch(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Torch twin of ``_row_key``: seed, step int64 ``[n]`` -> the rows' keys (uint32 bits in int32)."""
-    a = _fmix32_torch(_to_u32_bits(seed) ^ 0x243F6A88)
-    a = _fmix32_torch(a ^ _to_u32_bits(seed >> 32))
-    a = _fmix32_torch(a ^ _to_u32_bits(step))
-    return _fmix32_torch(a ^ _to_u32_bits(step >> 32))
-
-
-def uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Torch twin of ``_uniform``, bit-identical: row keys and vocab columns (broadcast together, e.g.
-    ``[batch, 1]`` against ``[1, vocab]``, or two ``[n]`` for gathered pairs) -> fp32 U in (0, 1)."""
-    h = _fmix32_torch(cols.to(torch.int32) * _s32(0x9E3779B9) + key)
-    h = _fmix32_torch(h ^ key)
-    return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * 5.9604644775390625e-08
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -741,129 +698,3 @@ def sampling_rules_kernel(
     mask = offs < V
     x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
     tl.store(out_ptr + row * V + offs, x, mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Launchers (inputs already validated and converted by arkernels/ops/sampling.py)
-# ---------------------------------------------------------------------------------------------------------
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _on(dev):
-    return torch.cuda.device(dev) if dev.type == "cuda" else _null()
-
-
-def _rule_args(logits, token_state, history, penalties, logit_bias):
-    """The token-rule kernel arguments: ``(state, history, penalties, bias, history rows, STATE, BIAS)``, with
-    one-element stand-ins for what is off (the kernels never read them then)."""
-    dev = logits.device
-    state = token_state if token_state is not None else torch.zeros(1, dtype=torch.int32, device=dev)
-    bias = logit_bias if logit_bias is not None else torch.zeros(1, dtype=torch.float32, device=dev)
-    hist = history if history is not None else torch.zeros(3, dtype=torch.int64, device=dev)
-    if penalties is None:
-        penalties = torch.tensor([1.0, 0.0, 0.0], device=dev).repeat(max(logits.shape[0], 1), 1)
-    nh = (token_state if token_state is not None else logit_bias).shape[0] if history is not None else 0
-    return state, hist, penalties, bias, nh, token_state is not None, logit_bias is not None
-
-
-def sampling_splits(batch: int, vocab: int) -> int:
-    """Programs per row (``sample``'s stats and compaction grids are ``(batch, splits)``): about
-    TARGET_PROGRAMS in all, at most MAX_SPLITS per row, whole chunks each, no program without a chunk. A pure
-    function of (batch, vocab): batch 1 x 128256 -> 63 programs of 2 chunks; batch >= 133 -> 1 (no merge)."""
-    nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
-    s = max(1, min(MAX_SPLITS, nchunk, TARGET_PROGRAMS // max(batch, 1)))
-    return triton.cdiv(nchunk, triton.cdiv(nchunk, s))
-
-
-def sampling_tile_chunks(chunks_per_program: int) -> int:
-    """Chunks per loop trip (the R of the stats / compaction tiles): TILE_CHUNKS, or fewer when a program has
-    fewer chunks (a power of two: a constexpr tile dimension)."""
-    return min(TILE_CHUNKS, triton.next_power_of_2(max(chunks_per_program, 1)))
-
-
-def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_state=None, history=None,
-                  penalties=None, logit_bias=None, *, cap: int = CAND_CAP, splits: int | None = None,
-                  debug: bool = False):
-    """The ``arkernels::sample`` kernels: ``(ids int64 [batch], valid bool [batch])``; token rules as in the
-    schema (contiguous tensors; ``history`` required with ``token_state`` / ``logit_bias``).
-
-    ``cap``: candidates per row on the fast path; ``splits``: programs per row (default
-    ``sampling_splits``); both change no token. ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
-    the row's candidate count (-1: it took the full-row fallback; -2: the fallback without a search, raced by
-    the split programs; 0: greedy / no finite logit) and its full-row passes."""
-    batch, vocab = logits.shape
-    dev = logits.device
-    ids = torch.empty(batch, dtype=torch.int64, device=dev)
-    valid = torch.empty(batch, dtype=torch.bool, device=dev)
-    nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
-    S = splits if splits is not None else sampling_splits(batch, vocab)
-    cps = triton.cdiv(nchunk, S)
-    S = triton.cdiv(nchunk, cps)
-    R = sampling_tile_chunks(cps)
-    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
-    cmax, carg, csum = torch.empty(batch, nchunk, **f32), torch.empty(batch, nchunk, **i32), torch.empty(batch, nchunk, **f32)
-    hist = torch.empty(batch, S, NB.value, **i32)
-    rhist = torch.empty(batch, NB.value, **i32) if S > 1 else hist  # one program: its suffix counts are the row's
-    cval, cidx = torch.empty(batch, cap, **f32), torch.empty(batch, cap, **i32)
-    ncand = torch.empty(batch, **i32)
-    rbest, rcol = torch.empty(batch, S, **f32), torch.empty(batch, S, **i32)
-    passes = torch.zeros(batch if debug else 1, **i32)
-    ncp, sp = triton.next_power_of_2(nchunk), triton.next_power_of_2(S)
-    spx = max(sp, MAX_SPLITS)  # the compaction / draw kernels' [SP] loads: one compiled variant for every split
-    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
-    rules = dict(STATE=STATE, BIAS=BIAS)
-    if batch > 0 and vocab > 0:
-        with _on(dev):
-            sampling_stats_kernel[(batch, S)](
-                logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes, st, hs, pn, bs, nh,
-                nchunk, cps, S, BLOCK=STATS_BLOCK, R=R, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
-            if S > 1:
-                w = max(NB.value // MERGE_PROGRAMS, MERGE_TILE // sp)  # <= MERGE_TILE loads per program
-                sampling_merge_kernel[(batch, NB.value // w)](hist, rhist, S, SP=sp, W=w,
-                                                              **LAUNCH["sampling_merge_kernel"])
-            sampling_compact_kernel[(batch, S)](
-                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist, rhist,
-                cval, cidx, ncand, seed, step, rbest, rcol, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
-                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **rules, **LAUNCH["sampling_compact_kernel"])
-            sampling_draw_kernel[(batch,)](
-                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
-                cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, st, hs, pn, bs, nh,
-                nchunk, cap, S,
-                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx,
-                DEBUG=debug, **rules, **LAUNCH["sampling_draw_kernel"])
-    if debug:
-        return ids, valid, (ncand, passes)
-    return ids, valid
-
-
-def sampling_probs_triton(logits, temperature, top_k, top_p, min_p, token_state=None, history=None,
-                          penalties=None, logit_bias=None):
-    """The ``arkernels::sampling_probs`` kernel: fp32 ``[batch, vocab]``."""
-    batch, vocab = logits.shape
-    probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
-    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
-    if batch > 0:
-        with _on(logits.device):
-            sampling_probs_kernel[(batch,)](
-                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, probs, probs.stride(0),
-                st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES,
-                STATE=STATE, BIAS=BIAS, **LAUNCH["sampling_probs_kernel"])
-    return probs
-
-
-def sampling_rules_triton(logits, token_state=None, history=None, penalties=None, logit_bias=None):
-    """The ``arkernels::sampling_rules`` kernel: the processed fp32 logits ``[batch, vocab]``."""
-    batch, vocab = logits.shape
-    out = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
-    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
-    if batch > 0 and vocab > 0:
-        with _on(logits.device):
-            sampling_rules_kernel[(batch, triton.cdiv(vocab, DRAW_BLOCK))](
-                logits, logits.stride(0), vocab, out, st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, STATE=STATE, BIAS=BIAS,
-                **LAUNCH["sampling_rules_kernel"])
-    return out

@@ -1,0 +1,149 @@
+"""What runs for a shape in the int8_matmul stem: the autotune bucket of M and the configs it tries, the w8a16
+kernel that serves M rows, the decode kernels' tile sizes and splits (planned for whole waves), the fused reduce's
+shape, whether a weight gets 16-byte loads. Pure functions of (shape, dtype, SM count): no device query and no
+autotuning, so every plan is testable without a GPU. The kernels and their configs: arkernels/triton/int8_matmul.py;
+the launches: arkernels/triton/int8_matmul_launch.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from arkernels.triton.int8_matmul import CONFIGS_BY_CLASS, FP32_DOT_CONFIGS_BY_CLASS, LARGE_M
+
+TUNE_MAX_M = 8192  # the last power-of-two tuning bucket of M; anything larger shares LARGE_M
+GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
+DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
+# Programs per SM that a wave is planned with (enough that every SM keeps ~23 KB of loads in flight). Below the
+# occupancy limit: the offline sm_90 compile (triton 3.8) gives 24 KB / 36 KB of shared memory per GEMV / split-K
+# program, so 8 / 6 fit an SM; by that count the M = 1 4096x14336 plan is 3.4 waves. Which unit the hardware's
+# tail actually follows is for a GPU measurement to decide (one constant per path here).
+PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}
+WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
+REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
+
+
+def m_class(M: int) -> int:
+    """Config family of M: 1, 16 (<= 16), 64 (<= 64) or LARGE_M. Which configs a bucket may try."""
+    for bound in (1, 16, 64):
+        if M <= bound:
+            return bound
+    return LARGE_M
+
+
+def tune_bucket(M: int) -> int:
+    """Autotune bucket of M (the value of the kernels' M_CLASS key): 1, 16 for 2..16 (decode batch sizes share one
+    sweep), the next power of two for 17..8192, LARGE_M above."""
+    if M <= 16:
+        return m_class(M)
+    return triton.next_power_of_2(M) if M <= TUNE_MAX_M else LARGE_M
+
+
+def configs_for(bucket: int, dot_fp32: bool = False) -> list:
+    """The configs a tuning bucket tries: its family's, less the tiles taller than the bucket (the family's
+    first is always kept: BLOCK_M 16, 32 or 64 <= the smallest bucket of that family, checked by the tests)."""
+    family = (FP32_DOT_CONFIGS_BY_CLASS if dot_fp32 else CONFIGS_BY_CLASS)[m_class(bucket)]
+    return [c for c in family if c.kwargs["BLOCK_M"] <= max(bucket, 16)]
+
+
+SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
+
+
+def smem_bytes(config, a_bytes: int) -> int:
+    """Pipelined operand tiles of a config: num_stages x (A tile at ``a_bytes`` per element + int8 B tile). It
+    separates the configs triton 3.6 fits into sm_90's 227 KB from those it does not (offline compile: w8a16 bf16
+    256x128x128 x3 stages needs 256 KB, 128x256x128 x4 288 KB; both fit at int8, 144 / 192 KB)."""
+    kw = config.kwargs
+    return config.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] * a_bytes + kw["BLOCK_N"])
+
+
+def weight_unaligned_reason(w: torch.Tensor) -> str | None:
+    """Why the int8 weight ``w [N, K]`` misses the kernels' 16-byte vector loads along K, or None. Triton
+    specializes pointers and integer arguments on divisibility by 16 and strides equal to 1: an aligned,
+    K-contiguous weight whose rows are a multiple of 16 bytes gets those hints (and 16-byte loads) with nothing
+    more; any other view compiles to byte loads, about 4x slower for a memory-bound decode."""
+    if w.shape[0] > 1 and w.stride(1) != 1:
+        return f"not K-contiguous (strides {tuple(w.stride())})"
+    if w.stride(0) % 16 or w.shape[1] % 16:
+        return f"rows of {w.shape[1]} bytes at a stride of {w.stride(0)}: not multiples of 16"
+    if w.data_ptr() % 16:
+        return f"its data starts {w.data_ptr() % 16} bytes past a 16-byte boundary"
+    return None
+
+
+def w8a16_path(M: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which w8a16 kernel serves M rows: ``"gemv"`` (M <= 4), ``"splitk"`` (5..16) or ``"tiled"`` (the autotuned
+    tile kernel; always for fp32 x, which has no tensor-core dot: its own shallow-K FMA tiles compile without
+    spills, the decode kernels' fp32 dots would not be). A pure function of a shape: no host sync."""
+    if dtype == torch.float32 or M > DECODE_MAX_M:
+        return "tiled"
+    return "gemv" if M <= GEMV_MAX_M else "splitk"
+
+
+def reduce_shape(M: int, cols: int, split_k: int, num_warps: int = 4) -> tuple[int, int]:
+    """(BLOCK, UNROLL) of the fused reduce over ``M x cols`` outputs and ``split_k`` splits: as many splits per
+    trip as exist (up to 16, a power of two), then as many outputs per step as keep REDUCE_LOADS_PER_THREAD loads
+    in flight per thread. M = 1, 28 splits of 32 columns: (32, 16), 2 trips; M = 16, 4 splits of 64: (1024, 4)."""
+    unroll = min(16, triton.next_power_of_2(max(split_k, 1)))
+    threads = 32 * num_warps
+    block = min(triton.next_power_of_2(M * cols), max(threads, threads * REDUCE_LOADS_PER_THREAD // unroll))
+    return block, unroll
+
+
+def wave_efficiency(programs: int, wave: int) -> float:
+    """Busy fraction of the program slots over the waves a grid occupies: ``programs / (waves * wave)``; 1.0 when
+    the grid is a whole number of waves (896 programs on a wave of 528: 0.85, the second wave 70% idle)."""
+    return programs / (triton.cdiv(programs, wave) * wave)
+
+
+def _fewest_programs_near_best(candidates: list[tuple[int, dict]], wave: int) -> dict:
+    """``candidates``: (programs, config). The config with the fewest programs among those whose wave efficiency
+    is within WAVE_SLACK of the best (fewer programs: more x reuse, fewer partial sums, fewer tickets)."""
+    best = max(wave_efficiency(p, wave) for p, _ in candidates)
+    near = [(p, i) for i, (p, _) in enumerate(candidates) if wave_efficiency(p, wave) >= best - WAVE_SLACK]
+    return candidates[min(near)[1]][1]
+
+
+def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict:
+    """Tile sizes and split of a decode kernel, a pure function of (path, M, N, K, SM count): no autotuning and
+    no device query, so the bits do not depend on a sweep and the plan is testable without a GPU.
+
+    gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512);
+    N_TILES (weight tiles per program, sharing its x slice) is the power of two up to 16 whose grid fills whole
+    waves of PROGRAMS_PER_SM x SMs best (within WAVE_SLACK, then the fewest programs). BLOCK_M 16 (the dot's
+    smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274 instead of 539 sm_90 loop
+    instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272). Llama-8B on 132 SMs (waves of 528):
+    4096x14336 (N x K) -> 28 splits x 128 programs = 3584 (6.8 waves, 0.97 busy; the old N_TILES 4 gave 896 =
+    1.7 waves, 0.85), 14336x4096 -> 8 x 448 = 3584, 4096x4096 -> 8 x 64 = 512 (0.97). The workspace is 1.6%
+    (M = 1) to 6.2% (M = 4) of the weight bytes.
+    splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
+    cdiv(N, 64) x SPLIT_K fills whole waves of 2 x SMs best, unless the workspace would pass 10% of the weight
+    bytes (K = 4096 at M = 16: 3 splits, 192 programs).
+    """
+    if path == "gemv":
+        block_k = max(32, min(256, triton.next_power_of_2(K)))
+        halves = 2 if K > block_k else 1
+        block_n = max(16, min(32, triton.next_power_of_2(N)))
+        n_blocks = triton.cdiv(N, block_n)
+        split_k = max(1, triton.cdiv(K, halves * block_k))  # K = 0: one split of nothing
+        wave = PROGRAMS_PER_SM["gemv"] * num_sms
+        candidates = [(triton.cdiv(n_blocks, t) * split_k, t) for t in (1, 2, 4, 8, 16)
+                      if t == 1 or t < 2 * n_blocks]  # no tile group wider than twice the columns
+        n_tiles = _fewest_programs_near_best([(p, t) for p, t in candidates], wave)
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
+                    K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=2)
+    block_k = max(16, min(128, triton.next_power_of_2(K)))
+    block_n = 64
+    k_blocks = max(1, triton.cdiv(K, block_k))
+    # the workspace (written, then read: 2 x splits x M x N x 4 B) stays under 10% of the weight bytes N x K; this
+    # binds for K = 4096 at M = 16 (3 splits: 192 programs)
+    max_splits = max(1, min(k_blocks, K // (80 * M)))
+    n_cols = triton.cdiv(N, block_n)
+    plans = {}  # K_PER_SPLIT -> programs (several split counts round to the same K range)
+    for s in range(1, max_splits + 1):
+        k_per_split = triton.cdiv(k_blocks, s) * block_k
+        plans[k_per_split] = n_cols * triton.cdiv(K, k_per_split) if K > 0 else n_cols
+    k_per_split = _fewest_programs_near_best([(p, kps) for kps, p in plans.items()],
+                                             PROGRAMS_PER_SM["splitk"] * num_sms)
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=k_per_split, num_warps=4,
+                num_stages=4)

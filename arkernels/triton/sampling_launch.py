@@ -1,0 +1,144 @@
+"""Host side of the sampling kernels (arkernels/triton/sampling.py): splits, scratch, grids and launches of
+``arkernels::sample``, ``sampling_probs`` and ``sampling_rules``. Inputs arrive validated and converted by
+arkernels/ops/sampling.py.
+
+Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback without top-k and
+top-p 2 (stats + split race); other fallbacks 1 + the search passes (top-k: 1 per search pass, top-p: 1 for
+the mass with top-k + its search passes) + 1 (draw).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from arkernels.triton.sampling import (DRAW_BLOCK, LAUNCH, MAX_PASSES, MAX_SPLITS, MERGE_TILE, NB, PIVOTS,
+                                       SEARCH_BLOCK, STATS_BLOCK, TILE_CHUNKS, sampling_compact_kernel,
+                                       sampling_draw_kernel, sampling_merge_kernel, sampling_probs_kernel,
+                                       sampling_rules_kernel, sampling_stats_kernel)
+
+CAND_CAP = 4096  # candidates per row on the fast path: 32 KB of scratch per row (value + column)
+TARGET_PROGRAMS = 264  # 2 per SM on an H200 (132 SMs)
+MERGE_PROGRAMS = 32  # merge programs per row at most (128 buckets each)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _on(dev):
+    return torch.cuda.device(dev) if dev.type == "cuda" else _null()
+
+
+def _rule_args(logits, token_state, history, penalties, logit_bias):
+    """The token-rule kernel arguments: ``(state, history, penalties, bias, history rows, STATE, BIAS)``, with
+    one-element stand-ins for what is off (the kernels never read them then)."""
+    dev = logits.device
+    state = token_state if token_state is not None else torch.zeros(1, dtype=torch.int32, device=dev)
+    bias = logit_bias if logit_bias is not None else torch.zeros(1, dtype=torch.float32, device=dev)
+    hist = history if history is not None else torch.zeros(3, dtype=torch.int64, device=dev)
+    if penalties is None:
+        penalties = torch.tensor([1.0, 0.0, 0.0], device=dev).repeat(max(logits.shape[0], 1), 1)
+    nh = (token_state if token_state is not None else logit_bias).shape[0] if history is not None else 0
+    return state, hist, penalties, bias, nh, token_state is not None, logit_bias is not None
+
+
+def sampling_splits(batch: int, vocab: int) -> int:
+    """Programs per row (``sample``'s stats and compaction grids are ``(batch, splits)``): about
+    TARGET_PROGRAMS in all, at most MAX_SPLITS per row, whole chunks each, no program without a chunk. A pure
+    function of (batch, vocab): batch 1 x 128256 -> 63 programs of 2 chunks; batch >= 133 -> 1 (no merge)."""
+    nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
+    s = max(1, min(MAX_SPLITS, nchunk, TARGET_PROGRAMS // max(batch, 1)))
+    return triton.cdiv(nchunk, triton.cdiv(nchunk, s))
+
+
+def sampling_tile_chunks(chunks_per_program: int) -> int:
+    """Chunks per loop trip (the R of the stats / compaction tiles): TILE_CHUNKS, or fewer when a program has
+    fewer chunks (a power of two: a constexpr tile dimension)."""
+    return min(TILE_CHUNKS, triton.next_power_of_2(max(chunks_per_program, 1)))
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_state=None, history=None,
+                  penalties=None, logit_bias=None, *, cap: int = CAND_CAP, splits: int | None = None,
+                  debug: bool = False):
+    """The ``arkernels::sample`` kernels: ``(ids int64 [batch], valid bool [batch])``; token rules as in the
+    schema (contiguous tensors; ``history`` required with ``token_state`` / ``logit_bias``).
+
+    ``cap``: candidates per row on the fast path; ``splits``: programs per row (default
+    ``sampling_splits``); both change no token. ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
+    the row's candidate count (-1: it took the full-row fallback; -2: the fallback without a search, raced by
+    the split programs; 0: greedy / no finite logit) and its full-row passes."""
+    batch, vocab = logits.shape
+    dev = logits.device
+    ids = torch.empty(batch, dtype=torch.int64, device=dev)
+    valid = torch.empty(batch, dtype=torch.bool, device=dev)
+    nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
+    S = splits if splits is not None else sampling_splits(batch, vocab)
+    cps = triton.cdiv(nchunk, S)
+    S = triton.cdiv(nchunk, cps)
+    R = sampling_tile_chunks(cps)
+    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+    cmax, carg, csum = torch.empty(batch, nchunk, **f32), torch.empty(batch, nchunk, **i32), torch.empty(batch, nchunk, **f32)
+    hist = torch.empty(batch, S, NB.value, **i32)
+    rhist = torch.empty(batch, NB.value, **i32) if S > 1 else hist  # one program: its suffix counts are the row's
+    cval, cidx = torch.empty(batch, cap, **f32), torch.empty(batch, cap, **i32)
+    ncand = torch.empty(batch, **i32)
+    rbest, rcol = torch.empty(batch, S, **f32), torch.empty(batch, S, **i32)
+    passes = torch.zeros(batch if debug else 1, **i32)
+    ncp, sp = triton.next_power_of_2(nchunk), triton.next_power_of_2(S)
+    spx = max(sp, MAX_SPLITS)  # the compaction / draw kernels' [SP] loads: one compiled variant for every split
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    rules = dict(STATE=STATE, BIAS=BIAS)
+    if batch > 0 and vocab > 0:
+        with _on(dev):
+            sampling_stats_kernel[(batch, S)](
+                logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes, st, hs, pn, bs, nh,
+                nchunk, cps, S, BLOCK=STATS_BLOCK, R=R, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
+            if S > 1:
+                w = max(NB.value // MERGE_PROGRAMS, MERGE_TILE // sp)  # <= MERGE_TILE loads per program
+                sampling_merge_kernel[(batch, NB.value // w)](hist, rhist, S, SP=sp, W=w,
+                                                              **LAUNCH["sampling_merge_kernel"])
+            sampling_compact_kernel[(batch, S)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist, rhist,
+                cval, cidx, ncand, seed, step, rbest, rcol, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
+                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **rules, **LAUNCH["sampling_compact_kernel"])
+            sampling_draw_kernel[(batch,)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
+                cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, st, hs, pn, bs, nh,
+                nchunk, cap, S,
+                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx,
+                DEBUG=debug, **rules, **LAUNCH["sampling_draw_kernel"])
+    if debug:
+        return ids, valid, (ncand, passes)
+    return ids, valid
+
+
+def sampling_probs_triton(logits, temperature, top_k, top_p, min_p, token_state=None, history=None,
+                          penalties=None, logit_bias=None):
+    """The ``arkernels::sampling_probs`` kernel: fp32 ``[batch, vocab]``."""
+    batch, vocab = logits.shape
+    probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    if batch > 0:
+        with _on(logits.device):
+            sampling_probs_kernel[(batch,)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, probs, probs.stride(0),
+                st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES,
+                STATE=STATE, BIAS=BIAS, **LAUNCH["sampling_probs_kernel"])
+    return probs
+
+
+def sampling_rules_triton(logits, token_state=None, history=None, penalties=None, logit_bias=None):
+    """The ``arkernels::sampling_rules`` kernel: the processed fp32 logits ``[batch, vocab]``."""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    if batch > 0 and vocab > 0:
+        with _on(logits.device):
+            sampling_rules_kernel[(batch, triton.cdiv(vocab, DRAW_BLOCK))](
+                logits, logits.stride(0), vocab, out, st, hs, pn, bs, nh, BLOCK=DRAW_BLOCK, STATE=STATE, BIAS=BIAS,
+                **LAUNCH["sampling_rules_kernel"])
+    return out
