@@ -47,26 +47,7 @@ that sum is ``<= 1 - top_p`` in fp32 -- transformers' own row ``log([0.3, 0.1, 0
 drops both 0.1 tokens, where comparing the mass above (0.8000000042) with fp32 0.8 (0.8000000119) kept
 them. min-p needs no search: ``p_i >= min_p * p_max  <=>  exp(z_i) >= min_p``.
 
-Arithmetic (ESTIMATES, not run on a GPU; H200: 132 SMs, ~4.3 TB/s, ~0.7 us DRAM latency; counts from Triton
-3.8's offline sm_90 compile with the runtime's divisibility specialisation, ``bar.sync`` per loop trip in PTX):
-  * vocab 128256, batch 1, top-k 50 + top-p 0.9: stats 63 programs x one [2, 1024] trip (8 KB fp32 each),
-    63 x 16 KB suffix histograms written (L2), ~3 us; merge 32 programs x 32 KB, ~2 us; compaction 63
-    programs x (the 16 KB row histogram, a 4096-bucket cutoff, one 2048-column trip), ~5-6 us; draw 1 program
-    on the ~100 candidates (top-k and top-p search passes), ~8-18 us, now the largest piece; plus ~1-2 us
-    between launches: ~20-35 us in all (was 8 programs x 16 one-chunk trips per pass, ~50-80 us).
-  * batch 256: one program per row (no merge), 32 trips of [4, 1024] per pass (16 KB fp32 in flight per
-    program, one 16-warp program per SM above 64 registers). The stats pass is issue-bound, not barrier-bound:
-    ~80 instructions per element (IEEE division, exp, the histogram's shared atomics) -> ~1-1.5 TB/s; the
-    compaction pass ~3 TB/s: ~140-200 us over 131 MB (was ~200-300 us).
-  * Barriers per loop trip (bar.sync): stats 9 per chunk -> 14 per 4-chunk trip (R = 4), 14 per 2-chunk
-    trip (R = 2), 8 per chunk (R = 1); compaction 12 per chunk -> 2 per 4-chunk trip without a candidate
-    (the scan and the stores' 10 more only in a trip that has one). Global loads issued per trip before the
-    first use: R chunks' (bf16 logits, no rules: 8 / 4 / 2 ld.global at R = 4 / 2 / 1; was 2, one chunk).
-  * Registers (ptxas, no spill anywhere; LAUNCH below): stats 50-128 (16 warps), merge 68, compaction <= 80
-    (16 warps, maxnreg), draw 127-128 (8 warps).
-  The tiles, splits and merge change no token: the candidates (the cutoff is an integer function of the row
-  histogram) and the race are the same; only the order of a chunk's fp32 sum inside Triton's reduction tree
-  can move with the layout, as it could between Triton versions (top-p within fp32 rounding of a boundary).
+Arithmetic (launch sizes, bytes, barriers per trip, estimates) and the ptxas figures: docs/kernels.md ("Sampler").
 
 Why an exponential race for the draw: ``argmax_i z_i - log(E_i)`` with ``E_i ~ Exp(1)`` draws ``i`` with
 probability ``p_i`` (Gumbel-max); it needs no normalisation, no prefix sum and one pass, and ``E_i``
