@@ -334,6 +334,31 @@ def test_paged_kv_cache_fp8_roundtrip():
         arkernels.PagedKVCache(2, 2, 4, 1, 8, dtype=FP8, k_scale=1.0, v_scale=[1.0, 1.0, 1.0])
 
 
+
+def test_paged_kv_cache_fp8_copy_on_write():
+    """Copy-on-write on fp8 pools (through the cache's BlockTable) moves the stored bytes of one block in every layer's
+    K and V pool, nothing else (pools poisoned first); the child then reads what the parent wrote."""
+    cache = arkernels.PagedKVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8,
+                                   dtype=FP8, k_scale=0.01, v_scale=[0.005, 0.02])
+    for pool in (*cache.k_caches, *cache.v_caches):
+        pool.view(torch.uint8).fill_(POISON)
+    cache.add_sequence(5)
+    slots = cache.reserve([5], [3])  # one partly filled block
+    key = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(4))
+    for layer in range(2):
+        cache.append(layer, key, key * 0.5, slots)
+    cache.fork(5, -5)
+    before = torch.stack([p.view(torch.uint8) for p in (*cache.k_caches, *cache.v_caches)]).clone()
+    cache.reserve([-5], [1])
+    (old,), (new,) = cache.blocks(5), cache.blocks(-5)
+    assert new not in (old, arkernels.cache.SCRATCH_BLOCK) and cache.table.bytes_copied == 4 * 4 * 2 * 8  # 1-byte e4m3
+    expect = before.clone()
+    expect[:, new] = before[:, old]
+    assert torch.equal(torch.stack([p.view(torch.uint8) for p in (*cache.k_caches, *cache.v_caches)]), expect)
+    for layer in range(2):
+        k, v = cache.gather(layer, [5, -5])
+        assert torch.equal(k[1, :, :3], k[0, :, :3]) and torch.equal(v[1, :, :3], v[0, :, :3])
+
 def test_patch_fp8_cache_tiny_model():
     """patch(kv_cache_dtype="fp8"): model.generate runs on fp8 pools with calibrated (or given) scales; the tokens
     are the fp32 cache's on this tiny random model (its logits are far apart); bad arguments refuse up front."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import arkernels
+from arkernels.cache import SCRATCH_BLOCK, BlockTable
 from arkernels.ops.paged_kv import paged_kv_append, paged_kv_gather
 from arkernels.reference.paged_kv import paged_kv_append_ref, paged_kv_gather_ref
 from conftest import DEVICES, SIMT_DEVICES
@@ -224,8 +225,8 @@ def test_block_allocator_fork_and_copy_on_write():
     key = torch.randn(6, 1, 8)
     cache.append(0, key, key, slots)
     cache.fork(0, 1)
-    assert cache.blocks(1) == cache.blocks(0)
-    assert cache.allocator.num_free == 4
+    assert cache.blocks(1) == cache.blocks(0) == [1, 2]  # low ids first; block 0 (SCRATCH_BLOCK) is never handed out
+    assert cache.allocator.num_free == 3  # 6 blocks - the scratch block - the 2 shared ones
     new = cache.reserve([1], [1])  # the shared half block is copied before the child writes into it
     assert cache.blocks(1)[0] == cache.blocks(0)[0] and cache.blocks(1)[1] != cache.blocks(0)[1]
     cache.append(0, torch.ones(1, 1, 8), torch.ones(1, 1, 8), new)
@@ -235,22 +236,177 @@ def test_block_allocator_fork_and_copy_on_write():
     assert torch.equal(k1[0, 0, 6], torch.ones(8))
     cache.free_sequence(0)
     cache.free_sequence(1)
-    assert cache.allocator.num_free == 6
+    assert cache.allocator.num_free == 5  # num_blocks - 1: the scratch block stays taken
+    assert cache.allocator.refcount(SCRATCH_BLOCK) == 1
 
 
 def test_out_of_blocks_leaves_sequences_intact():
-    cache = arkernels.PagedKVCache(num_layers=1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=8)
+    cache = arkernels.PagedKVCache(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=8)
     cache.add_sequence(0)
     cache.add_sequence(1)
     cache.reserve([0], [3])
     before = (cache.blocks(0), cache.seq_len(0), cache.allocator.num_free)
-    with pytest.raises(arkernels.OutOfBlocksError, match="blocks"):
+    assert before == ([1, 2], 3, 1)  # 3 usable blocks (block 0 is the scratch block), 2 taken
+    with pytest.raises(arkernels.OutOfBlocksError, match="PagedKVCache.reserve: 2 more blocks needed but 1 of 3"):
         cache.reserve([0, 1], [1, 3])
     assert (cache.blocks(0), cache.seq_len(0), cache.allocator.num_free) == before
     assert cache.seq_len(1) == 0
     with pytest.raises(ValueError, match="double free"):
-        cache.allocator.free([2])
+        cache.allocator.free([3])  # the one block nobody holds
 
+
+def _poisoned_cache(num_layers, num_blocks, block_size, heads, head_dim):
+    """A float32 PagedKVCache whose pools hold a distinct value in every element (pool i: 1000 * (i + 1) + index), so a
+    copy from the wrong block, layer or pool shows."""
+    cache = arkernels.PagedKVCache(num_layers, num_blocks, block_size, heads, head_dim, dtype=torch.float32)
+    for i, pool in enumerate((*cache.k_caches, *cache.v_caches)):
+        pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view_as(pool) + 1000.0 * (i + 1))
+    return cache
+
+
+def _state(cache, seq_ids):
+    """Everything a reserve may change: the pools, the table's rows, lengths and int32 table, every reference count."""
+    t, alloc = cache.table, cache.allocator
+    return dict(pools=torch.stack([*cache.k_caches, *cache.v_caches]).clone(), table=t.table.clone(),
+                rows=[list(r) for r in t.rows], lens=list(t.lens), bytes_copied=t.bytes_copied,
+                refs=[alloc.refcount(b) for b in range(alloc.num_blocks)], num_free=alloc.num_free,
+                blocks=[cache.blocks(s) for s in seq_ids], seq_lens=cache.seq_lens(seq_ids).tolist(),
+                block_table=cache.block_table(seq_ids, width=4))
+
+
+def _assert_same_state(before, after):
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        same = torch.equal(value, after[name]) if isinstance(value, torch.Tensor) else value == after[name]
+        assert same, name
+
+
+def test_paged_kv_cache_copy_on_write_copies_one_block_per_layer():
+    """A child's first write into a shared, partly filled last block copies exactly that block, in every layer's K and
+    V pool (nothing else in the pools changes); the parent's data stays as written; the last owner writes in place."""
+    layers, bs, heads, dim = 3, 4, 2, 8
+    cache = _poisoned_cache(layers, 7, bs, heads, dim)
+    key = torch.randn(6, heads, dim, generator=torch.Generator().manual_seed(3))
+    cache.add_sequence(-3)
+    slots = cache.reserve([-3], [6])  # one full block, one half full
+    for layer in range(layers):
+        cache.append(layer, key + layer, -key - layer, slots)
+    cache.fork(-3, 40)
+    parent, shared = cache.blocks(-3), cache.blocks(-3)[1]
+    before = torch.stack([*cache.k_caches, *cache.v_caches]).clone()
+    child_slots = cache.reserve([40], [1])
+    new = cache.blocks(40)[1]
+    assert cache.blocks(40)[0] == parent[0] and new not in (SCRATCH_BLOCK, *parent) and cache.blocks(-3) == parent
+    assert cache.table.bytes_copied == 2 * layers * bs * heads * dim * 4  # one fp32 block per K and V pool
+    expect = before.clone()
+    expect[:, new] = before[:, shared]
+    assert torch.equal(torch.stack([*cache.k_caches, *cache.v_caches]), expect)
+    assert child_slots.tolist() == [new * bs + 2]
+    token = torch.full((1, heads, dim), 5.0)
+    for layer in range(layers):
+        cache.append(layer, token, token, child_slots)
+        k, v = cache.gather(layer, [-3, 40])
+        assert torch.equal(k[0, :, :6], (key + layer).transpose(0, 1)) and torch.equal(k[0, :, 6], torch.zeros(2, 8))
+        assert torch.equal(v[1, :, :6], (-key - layer).transpose(0, 1)) and torch.equal(v[1, :, 6], token[0])
+    assert torch.equal(torch.stack([*cache.k_caches, *cache.v_caches])[:, shared], before[:, shared])
+    assert cache.allocator.refcount(shared) == cache.allocator.refcount(new) == 1
+    assert cache.reserve([-3], [1]).tolist() == [shared * bs + 2]  # now the last owner: in place, no copy
+    assert cache.table.bytes_copied == 2 * layers * bs * heads * dim * 4
+
+
+def test_paged_kv_cache_reserve_that_does_not_fit_changes_nothing():
+    """All or nothing with a copy-on-write due: the child's shared half block (1) and the new sequence's blocks (3)
+    need 4 blocks, 3 are free: OutOfBlocksError, and nothing changed. Then the capacity is exactly num_blocks - 1."""
+    cache = _poisoned_cache(2, 6, 4, 1, 8)
+    cache.add_sequence(7)
+    slots = cache.reserve([7], [6])
+    for layer in range(2):
+        cache.append(layer, torch.ones(6, 1, 8), torch.ones(6, 1, 8), slots)
+    cache.fork(7, 8)
+    cache.add_sequence(9)
+    before = _state(cache, [7, 8, 9])
+    with pytest.raises(arkernels.OutOfBlocksError, match="4 more blocks needed but 3 of 5 are free"):
+        cache.reserve([8, 9], [1, 9])
+    _assert_same_state(before, _state(cache, [7, 8, 9]))
+    cache.reserve([8, 9], [1, 8])  # 1 copy + 2 blocks: every usable block is taken now
+    held = sorted({b for s in (7, 8, 9) for b in cache.blocks(s)})
+    assert cache.allocator.num_free == 0 and held == [1, 2, 3, 4, 5]  # never block 0
+    cache.reserve([7], [2])  # fits in its own (no longer shared) last block
+    before = _state(cache, [7, 8, 9])
+    with pytest.raises(arkernels.OutOfBlocksError, match="1 more blocks needed but 0 of 5 are free"):
+        cache.reserve([9], [1])
+    _assert_same_state(before, _state(cache, [7, 8, 9]))
+
+
+def test_paged_kv_cache_any_int_sequence_id():
+    """Negative, huge and padding-like (-1) ids each map to their own table row; released rows are reused."""
+    ids, lens = [-1, -(2 ** 40), 2 ** 62, 0, 17], [3, 1, 4, 0, 2]
+    cache = arkernels.PagedKVCache(1, 12, 2, 1, 8, dtype=torch.float32)
+    for s in ids:
+        cache.add_sequence(s)
+    slots = cache.reserve(ids, lens)
+    data = torch.arange(sum(lens) * 8, dtype=torch.float32).view(-1, 1, 8)
+    cache.append(0, data, -data, slots)
+    k, v = cache.gather(0, ids)
+    for i, chunk in enumerate(data.split(lens)):
+        assert torch.equal(k[i, 0, : lens[i]], chunk[:, 0]) and torch.equal(v[i, 0, : lens[i]], -chunk[:, 0])
+    assert cache.seq_lens(ids).tolist() == lens and [cache.seq_len(s) for s in ids] == lens
+    table = cache.block_table(ids, width=3)
+    for i, s in enumerate(ids):
+        blocks = cache.blocks(s)
+        assert len(blocks) == -(-lens[i] // 2) and SCRATCH_BLOCK not in blocks
+        assert table[i, : len(blocks)].tolist() == blocks and (table[i, len(blocks):] == SCRATCH_BLOCK).all()
+    assert torch.equal(cache.block_table(ids[::-1]), cache.block_table(ids).flip(0))
+    cache.free_sequence(2 ** 62)
+    cache.free_sequence(-1)
+    with pytest.raises(KeyError, match="no sequence -1"):
+        cache.seq_len(-1)
+    cache.add_sequence(2 ** 62 + 1)
+    cache.fork(-(2 ** 40), -1)
+    assert cache.seq_len(2 ** 62 + 1) == 0 and cache.blocks(2 ** 62 + 1) == []
+    assert cache.blocks(-1) == cache.blocks(-(2 ** 40)) and cache.seq_len(-1) == 1
+    assert len(cache.table.rows) == len(ids)  # both new sequences took released rows
+    with pytest.raises(ValueError, match="PagedKVCache: sequence 17 already exists"):
+        cache.add_sequence(17)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 0, -3])
+def test_paged_kv_cache_needs_two_blocks(num_blocks):
+    with pytest.raises(ValueError, match=rf"PagedKVCache: num_blocks must be >= 2 .*got {num_blocks}"):
+        arkernels.PagedKVCache(1, num_blocks, 4, 1, 8)
+
+
+def test_paged_kv_cache_smallest_and_padding():
+    """num_blocks=2: one usable block (1); the scratch block pads every table; a width below a table refuses."""
+    cache = arkernels.PagedKVCache(1, 2, 4, 1, 8)
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    assert cache.allocator.num_free == 1 and cache.reserve([0], [4]).tolist() == [4, 5, 6, 7]
+    with pytest.raises(arkernels.OutOfBlocksError):
+        cache.reserve([1], [1])
+    assert cache.block_table([0, 1], width=3).tolist() == [[1, SCRATCH_BLOCK, SCRATCH_BLOCK], [SCRATCH_BLOCK] * 3]
+    assert cache.block_table([1]).tolist() == [[SCRATCH_BLOCK]]
+    with pytest.raises(ValueError, match="PagedKVCache.block_table: width 0 is shorter"):
+        cache.block_table([0], width=0)
+
+
+def test_paged_kv_cache_is_the_table_owner():
+    """The BlockTable owner protocol: copy_block copies one block in every pool and says how many bytes; grow_pools
+    keeps every pool's contents. The table has a fixed capacity (grow=False, full attention only)."""
+    cache = _poisoned_cache(2, 3, 2, 1, 4)
+    assert cache.table.owners == [cache] and not cache.table.grow and cache.table.window == 0
+    before = torch.stack([*cache.k_caches, *cache.v_caches]).clone()
+    assert cache.copy_block(2, 1) == 4 * 2 * 4 * 4  # 4 pools x one block of 2 x 1 x 4 fp32
+    expect = before.clone()
+    expect[:, 1] = before[:, 2]
+    assert torch.equal(torch.stack([*cache.k_caches, *cache.v_caches]), expect)
+    cache.grow_pools(5)
+    grown = torch.stack([*cache.k_caches, *cache.v_caches])
+    assert grown.shape[1] == 5 and torch.equal(grown[:, :3], expect) and not grown[:, 3:].any()
+    with pytest.raises(ValueError, match="BlockTable: grow=False needs num_blocks and window 0"):
+        BlockTable(8, 4, None, 4, grow=False)
+    with pytest.raises(ValueError, match="BlockTable: grow=False needs num_blocks and window 0"):
+        BlockTable(0, 4, None, None, grow=False)
 
 # ---- bad inputs: each raises, naming the op and argument, and the cache is byte-identical afterwards ----
 def _bad_append_cases():

@@ -5,7 +5,7 @@ vLLM design: one table per sequence, not one per layer).
 """
 from __future__ import annotations
 
-# reserved in every pool of the transformers cache, never handed to a row: freed / unused table entries point here
+# reserved in every pool (the transformers cache, PagedKVCache), never handed to a row: unused table entries point here
 SCRATCH_BLOCK = 0
 
 

@@ -1,15 +1,15 @@
 """Block tables: which blocks of the K/V pools each row (sequence) holds, and how rows advance, share and shrink.
 
 ``BlockTable`` is the bookkeeping under ``arkernels.hf.cache.PagedCache`` (one per group of layers that see the same
-positions): block lists, lengths, the int32 table the attention kernels read, copy-on-write, sliding-window freeing,
-fork / select / truncate / release, and the fixed-shape reservation that torch.compile and CUDA graphs replay. Torch
-only: the pools belong to its owners.
+positions) and under ``arkernels.cache.kv_cache.PagedKVCache`` (one, of fixed capacity): block lists, lengths, the int32
+table the attention kernels read, copy-on-write, sliding-window freeing, fork / select / truncate / release, and the
+fixed-shape reservation that torch.compile and CUDA graphs replay. Torch only: the pools belong to its owners.
 """
 from __future__ import annotations
 
 import torch
 
-from arkernels.cache.allocator import SCRATCH_BLOCK, BlockAllocator
+from arkernels.cache.allocator import SCRATCH_BLOCK, BlockAllocator, OutOfBlocksError
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -69,10 +69,20 @@ class BlockTable:
     Two ways to advance: ``advance`` (host: per-forward block reservation, ragged rows) and, after ``init_fixed``, the
     fixed-shape reservation (every block of the call up front; ``advance_fixed_host`` / ``advance_fixed_device``)
     until ``unfix`` hands the rows to the host path for good.
+
+    Capacity: by default (``grow=True``, the transformers cache) the allocator doubles when ``advance`` needs more
+    blocks than are free, and the owners' pools follow (``grow_pools``). ``grow=False`` (``PagedKVCache``; needs
+    ``num_blocks`` and window 0) fixes the capacity at ``num_blocks`` blocks besides ``SCRATCH_BLOCK``: an ``advance``
+    that does not fit raises ``OutOfBlocksError`` before it changes anything (rows, lengths, table, reference counts,
+    pools).
     """
 
-    def __init__(self, window: int, block_size: int, max_length: int | None, num_blocks: int | None):
-        self.window, self.block_size = window, block_size
+    def __init__(self, window: int, block_size: int, max_length: int | None, num_blocks: int | None, *,
+                 grow: bool = True):
+        if not grow and (window or num_blocks is None):
+            raise ValueError("BlockTable: grow=False needs num_blocks and window 0 (out-of-window freeing would change "
+                             f"the rows before the capacity check); got num_blocks={num_blocks}, window={window}")
+        self.window, self.block_size, self.grow = window, block_size, grow
         self.max_length, self.num_blocks_hint = max_length, num_blocks
         self.owners: list = []  # the pools' owners: grow_pools(num_blocks), copy_block(old, new) -> bytes
         self.allocator: BlockAllocator | None = None
@@ -199,6 +209,11 @@ class BlockTable:
     def _ensure_free(self, need: int) -> None:
         if need <= self.allocator.num_free:
             return
+        if not self.grow:
+            raise OutOfBlocksError(
+                f"BlockTable: {need} more blocks needed but {self.allocator.num_free} of "
+                f"{self.allocator.num_blocks - 1} are free (fixed capacity); nothing was changed"
+            )
         old_n = self.allocator.num_blocks
         new_n = max(2 * old_n, old_n + need - self.allocator.num_free)
         self.allocator = _grow_allocator(self.allocator, new_n)
@@ -239,7 +254,7 @@ class BlockTable:
         for r in cow:
             if self.allocator.refcount(self.rows[r][-1]) > 1:  # an earlier copy may have left this row the last owner
                 self._copy_last_block(r)
-        self._ensure_width(max(reach))
+        self._ensure_width(max(reach, default=0))
         writes = ([], [], [])  # (row, column, block) of every new table entry: one host-to-device copy for all
         for r, k in zip(rows, reach):
             extra = k - len(self.rows[r])
@@ -352,6 +367,19 @@ class BlockTable:
         self.allocator.fork([b for b in self.rows[dst] if b is not None])
         self.lens[dst] = self.lens[src]
         self.table[dst] = self.table[src]
+
+    def add_row(self) -> int:
+        """Append an empty row (no blocks, length 0, every table entry ``SCRATCH_BLOCK``); returns its index. Host path
+        only (a fixed table's rows are reserved once, by ``init_fixed``)."""
+        if self.fixed:
+            raise RuntimeError("BlockTable.add_row: a fixed-shape table has its rows reserved by init_fixed")
+        self.rows.append([])
+        self.lens.append(0)
+        pad = torch.full((1, self.table.shape[1]), SCRATCH_BLOCK, dtype=torch.int32, device=self.table.device)
+        self.table = torch.cat([self.table, pad])
+        self.plan = self.step = None
+        self.generation += 1
+        return len(self.rows) - 1
 
     def release_row(self, r: int) -> None:
         """Return all blocks of row ``r`` to the pool (the row's length becomes 0)."""
