@@ -3,6 +3,7 @@ block release, streaming, bad arguments; the static decode step of cuda_graphs=T
 to the default path, graph-safe op trace) and its CUDA-graph capture (GPU only); compile=True (that step under
 torch.compile: the same tokens, one graph per batch-size bucket)."""
 import functools
+import math
 from collections import defaultdict
 
 import pytest
@@ -384,3 +385,23 @@ def test_generate_logprobs_past_the_vocabulary_refuses():
     with pytest.raises(ValueError, match=f"generate: logprobs={vocab + 1} asks for more top tokens than the "
                                          f"vocabulary's {vocab}"):
         arkernels.generate(model, [[5, 6]], max_new_tokens=1, logprobs=vocab + 1)
+
+
+def test_generate_refuses_a_prompt_with_every_token_banned():
+    """Nothing left to draw (stock's multinomial raises; the fused sampler would return token 0): refused before the
+    prefill, naming the prompt. One token left is enough, and it is what the row emits."""
+    model = tiny_model("llama")
+    vocab = model.get_input_embeddings().num_embeddings
+    all_but_7 = [t for t in range(vocab) if t != 7]
+    res = arkernels.generate(model, [[5, 6]], max_new_tokens=3, suppress_tokens=all_but_7, eos_token_id=[])
+    assert res.tokens == [[7, 7, 7]]
+    with pytest.raises(ValueError, match="generate: prompt 0: bad_words_ids, suppress_tokens and logit_bias ban every "
+                                         f"token of the vocabulary \\({vocab}\\)"):
+        arkernels.generate(model, [[5, 6]], max_new_tokens=1, suppress_tokens=all_but_7, logit_bias={7: -math.inf})
+    with pytest.raises(ValueError, match="generate: prompt 1: bad_words_ids"):
+        arkernels.generate(model, [[5, 6], [4]], max_new_tokens=1, suppress_tokens=all_but_7,
+                           logit_bias=[{}, {7: -math.inf}])
+    with pytest.raises(ValueError, match="generate: prompt 0: every token but the EOS ids is banned and "
+                                         "min_new_tokens masks"):
+        arkernels.generate(model, [[5, 6]], max_new_tokens=2, suppress_tokens=all_but_7, eos_token_id=7,
+                           min_new_tokens=1)

@@ -212,6 +212,7 @@ def token_rules(model, prompts, n_seq, eos, device, *, repetition_penalty, frequ
             and not any(biases or [])):
         return None
     vocab = vocab_size_of(model)
+    _refuse_empty_rows(vocab, banned, biases, eos if any(mn) else set(), P)
     rows = [p for p in prompts for _ in range(n_seq)]
     state = token_state(rows, vocab, banned=banned or None,
                         eos_token_id=sorted(eos) if eos and any(mn) else None).to(device)
@@ -224,6 +225,24 @@ def token_rules(model, prompts, n_seq, eos, device, *, repetition_penalty, frequ
     rep_n = lambda v: torch.tensor(v, device=device).repeat_interleave(n_seq)  # noqa: E731
     return dict(token_state=state, logit_bias=bias, repetition_penalty=rep_n(rp), frequency_penalty=rep_n(fq),
                 presence_penalty=rep_n(pr), min_new_tokens=rep_n(mn))
+
+
+def _refuse_empty_rows(vocab: int | None, banned: list[int], biases, eos_masked: set[int], P: int) -> None:
+    """A prompt whose rules ban every token has nothing to draw (the sampler would return token 0 and stock's
+    multinomial raises): refused before the prefill, naming the prompt. ``eos_masked``: EOS ids ``min_new_tokens``
+    masks at the first steps."""
+    if vocab is None:
+        return
+    for i in range(P):
+        gone = {t for t in banned if 0 <= t < vocab}
+        bias = (biases[i] if biases is not None else None) or {}
+        gone |= {int(t) for t, v in bias.items() if float(v) == -math.inf and is_int(t) and 0 <= t < vocab}
+        if len(gone) == vocab:
+            raise ValueError(f"generate: prompt {i}: bad_words_ids, suppress_tokens and logit_bias ban every token "
+                             f"of the vocabulary ({vocab}): there is nothing to draw")
+        if len(gone | {t for t in eos_masked if 0 <= t < vocab}) == vocab:
+            raise ValueError(f"generate: prompt {i}: every token but the EOS ids is banned and min_new_tokens masks "
+                             "the EOS ids: there is nothing to draw at the first step")
 
 
 def check_args(*, max_new_tokens, num_return_sequences, block_size, temperature, top_k, top_p, min_p, stream):
