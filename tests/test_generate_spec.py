@@ -12,7 +12,7 @@ import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 import arkernels
-from arkernels.decode.spec import propose
+from arkernels.decode.drafts import propose_ngram
 from arkernels.hf.tiny import FAMILIES, tiny_model
 
 # repetitive prompts: prompt lookup finds drafts in them; ragged; longer than the tiny models' window (5)
@@ -125,7 +125,7 @@ def test_propose_is_transformers_prompt_lookup():
         history = [rng.randint(0, 5) for _ in range(L)]  # a small alphabet: many n-gram matches
         k, n = rng.randint(1, 6), rng.randint(1, 4)
         eos = set(rng.sample(range(6), rng.randint(0, 2)))
-        assert propose(history, k, n, eos) == _transformers_candidates(history, k, n, eos), (history, k, n, eos)
+        assert propose_ngram(history, k, n, eos) == _transformers_candidates(history, k, n, eos), (history, k, n, eos)
 
 
 @pytest.mark.parametrize("kw, says", [
@@ -141,3 +141,37 @@ def test_lookup_bad_arguments(kw, says):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=says):
         arkernels.generate(model, PROMPTS, max_new_tokens=4, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("draft_kind", ["itself", "other-seed"])
+def test_draft_model_is_the_one_token_loop(family, draft_kind):
+    """A draft model (the target itself: every draft kept; another random model: most rejected) changes how many
+    forwards run, never the tokens, greedy and sampled; its cache gives every block back."""
+    model = tiny_model(family)
+    draft = model if draft_kind == "itself" else tiny_model(family, seed=1)
+    for kw in (dict(), dict(temperature=0.05, seed=[3, 1, 4, 1], repetition_penalty=1.02)):
+        plain, spec = _pair(model, **kw)
+        got = arkernels.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4,
+                                 assistant_model=draft, num_assistant_tokens=3, **kw)
+        assert got.tokens == plain.tokens
+        assert all(0 <= a <= p for a, p in zip(got.accepted_tokens, got.proposed_tokens))
+        if draft_kind == "itself" and not kw:
+            assert got.accepted_tokens == got.proposed_tokens  # greedy draft == greedy target: nothing rejected
+        assert sum(got.proposed_tokens) > 0
+    assert draft.config._attn_implementation == "sdpa"  # the draft's attention restored
+
+
+def test_draft_model_refusals():
+    model = tiny_model("llama")
+    other_vocab = tiny_model("llama", vocab_size=300)
+    with pytest.raises(ValueError, match=r"assistant_model's vocabulary \(300\) is not the model's"):
+        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=other_vocab)
+    with pytest.raises(ValueError, match="num_assistant_tokens goes with assistant_model"):
+        arkernels.generate(model, PROMPTS, max_new_tokens=2, num_assistant_tokens=3)
+    with pytest.raises(ValueError, match="num_assistant_tokens must be None or an int >= 1"):
+        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, num_assistant_tokens=0)
+    with pytest.raises(ValueError, match="pass assistant_model or prompt_lookup_num_tokens, not both"):
+        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError, match="assistant_model runs on the eager decode path"):
+        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, cuda_graphs=True)

@@ -339,6 +339,7 @@ class Plan:
     logprobs: int | None
     logprobs_mode: str
     lookup: tuple[int, int] | None = None  # prompt lookup: (prompt_lookup_num_tokens, max_matching_ngram_size)
+    assistant: tuple | None = None  # a draft model: (assistant_model, num_assistant_tokens)
 
     @property
     def rows(self) -> int:
@@ -353,7 +354,8 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
               top_k, top_p, min_p, seed, eos_token_id, tokenizer, stream, cuda_graphs, block_size,
               num_return_sequences, compile, kv_cache_dtype, k_scale, v_scale, repetition_penalty, frequency_penalty,
               presence_penalty, min_new_tokens, logit_bias, bad_words_ids, suppress_tokens, logprobs,
-              logprobs_mode, prompt_lookup_num_tokens=None, max_matching_ngram_size=None) -> Plan:
+              logprobs_mode, prompt_lookup_num_tokens=None, max_matching_ngram_size=None, assistant_model=None,
+              num_assistant_tokens=None) -> Plan:
     """Every argument of ``arkernels.generate`` checked (in one place) and turned into a ``Plan``."""
     from arkernels.hf.capability import check_model, check_model_tensors
     from arkernels.ops.sampling import seed_stream
@@ -364,6 +366,7 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)
     _check_logprobs(logprobs, logprobs_mode, cuda_graphs or compile, vocab_size_of(model))
     lookup = lookup_of(prompt_lookup_num_tokens, max_matching_ngram_size, cuda_graphs or compile)
+    assistant = assistant_of(model, assistant_model, num_assistant_tokens, cuda_graphs or compile, lookup)
     # composite configs (Gemma 3, Fuyu: a text config inside) keep the token ids on the text config
     bos_id = (getattr(tokenizer, "bos_token_id", None) if tokenizer is not None
               else getattr(model.config.get_text_config(decoder=True), "bos_token_id", None))
@@ -386,7 +389,7 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                 dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p), max_new_tokens,
                 cuda_graphs or compile, compile, block_size,
                 dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale), stream, logprobs,
-                logprobs_mode, lookup)
+                logprobs_mode, lookup, assistant)
 
 
 def lookup_of(num_tokens, max_ngram, static: bool) -> tuple[int, int] | None:
@@ -404,6 +407,33 @@ def lookup_of(num_tokens, max_ngram, static: bool) -> tuple[int, int] | None:
         raise ValueError("generate: prompt_lookup_num_tokens runs on the eager decode path (cuda_graphs=False, "
                          "compile=False): a speculative step with a fixed draft length per bucket is not built yet")
     return int(num_tokens), int(n)
+
+
+def assistant_of(model, draft, k, static: bool, lookup) -> tuple | None:
+    """A draft model checked (arkernels runs it, the target's vocabulary, the target's device): ``(draft, k)`` or
+    None (off)."""
+    from arkernels.hf.capability import check_model, check_model_tensors
+
+    if draft is None:
+        if k is not None:
+            raise ValueError("generate: num_assistant_tokens goes with assistant_model")
+        return None
+    if lookup is not None:
+        raise ValueError("generate: pass assistant_model or prompt_lookup_num_tokens, not both")
+    k = 5 if k is None else k
+    if not is_int(k) or k < 1:
+        raise ValueError(f"generate: num_assistant_tokens must be None or an int >= 1, got {k!r}")
+    if static:
+        raise ValueError("generate: assistant_model runs on the eager decode path (cuda_graphs=False, compile=False)")
+    check_model(draft, "arkernels.generate (assistant_model)")
+    check_model_tensors(draft, "generate (assistant_model)")
+    if vocab_size_of(draft) != vocab_size_of(model):
+        raise ValueError(f"generate: assistant_model's vocabulary ({vocab_size_of(draft)}) is not the model's "
+                         f"({vocab_size_of(model)}): its draft tokens would not be the model's tokens")
+    d_dev, m_dev = next(draft.parameters()).device, next(model.parameters()).device
+    if d_dev != m_dev:
+        raise ValueError(f"generate: assistant_model is on {d_dev}, the model on {m_dev}: put both on one device")
+    return draft, int(k)
 
 
 def _check_logprobs(logprobs, logprobs_mode, static: bool, vocab: int | None) -> None:

@@ -22,7 +22,8 @@ import torch
 from arkernels.decode.emit import draw, take
 from arkernels.decode.inputs import Plan, cache_kwarg, make_plan
 from arkernels.decode.result import GenerateResult
-from arkernels.decode.spec import decode_lookup
+from arkernels.decode.drafts import make_drafter
+from arkernels.decode.spec import decode_spec
 from arkernels.decode.step import DecodeStep, StaticDecode, register_static
 
 
@@ -39,7 +40,8 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
              min_new_tokens: int | Sequence[int] = 0, logit_bias: Mapping[int, float] | Sequence | None = None,
              bad_words_ids: Sequence[Sequence[int]] | None = None, suppress_tokens: Sequence[int] | None = None,
              logprobs: int | None = None, logprobs_mode: str = "raw", prompt_lookup_num_tokens: int | None = None,
-             max_matching_ngram_size: int | None = None) -> GenerateResult:
+             max_matching_ngram_size: int | None = None, assistant_model=None,
+             num_assistant_tokens: int | None = None) -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -99,6 +101,10 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
             forward verifies them all; the tokens are those of ``prompt_lookup_num_tokens=None`` for the same seeds
             (``arkernels.decode.spec``). ``result.proposed_tokens`` / ``accepted_tokens`` count the drafts per row.
             Eager decode path only (not with ``cuda_graphs`` / ``compile``).
+        assistant_model, num_assistant_tokens: speculative decoding with a draft model (transformers' names): a
+            decoder ``check_model`` accepts, with the target's vocabulary size, on the same device, proposes
+            ``num_assistant_tokens`` (default 5, fixed) greedy tokens per step on its own paged cache; the target
+            verifies them as above (the same tokens as without a draft model).
 
     Every argument is checked before the prefill runs (a ValueError naming it; TypeError for a model dtype the
     kernels do not take). A prompt + ``max_new_tokens`` past ``max_position_embeddings`` warns, as stock does.
@@ -116,7 +122,8 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
                      min_new_tokens=min_new_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
                      suppress_tokens=suppress_tokens, logprobs=logprobs, logprobs_mode=logprobs_mode,
                      prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                     max_matching_ngram_size=max_matching_ngram_size)
+                     max_matching_ngram_size=max_matching_ngram_size, assistant_model=assistant_model,
+                     num_assistant_tokens=num_assistant_tokens)
     B = plan.rows
     result = GenerateResult([[] for _ in range(B)], None, plan.prompt_lens, finished_by_eos=[False] * B)
     if logprobs is not None:
@@ -145,8 +152,12 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
         first = _prefill(model, plan, cache, cache_kw, aux)
         result.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if plan.lookup is not None:
-            decode_lookup(model, plan, cache, cache_kw, first, aux.pop("lp", None), result)
+        if plan.lookup is not None or plan.assistant is not None:
+            drafter = make_drafter(plan)
+            try:
+                decode_spec(model, plan, cache, cache_kw, first, aux.pop("lp", None), result, drafter)
+            finally:
+                drafter.close()
         else:
             _decode_one_token(model, plan, cache, cache_kw, first, aux, result)
         result.decode_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
-"""Speculative decode steps for ``arkernels.generate(prompt_lookup_num_tokens=k)``: prompt lookup (n-gram) drafts,
-verified in one forward per step, rejected drafts rolled back by lengths.
+"""Speculative decode steps for ``arkernels.generate(prompt_lookup_num_tokens=k)`` / ``(assistant_model=draft)``:
+drafts (``arkernels.decode.drafts``) verified in one forward per step, rejected drafts rolled back by lengths.
 
-Each step, every active row proposes up to ``k`` draft tokens by transformers' prompt-lookup rule (``propose``); one
+Each step, every active row gets up to ``k`` draft tokens from its proposer (prompt lookup or a draft model); one
 packed forward runs each row's last token and its drafts (``q_len = 1 + drafts``, ragged rows in one
 ``[1, sum(q_len)]`` row, ``cu_seqlens_q`` for the attention kernel); position ``j`` of a row is then drawn exactly as
 the one-token loop draws that row's token ``j`` (same seed, ``step`` = the token's index, the token rules over a
@@ -9,11 +9,13 @@ history that holds the drafts before it). The row keeps drafts while each equals
 the first draw that differs (or the bonus draw after ``k`` matches); the K/V of the rejected drafts are dropped by
 length (``PagedCache.truncate_row``: whole blocks back to the pool, no K/V copied).
 
-Exactness: a draft is a point mass, so "keep the draft iff the target's draw equals it" is speculative sampling's
-acceptance rule for a one-hot draft (accept with probability ``p(t)``, else draw from ``p`` without ``t``,
+Exactness: a proposed draft is a point mass, so "keep the draft iff the target's draw equals it" is speculative
+sampling's acceptance rule for a one-hot draft (accept with probability ``p(t)``, else draw from ``p`` without ``t``,
 renormalised), and because the draw is the one the one-token loop makes for that token, the tokens are the same as
 without speculation for the same seeds (greedy and sampling, rules included), up to the logits' float differences
-between a multi-token forward and one-token forwards.
+between a multi-token forward and one-token forwards. (For a sampling draft model, Leviathan / Chen acceptance against
+the draft's own distribution accepts more often, ``sum min(p, q)`` instead of ``p(argmax q)``, but gives other tokens
+than the one-token loop for the same seeds; it is not used here.)
 """
 from __future__ import annotations
 
@@ -22,25 +24,6 @@ import torch
 from arkernels.decode.emit import draw, take
 from arkernels.decode.inputs import Plan
 from arkernels.decode.result import GenerateResult
-
-
-def propose(history: list[int], k: int, max_ngram: int, eos: set[int]) -> list[int]:
-    """transformers' prompt-lookup rule (``PromptLookupCandidateGenerator``): for n from ``max_ngram`` down to 1, the
-    earliest earlier occurrence of the last n tokens that has a continuation gives up to ``k`` following tokens, cut
-    at the first EOS id; ``[]`` when nothing matches."""
-    L = len(history)
-    if k <= 0 or L < 2:
-        return []
-    for n in range(min(max_ngram, L - 1), 0, -1):
-        tail = history[L - n:]
-        first = tail[0]
-        for i in range(L - n):  # matches ending before the tail itself (the tail has no continuation)
-            if history[i] == first and history[i:i + n] == tail:
-                out = history[i + n:min(i + n + k, L)]
-                cut = next((j for j, t in enumerate(out) if t in eos), len(out))
-                if out:
-                    return out[:cut]
-    return []
 
 
 def _expand_rules(rules: dict | None, owners: torch.Tensor, drafts: list[list[int]], q_lens: list[int]):
@@ -85,19 +68,22 @@ def verify(plan: Plan, logits: torch.Tensor, rows: list[int], drafts: list[list[
     return out
 
 
-def decode_lookup(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, lp, result: GenerateResult) -> None:
-    """The decode loop with prompt-lookup drafts (after the prefill drew ``first``, int64 ``[rows]``)."""
-    B, (k, max_ngram) = plan.rows, plan.lookup
+def decode_spec(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, lp, result: GenerateResult,
+                drafter) -> None:
+    """The decode loop with speculative steps (after the prefill drew ``first``, int64 ``[rows]``); ``drafter``: an
+    ``arkernels.decode.drafts`` proposer."""
+    B = plan.rows
     history = [list(plan.prompts[r // plan.n_seq]) for r in range(B)]
     done = [False] * B
     lengths = list(plan.prompt_lens)  # tokens in each row's cache
     result.proposed_tokens, result.accepted_tokens = [0] * B, [0] * B
     first_lp = None if lp is None else {r: [[h[r] for h in (t.tolist() for t in lp)]] for r in range(B)}
-    _emit(plan, cache, {r: [t] for r, t in enumerate(first.tolist())}, first_lp, done, history, result, count=False)
+    first_ids = {r: [t] for r, t in enumerate(first.tolist())}
+    _emit(plan, cache, first_ids, first_lp, done, history, result, count=False)
+    drafter.commit(list(range(B)), [[] for _ in range(B)], list(first_ids.values()))
     while not all(done):
         rows = [r for r in range(B) if not done[r]]
-        drafts = [propose(history[r], min(k, plan.max_new_tokens - len(result.tokens[r]) - 1), max_ngram, plan.eos)
-                  for r in rows]
+        drafts = drafter.propose(rows, history, [plan.max_new_tokens - len(result.tokens[r]) - 1 for r in rows])
         logits = _forward(model, cache, cache_kw, rows, [history[r][-1] for r in rows], drafts,
                           [lengths[r] for r in rows])
         aux: dict = {}
@@ -108,7 +94,11 @@ def decode_lookup(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, 
             result.accepted_tokens[r] += len(e) - 1
             lengths[r] += len(e)  # the row's last token and its kept drafts; the last emitted one is fed next
             cache.truncate_row(r, lengths[r])
+        drafter.commit(rows, drafts, emitted)
         _emit(plan, cache, dict(zip(rows, emitted)), lps, done, history, result)
+        for r in rows:
+            if done[r]:
+                drafter.release(r)
 
 
 def _forward(model, cache, cache_kw: str, rows: list[int], last: list[int], drafts: list[list[int]],
