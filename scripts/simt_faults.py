@@ -231,7 +231,7 @@ FAULTS += [
     _decode_fault("wrong quad shuffle in the row max",
                   "decode_row_max", "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
                   "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));"),
-    _decode_fault("O not rescaled by the new running max", "decode_o_rescale", "      o[nb][0] *= alpha[0];\n", ""),
+    _decode_fault("O not rescaled by the new running max", "decode_o_rescale", "    o[nb][0] *= alpha[0];\n", ""),
     _decode_fault("split size rounded down",
                   "decode_per_split", "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
                   "const int64_t per_split = tiles / p.num_splits;"),
@@ -327,8 +327,8 @@ FAULTS += [
                   "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
     _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
                   "decode_kv_offsets",
-                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
-                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n        vo = int32_t(blk * "
+                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n      vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
+                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n      vo = int32_t(blk * "
                   "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
     _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
                   "prefill_zero_unowned",
@@ -481,8 +481,8 @@ FAULTS += [
                   "decode_copy_offsets", "o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;",
                   "o[i] = own_live(i) ? offs[own_k((i + 1) % kOwn)] : kMaskedOff;"),
     _decode_fault("fixed ownership: K copies reuse the previous tile's block lookup (offset slot of tile t - 1)",
-                  "decode_k_copy", "copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);",
-                  "copy(k_dst, kc, koff_s + (kslot == 0 ? stages - 1 : kslot - 1) * kDecodeTileKeys);"),
+                  "decode_k_copy", "cta.koff_s + kslot * kDecodeTileKeys, live);",
+                  "cta.koff_s + (kslot == 0 ? cta.stages - 1 : kslot - 1) * kDecodeTileKeys, live);"),
     _decode_fault("fixed ownership: the ring's issue stage not advanced (tiles copied over one stage)",
                   "decode_ring_advance", "    st_new = st_new + 1 == stages ? 0 : st_new + 1;\n", ""),
 ]
