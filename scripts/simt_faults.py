@@ -347,9 +347,9 @@ FAULTS += [
 _LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
 _LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn32 or dtype0-256-sm_89) or softcap_variants and 128"
 _LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn32 or dtype0-256-sm_89)"
-_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
+_PF_CVT_SYNC = ("  __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
                 "refilled from here on\n")
-_PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
+_PF_SOFTCAP = "  if (p.softcap > 0.f) {\n    scale_and_mask(std::true_type{});"
 
 
 def _layout_fault(what: str, site: str, find: str, replace: str, tsan: bool = False) -> Fault:
@@ -368,12 +368,12 @@ FAULTS += [
                   "const float score_mul = qk_scale;"),
     _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
                   "prefill_fp8_convert_store",
-                  "          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
+                  "    *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
     _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
                   "prefill_fp8_convert_rows", "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
                   "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
     _layout_fault("fp8 valid flags not carried into the 16-bit tile",
-                  "prefill_fp8_flag_copy", "          memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
+                  "prefill_fp8_flag_copy", "    memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
     _layout_fault("fp8 valid flags of ring stage 0 on every tile",
                   "prefill_fp8_flags", "flag_s[(it % stages) * BN + tid];",
                   "flag_s[tid];"),
@@ -397,7 +397,8 @@ FAULTS += [
                   "prefill_q_frags", "dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);",
                   "dev::ldmatrix_x4(a[mt], q_warp + kk * 16);"),
     _halves_fault("second m16 half masked with the first half's row ranges",
-                  "prefill_row_mask", "split_row(lane_row(mt, r), tok, hig);", "split_row(lane_row(0, r), tok, hig);"),
+                  "prefill_row_mask", "split_row(prefill_lane_row<D>(mt, r), tok, hig);",
+                  "split_row(prefill_lane_row<D>(0, r), tok, hig);"),
     _halves_fault("second m16 half's lse from the first half's row max",
                   "prefill_lse", "float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();",
                   "float lse = lr > 0.f ? m[0][r] + __logf(lr) : neg_inf();"),
