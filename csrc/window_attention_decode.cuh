@@ -285,60 +285,65 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
 }
 
 // ------------------------------------------------------------------------------------------------ decode
-// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
-// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
-// v_scale into the output).
-// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
-// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
-// memory and the planner (decode_ctas_per_sm), not from this bound.
-template <typename T, typename KV, int D>
-__global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
-                                                                                  const int stages) {
-  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr bool kFp8 = sizeof(KV) == 1;
-  constexpr DecodeLayout L = decode_layout(D, 1, kFp8);
-  constexpr int LD = L.ld, SLD = L.stage_ld;
-  constexpr int kChunks = D * int(sizeof(KV)) / 16;     // 16-byte chunks per cached row
-  constexpr int kChunkElems = 16 / int(sizeof(KV));
-  constexpr int kKSteps = D / 16;                       // k-steps of Q K^T, and pairs of 8-column blocks of P V
-  constexpr bool kQInRegs = D <= 128;                   // D = 256: 64 more registers would spill
-  const DecodeLayout lay = decode_layout(D, stages, kFp8);
-  AK_DYNAMIC_SHARED(unsigned char, smem);
-  T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
-  int64_t* koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);  // [stages][64]; kMaskedOff: masked key
-  int64_t* voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);  // [decode_voff_sets(stages)][64]
-  const int vsets = decode_voff_sets(stages);
+// The decode kernel's steps, in the order it runs them: decode_load_q (the query rows into registers), decode_cta (this
+// split's keys and their page math), decode_resolve + decode_issue_tile (a tile's cache offsets, then its cp.async
+// copies), decode_store_q (the query tile), then per key tile decode_qk (S = Q K^T), decode_online_softmax (S -> P,
+// running max and sum, O rescaled) and decode_pv (O += P V); decode_merge_warps + decode_write_out merge the 4 warps
+// and write the output (or the split's partial), and combine_if_last merges the splits.
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int split = blockIdx.x;
-  const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
-  const int64_t b = blockIdx.z;
-  const int h0 = kvh * p.group + chunk * kDecodeRows;               // first query head of this CTA
-  const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
-  // The query rows first: they depend on nothing the kernel loads, so their loads are in flight with seq_len's (the
-  // chain before the first K/V copy is seq_len -> block table -> cp.async, the query off it). Chunk idx of the
-  // [16][D] tile (8 elements each): row idx / (D / 8), columns 8 (idx % (D / 8)) .. + 7; zeros for the padding rows.
-  constexpr int kQChunks = kDecodeRows * D / 8, kQPer = (kQChunks + kAttnThreads - 1) / kAttnThreads;
-  uint4 qv[kQPer];
-  {
-    const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
+// Q's A fragments stay in registers for the whole key loop up to D = 128 (D = 256: 64 more registers would spill).
+template <int D>
+constexpr bool kDecodeQInRegs = D <= 128;
+// 16-byte query chunks per thread: the [16][D] tile over 128 threads.
+template <int D>
+constexpr int kDecodeQPer = (kDecodeRows * D / 8 + kAttnThreads - 1) / kAttnThreads;
+
+// A decode CTA's keys and the shared memory that stages them: the offset slots of the ring, the split's key range and
+// the page math that locates a key.
+struct DecodeCta {
+  unsigned char* smem;    // the K/V ring: stage s at smem + s * decode_layout(D, 1, fp8).stage, K tile then V tile
+  int64_t* koff_s;        // [stages][64] K offsets of the staged tiles (their sign: kMaskedOff, the key is masked)
+  int64_t* voff_s;        // [decode_voff_sets(stages)][64] V offsets of the tiles resolved but not yet issued
+  int stages;             // ring depth, 1..kDecodeMaxStages
+  int kvh;                // the KV head
+  int64_t s_lo, s_hi;     // this split's keys [s_lo, s_hi] (whole tiles: splits never share a tile)
+  int ntiles;             // its 64-key tiles (0: no visible key)
+  int32_t bs;             // block_size (clamped to int32)
+  int bs_shift;           // log2(bs) when bs is a power of two (page math by shifts), else -1
+  const int32_t* table;   // the sequence's block-table row
+};
+
+// The query rows of heads h0 .. h0 + hc - 1 into registers: chunk idx of the [16][D] tile (8 elements each) is row
+// idx / (D / 8), columns 8 (idx % (D / 8)) .. + 7; zeros for the padding rows. The kernel issues them first: they
+// depend on nothing it loads, so they are in flight with seq_len's (the chain before the first K/V copy is seq_len ->
+// block table -> cp.async, the query off it).
+template <typename T, int D, int QPer>
+__device__ __forceinline__ void decode_load_q(const AttnParams& p, int64_t b, int h0, int hc, uint4 (&qv)[QPer]) {
+  constexpr int kQChunks = kDecodeRows * D / 8;
+  const int tid = threadIdx.x;
+  const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
 #pragma unroll
-    for (int k = 0; k < kQPer; ++k) {
-      const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
-      qv[k] = make_uint4(0, 0, 0, 0);
-      if (idx < kQChunks && r < hc) {
-        const T* src = q + (h0 + r) * p.s.q1 + c * 8;
-        if (p.q_vec) {
-          qv[k] = dev::ld_global(reinterpret_cast<const uint4*>(src));
-        } else {
-          T e[8];
+  for (int k = 0; k < QPer; ++k) {
+    const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
+    qv[k] = make_uint4(0, 0, 0, 0);
+    if (idx < kQChunks && r < hc) {
+      const T* src = q + (h0 + r) * p.s.q1 + c * 8;
+      if (p.q_vec) {
+        qv[k] = dev::ld_global(reinterpret_cast<const uint4*>(src));
+      } else {
+        T e[8];
 #pragma unroll
-          for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
-          memcpy(&qv[k], e, 16);
-        }
+        for (int x = 0; x < 8; ++x) e[x] = dev::ld_global(src + x);
+        memcpy(&qv[k], e, 16);
       }
     }
   }
+}
+
+// Split `split` of sequence b's visible keys [max(kv_start, i - W + 1, chunk start, 0), i] for KV head kvh, and the
+// shared-memory views of the ring's offset slots (lay: decode_layout(D, stages, fp8)).
+__device__ __forceinline__ DecodeCta decode_cta(const AttnParams& p, unsigned char* smem, const DecodeLayout& lay,
+                                                int stages, int64_t b, int split, int kvh) {
   // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
   const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
   // FAULT(decode_first_key)
@@ -350,48 +355,67 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   const int64_t tiles = n > 0 ? (n + kDecodeTileKeys - 1) / kDecodeTileKeys : 0;
   // FAULT(decode_per_split)
   const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;
-  const int64_t s_lo = lo + split * per_split * kDecodeTileKeys;
-  const int64_t s_hi = min64(hi, s_lo + per_split * kDecodeTileKeys - 1);
-  const int ntiles = s_hi >= s_lo ? int((s_hi - s_lo) / kDecodeTileKeys + 1) : 0;
-
+  DecodeCta cta;
+  cta.smem = smem;
+  cta.koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);
+  cta.voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);
+  cta.stages = stages;
+  cta.kvh = kvh;
+  cta.s_lo = lo + split * per_split * kDecodeTileKeys;
+  cta.s_hi = min64(hi, cta.s_lo + per_split * kDecodeTileKeys - 1);
+  cta.ntiles = cta.s_hi >= cta.s_lo ? int((cta.s_hi - cta.s_lo) / kDecodeTileKeys + 1) : 0;
   // Page math in 32 bits (key positions are int32 by source): a shift when block_size is a power of two.
   const int32_t bs = int32_t(min64(p.block_size, 0x7fffffff));
   int bs_shift = 0;
   while (bs_shift < 31 && (int32_t(1) << bs_shift) < bs) ++bs_shift;
   if ((int32_t(1) << bs_shift) != bs) bs_shift = -1;
-  const int32_t* table = p.block_table + b * p.max_blocks;
-  const KV* kc = static_cast<const KV*>(p.k_cache);
-  const KV* vc = static_cast<const KV*>(p.v_cache);
+  cta.bs = bs;
+  cta.bs_shift = bs_shift;
+  cta.table = p.block_table + b * p.max_blocks;
+  return cta;
+}
 
-  // Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[kslot][k] / voff_s[vslot][k] (kslot = t % stages,
-  // vslot = t % vsets: the callers track them without a division); kMaskedOff when masked. A V slot is reused
-  // stages - 1 tiles later, after at least one barrier (the one closing the prologue, or those of a loop trip).
-  auto resolve = [&](int t, int k, int kslot, int vslot) {
-    const int64_t j = s_lo + int64_t(t) * kDecodeTileKeys + k;
-    int64_t ko = kMaskedOff, vo = kMaskedOff;
-    if (t < ntiles && j <= s_hi) {
-      const int32_t j32 = int32_t(j);
-      const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
-      const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
-      const int64_t blk = dev::ld_global(table + jb);
-      if (blk >= 0 && blk < p.num_blocks) {
-        // FAULT(decode_kv_offsets)
-        ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
-        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
-      }
+// Offsets of key k of tile t (key s_lo + 64 t + k) into koff_s[kslot][k] / voff_s[vslot][k] (kslot = t % stages,
+// vslot = t % vsets: the callers track them without a division); kMaskedOff when masked. A V slot is reused
+// stages - 1 tiles later, after at least one barrier (the one closing the prologue, or those of a loop trip).
+__device__ __forceinline__ void decode_resolve(const AttnParams& p, const DecodeCta& cta, int t, int k, int kslot,
+                                               int vslot) {
+  const int kvh = cta.kvh;
+  const int32_t bs = cta.bs, bs_shift = cta.bs_shift;
+  const int64_t j = cta.s_lo + int64_t(t) * kDecodeTileKeys + k;
+  int64_t ko = kMaskedOff, vo = kMaskedOff;
+  if (t < cta.ntiles && j <= cta.s_hi) {
+    const int32_t j32 = int32_t(j);
+    const int32_t jb = bs_shift >= 0 ? (j32 >> bs_shift) : j32 / bs;
+    const int32_t jo = bs_shift >= 0 ? (j32 & (bs - 1)) : j32 - jb * bs;
+    const int64_t blk = dev::ld_global(cta.table + jb);
+    if (blk >= 0 && blk < p.num_blocks) {
+      // FAULT(decode_kv_offsets)
+      ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;
+      vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;
     }
-    koff_s[kslot * kDecodeTileKeys + k] = ko;
-    voff_s[vslot * kDecodeTileKeys + k] = vo;
-  };
-  // Fixed (key, chunk) ownership of the tile copies: copy i of this thread moves chunk own_c(i) of key own_k(i) of
-  // every tile, K and V alike, so the shared-memory destination, the column and the offset slot depend on the thread
-  // only (computed once per kernel: a base register plus immediates when 128 % chunks == 0, every D but 80 and 96),
-  // and a copy costs its key's offset load (LDS.64), the validity test, the 64-bit address add and the LDGSTS; the
-  // src-size arithmetic and the per-copy index math of a loop over idx are gone. Consecutive threads still cover
-  // whole rows (8 per 128-byte fp8 row at D = 128, 16 per 16-bit row), so each warp-wide copy moves 4 (2) whole rows,
-  // coalesced as before, and each visible byte is still copied once per tile.
+  }
+  cta.koff_s[kslot * kDecodeTileKeys + k] = ko;
+  cta.voff_s[vslot * kDecodeTileKeys + k] = vo;
+}
+
+// One tensor's tile (K or V) into dst from the offsets offs[64] (live: the tile exists), one commit group (an empty
+// one past the last tile keeps the group count uniform for the waits).
+// Fixed (key, chunk) ownership of the tile copies: copy i of this thread moves chunk own_c(i) of key own_k(i) of
+// every tile, K and V alike, so the shared-memory destination, the column and the offset slot depend on the thread
+// only (computed once per kernel: a base register plus immediates when 128 % chunks == 0, every D but 80 and 96),
+// and a copy costs its key's offset load (LDS.64), the validity test, the 64-bit address add and the LDGSTS; the
+// src-size arithmetic and the per-copy index math of a loop over idx are gone. Consecutive threads still cover
+// whole rows (8 per 128-byte fp8 row at D = 128, 16 per 16-bit row), so each warp-wide copy moves 4 (2) whole rows,
+// coalesced as before, and each visible byte is still copied once per tile.
+template <typename KV, int D>
+__device__ __forceinline__ void decode_copy_tile(unsigned char* dst, const KV* src, const int64_t* offs, bool live) {
+  constexpr int SLD = decode_layout(D, 1, sizeof(KV) == 1).stage_ld;
+  constexpr int kChunks = D * int(sizeof(KV)) / 16;  // 16-byte chunks per cached row
+  constexpr int kChunkElems = 16 / int(sizeof(KV));
   constexpr int kOwn = (kDecodeTileKeys * kChunks + kAttnThreads - 1) / kAttnThreads;  // copies per thread, tensor, tile
   constexpr bool kOwnAffine = kAttnThreads % kChunks == 0;  // chunk fixed, key + 128 / chunks per copy
+  const int tid = threadIdx.x;
   auto own_k = [&](int i) {
     return kOwnAffine ? tid / kChunks + i * (kAttnThreads / kChunks) : (tid + i * kAttnThreads) / kChunks;
   };
@@ -400,39 +424,45 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     return kDecodeTileKeys * kChunks % kAttnThreads == 0 || i + 1 < kOwn ||
            tid + i * kAttnThreads < kDecodeTileKeys * kChunks;
   };
-  // Copies of a tile into stage kslot from the offsets of koff_s[kslot] / voff_s[vslot] (live: the tile exists): K, then
-  // V, each its own commit group (empty groups past the last tile keep the group count uniform for the waits).
-  auto issue = [&](bool live, int kslot, int vslot) {
-    auto copy = [&](unsigned char* dst, const KV* src, const int64_t* offs) {
-      if (live) {
-        int64_t o[kOwn];  // sign set: masked, and o & kOffBits = 0 (the cache's first row, never read)
+  if (live) {
+    int64_t o[kOwn];  // sign set: masked, and o & kOffBits = 0 (the cache's first row, never read)
 #pragma unroll
-        // FAULT(decode_copy_offsets)
-        for (int i = 0; i < kOwn; ++i) o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;
+    // FAULT(decode_copy_offsets)
+    for (int i = 0; i < kOwn; ++i) o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;
 #pragma unroll
-        for (int i = 0; i < kOwn; ++i) {
-          if (own_live(i)) {
-            const int k = own_k(i), c = own_c(i);
-            dev::cp_async_16_or_zero(dst + (k * SLD + c * kChunkElems) * int(sizeof(KV)),
-                                     // FAULT(decode_masked_copy)
-                                     src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);
-          }
-        }
+    for (int i = 0; i < kOwn; ++i) {
+      if (own_live(i)) {
+        const int k = own_k(i), c = own_c(i);
+        dev::cp_async_16_or_zero(dst + (k * SLD + c * kChunkElems) * int(sizeof(KV)),
+                                 // FAULT(decode_masked_copy)
+                                 src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);
       }
-      dev::cp_async_commit();
-    };
-    unsigned char* k_dst = smem + kslot * L.stage;
-    // FAULT(decode_k_copy)
-    copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);
-    copy(k_dst + kDecodeTileKeys * SLD * int(sizeof(KV)), vc, voff_s + vslot * kDecodeTileKeys);
-  };
+    }
+  }
+  dev::cp_async_commit();
+}
 
-  // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
-  // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
-  for (int idx = tid; idx < (stages - 1) * kDecodeTileKeys; idx += kAttnThreads)
-    resolve(idx / kDecodeTileKeys, idx % kDecodeTileKeys, idx / kDecodeTileKeys, idx / kDecodeTileKeys);  // t < vsets
+// The copies of a tile into ring stage kslot from the offsets of koff_s[kslot] / voff_s[vslot] (live: the tile
+// exists): K, then V, each its own commit group.
+template <typename KV, int D>
+__device__ __forceinline__ void decode_issue_tile(const AttnParams& p, const DecodeCta& cta, bool live, int kslot,
+                                                  int vslot) {
+  constexpr DecodeLayout L = decode_layout(D, 1, sizeof(KV) == 1);
+  unsigned char* k_dst = cta.smem + kslot * L.stage;
+  // FAULT(decode_k_copy)
+  decode_copy_tile<KV, D>(k_dst, static_cast<const KV*>(p.k_cache), cta.koff_s + kslot * kDecodeTileKeys, live);
+  decode_copy_tile<KV, D>(k_dst + kDecodeTileKeys * L.stage_ld * int(sizeof(KV)), static_cast<const KV*>(p.v_cache),
+                          cta.voff_s + vslot * kDecodeTileKeys, live);
+}
+
+// The query tile [16][LD] from its registers (decode_load_q's chunks); fp8: each dim at its mma column (fp8_k_col),
+// the order in which the K fragments hold the dims.
+template <typename T, int D, bool kFp8, int QPer>
+__device__ __forceinline__ void decode_store_q(const uint4 (&qv)[QPer], T* q_s) {
+  constexpr int LD = decode_layout(D, 1, kFp8).ld, kQChunks = kDecodeRows * D / 8;
+  const int tid = threadIdx.x;
 #pragma unroll
-  for (int k = 0; k < kQPer; ++k) {
+  for (int k = 0; k < QPer; ++k) {
     const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
     if (idx < kQChunks) {
       if constexpr (kFp8) {  // each dim at its mma column (fp8_k_col)
@@ -446,176 +476,160 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       }
     }
   }
-  __syncthreads();  // the prologue's offsets and q_s are ready
-  for (int t = 0; t < stages - 1; ++t) issue(t < ntiles, t, t);
-  __syncthreads();  // tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
-  // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
-  // addresses row l % 16 at column 8 (l / 16).
-  uint32_t qf[kQInRegs ? kKSteps : 1][4];
-  const T* q_lane = q_s + (lane % 16) * LD + (lane / 16) * 8;
-  if constexpr (kQInRegs) {
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) dev::ldmatrix_x4(qf[ks], q_lane + ks * 16);
-  }
+}
 
-  // Per-warp state for rows g and g + 8: running max (log2 units), this thread's partial row sum, O fragments
-  // (8-column block nb: {O[g][8nb + 2t4 + {0,1}], O[g+8][8nb + 2t4 + {0,1}]}).
-  float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
-  float o[2 * kKSteps][4];
+// S = Q K^T for this warp's 16 keys of the staged K tile k_s: two 8-key blocks, s[nb] = {S[g][8nb + 2t4 + {0,1}],
+// S[g+8][8nb + 2t4 + {0,1}]}. Q's A fragments from registers (qf) or, at D = 256, from the query tile (q_lane).
+// k_row, k_col: this lane's ldmatrix row and column in a 16-bit K tile; v_row, f_col: in an fp8 tile.
+template <typename T, typename KV, int D, int QF>
+__device__ __forceinline__ void decode_qk(float (&s)[2][4], const uint32_t (&qf)[QF][4], const T* q_lane,
+                                          const KV* k_s, int k_row, int k_col, int v_row, int f_col) {
+  constexpr bool kFp8 = sizeof(KV) == 1, kQInRegs = kDecodeQInRegs<D>;
+  constexpr int SLD = decode_layout(D, 1, kFp8).stage_ld, kKSteps = D / 16;
+  auto qk = [&](int ks, const uint32_t (&b0)[2], const uint32_t (&b1)[2]) {
+    if constexpr (kQInRegs) {
+      dev::mma_m16n8k16<T>(s[0], qf[ks], b0, s[0]);
+      dev::mma_m16n8k16<T>(s[1], qf[ks], b1, s[1]);
+    } else {
+      uint32_t a[4];
+      dev::ldmatrix_x4(a, q_lane + ks * 16);
+      dev::mma_m16n8k16<T>(s[0], a, b0, s[0]);
+      dev::mma_m16n8k16<T>(s[1], a, b1, s[1]);
+    }
+  };
+  if constexpr (kFp8) {  // two k-steps per ldmatrix.x4 (registers: {key block 0, 1} x {k-step ks, ks + 1})
 #pragma unroll
-  for (int nb = 0; nb < 2 * kKSteps; ++nb)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) o[nb][x] = 0.f;
-  // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale; value = stored * v_scale.
-  const float k_scale = kFp8 ? dev::ld_global(p.k_scale) : 1.f, v_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;
-  const float qk_scale = p.softcap > 0.f ? p.scale * k_scale : p.scale * k_scale * kLog2e;
-  // ldmatrix lane addressing inside a warp's 16 keys: K (non-trans): matrix l / 8 = (key half, column half) ->
-  // key (l / 16) * 8 + l % 8, column ((l / 8) % 2) * 8; V (.trans): matrix l / 8 = (column half, key half) ->
-  // key ((l / 8) % 2) * 8 + l % 8, column (l / 16) * 8.
-  const int k_row = warp * 16 + (lane / 16) * 8 + lane % 8, k_col = ((lane / 8) % 2) * 8;
-  const int v_row = warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, v_col = (lane / 16) * 8;
-  // fp8 (K and V alike): matrix l / 8 = (key half, 16-byte column half) -> key ((l / 8) % 2) * 8 + l % 8, byte
-  // column (l / 16) * 16: registers {keys 0-7, keys 8-15} x {first 16 dims, next 16 dims}.
-  const int f_col = (lane / 16) * 16;
-
-  // Ring positions without divisions: tile t is in stage st = t % stages; tile t + stages - 1, resolved and issued in
-  // trip t, goes to stage st_new = (t + stages - 1) % stages with its V offsets in set vs_new = (t + stages - 1) % vsets.
-  int st = 0, st_new = stages - 1, vs_new = 0;
-  for (int t = 0; t < ntiles; ++t) {
-    if (tid < kDecodeTileKeys) resolve(t + stages - 1, tid, st_new, vs_new);
-    __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
-    issue(t + stages - 1 < ntiles, st_new, vs_new);
-    // FAULT(decode_k_wait)
-    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
-    // FAULT(decode_k_sync)
-    __syncthreads();                  // ... and everyone's
-    const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
-    const KV* v_s = k_s + kDecodeTileKeys * SLD;
-    // S = Q K^T for this warp's 16 keys: two 8-key blocks.
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    auto qk = [&](int ks, const uint32_t (&b0)[2], const uint32_t (&b1)[2]) {
-      if constexpr (kQInRegs) {
-        dev::mma_m16n8k16<T>(s[0], qf[ks], b0, s[0]);
-        dev::mma_m16n8k16<T>(s[1], qf[ks], b1, s[1]);
-      } else {
-        uint32_t a[4];
-        dev::ldmatrix_x4(a, q_lane + ks * 16);
-        dev::mma_m16n8k16<T>(s[0], a, b0, s[0]);
-        dev::mma_m16n8k16<T>(s[1], a, b1, s[1]);
+    for (int ks = 0; ks < kKSteps; ks += 2) {
+      uint32_t kf[4] = {0u, 0u, 0u, 0u};
+      if (ks + 1 < kKSteps) {
+        dev::ldmatrix_x4(kf, k_s + v_row * SLD + ks * 16 + f_col);
+      } else {  // D = 80: the last k-step alone
+        uint32_t two[2];
+        dev::ldmatrix_x2(two, k_s + v_row * SLD + ks * 16);
+        kf[0] = two[0];
+        kf[1] = two[1];
       }
-    };
-    if constexpr (kFp8) {  // two k-steps per ldmatrix.x4 (registers: {key block 0, 1} x {k-step ks, ks + 1})
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ks += 2) {
-        uint32_t kf[4] = {0u, 0u, 0u, 0u};
-        if (ks + 1 < kKSteps) {
-          dev::ldmatrix_x4(kf, k_s + v_row * SLD + ks * 16 + f_col);
-        } else {  // D = 80: the last k-step alone
-          uint32_t two[2];
-          dev::ldmatrix_x2(two, k_s + v_row * SLD + ks * 16);
-          kf[0] = two[0];
-          kf[1] = two[1];
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (ks + h < kKSteps) {
-            uint32_t b0[2], b1[2];
-            fp8_k_frag<T>(kf[2 * h], b0);
-            fp8_k_frag<T>(kf[2 * h + 1], b1);
-            qk(ks + h, b0, b1);
-          }
+      for (int h = 0; h < 2; ++h) {
+        if (ks + h < kKSteps) {
+          uint32_t b0[2], b1[2];
+          fp8_k_frag<T>(kf[2 * h], b0);
+          fp8_k_frag<T>(kf[2 * h + 1], b1);
+          qk(ks + h, b0, b1);
         }
       }
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t kf[4];
-        dev::ldmatrix_x4(kf, k_s + k_row * SLD + ks * 16 + k_col);
-        const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-        qk(ks, b0, b1);
-      }
     }
-    // Scale (log2 units), softcap, mask; row max over the quad.
-    const int64_t* ko = koff_s + st * kDecodeTileKeys + warp * 16;
-    float mx[2] = {neg_inf(), neg_inf()};
+  } else {
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        float v = s[nb][x] * qk_scale;
-        if (p.softcap > 0.f) v = cap_score(v, p.softcap) * kLog2e;
-        v = ko[nb * 8 + 2 * t4 + (x & 1)] >= 0 ? v : neg_inf();
-        s[nb][x] = v;
-        mx[x / 2] = fmaxf(mx[x / 2], v);
-      }
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      // FAULT(decode_row_max)
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no visible key yet: p = 0, nothing to rescale
-      alpha[r] = exp2f(m_run[r] - m_use);
-      m_run[r] = m_new;
-      mx[r] = m_use;
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t kf[4];
+      dev::ldmatrix_x4(kf, k_s + k_row * SLD + ks * 16 + k_col);
+      const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+      qk(ks, b0, b1);
     }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        s[nb][x] = exp2f(s[nb][x] - mx[x / 2]);
-        rs[x / 2] += s[nb][x];
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
-#pragma unroll
-    for (int nb = 0; nb < 2 * kKSteps; ++nb) {
-      // FAULT(decode_o_rescale)
-      o[nb][0] *= alpha[0];
-      o[nb][1] *= alpha[0];
-      o[nb][2] *= alpha[1];
-      o[nb][3] *= alpha[1];
-    }
-    // P as the A fragment (16 heads x 16 keys): a[0] = P[g][2t4..], a[1] = P[g+8][2t4..], a[2] = P[g][2t4+8..],
-    // a[3] = P[g+8][2t4+8..] -- the S accumulators of key blocks 0 and 1.
-    const uint32_t pa[4] = {pack_pair<T>(s[0][0], s[0][1]), pack_pair<T>(s[0][2], s[0][3]),
-                            pack_pair<T>(s[1][0], s[1][1]), pack_pair<T>(s[1][2], s[1][3])};
-    cp_async_wait_n(2 * stages - 2);  // V of tile t landed
-    __syncthreads();
-    if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        uint32_t vf[4];
-        dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + c * 32 + f_col);
-        fp8_pv<T>(o[4 * c], o[4 * c + 1], pa, vf[0], vf[1]);
-        fp8_pv<T>(o[4 * c + 2], o[4 * c + 3], pa, vf[2], vf[3]);
-      }
-      if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
-        uint32_t vf[2];
-        dev::ldmatrix_x2_trans(vf, v_s + v_row * SLD + (D / 32) * 32);
-        fp8_pv<T>(o[4 * (D / 32)], o[4 * (D / 32) + 1], pa, vf[0], vf[1]);
-      }
-    } else {
-#pragma unroll
-      for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
-        uint32_t vf[4];
-        // FAULT(decode_v_ldmatrix)
-        dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16 + v_col);
-        const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-        dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
-        dev::mma_m16n8k16<T>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
-      }
-    }
-    st = st + 1 == stages ? 0 : st + 1;
-    // FAULT(decode_ring_advance)
-    st_new = st_new + 1 == stages ? 0 : st_new + 1;
-    vs_new = vs_new + 1 == vsets ? 0 : vs_new + 1;
   }
+}
 
-  // Merge the 4 warps' (m, l, O) through shared memory (the tile ring, drained): M = max m_w,
-  // L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L.
+// Online softmax over one tile for rows g and g + 8 (log2 units): S scaled by qk_scale, softcapped and masked (ko:
+// the warp's 16 key offsets, negative when masked), the running max m_run and this thread's partial sum l_run
+// updated, O rescaled by 2^(m_old - m_new), and P = 2^(S - m) packed as the A fragment pa of O += P V (16 heads x
+// 16 keys).
+template <typename T, int NB>
+__device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float (&s)[2][4], float (&o)[NB][4],
+                                                      float (&m_run)[2], float (&l_run)[2], const int64_t* ko,
+                                                      float qk_scale, uint32_t (&pa)[4]) {
+  const int tid = threadIdx.x, t4 = tid % 32 % 4;
+  // Scale (log2 units), softcap, mask; row max over the quad.
+  float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      float v = s[nb][x] * qk_scale;
+      if (p.softcap > 0.f) v = cap_score(v, p.softcap) * kLog2e;
+      v = ko[nb * 8 + 2 * t4 + (x & 1)] >= 0 ? v : neg_inf();
+      s[nb][x] = v;
+      mx[x / 2] = fmaxf(mx[x / 2], v);
+    }
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    // FAULT(decode_row_max)
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m_run[r], mx[r]);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no visible key yet: p = 0, nothing to rescale
+    alpha[r] = exp2f(m_run[r] - m_use);
+    m_run[r] = m_new;
+    mx[r] = m_use;
+  }
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      s[nb][x] = exp2f(s[nb][x] - mx[x / 2]);
+      rs[x / 2] += s[nb][x];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    // FAULT(decode_o_rescale)
+    o[nb][0] *= alpha[0];
+    o[nb][1] *= alpha[0];
+    o[nb][2] *= alpha[1];
+    o[nb][3] *= alpha[1];
+  }
+  // P as the A fragment (16 heads x 16 keys): a[0] = P[g][2t4..], a[1] = P[g+8][2t4..], a[2] = P[g][2t4+8..],
+  // a[3] = P[g+8][2t4+8..] -- the S accumulators of key blocks 0 and 1.
+  pa[0] = pack_pair<T>(s[0][0], s[0][1]);
+  pa[1] = pack_pair<T>(s[0][2], s[0][3]);
+  pa[2] = pack_pair<T>(s[1][0], s[1][1]);
+  pa[3] = pack_pair<T>(s[1][2], s[1][3]);
+}
+
+// O += P V for this warp's 16 keys of the staged V tile v_s (o[nb]: {O[g][8nb + 2t4 + {0,1}], O[g+8][...]}; fp8: O
+// block nb holds the dims fp8_o_dim(nb, .)). v_row, v_col: this lane's ldmatrix.trans row and column in a 16-bit V
+// tile; v_row, f_col: in an fp8 tile.
+template <typename T, typename KV, int D, int NB>
+__device__ __forceinline__ void decode_pv(float (&o)[NB][4], const uint32_t (&pa)[4], const KV* v_s, int v_row,
+                                          int v_col, int f_col) {
+  constexpr bool kFp8 = sizeof(KV) == 1;
+  constexpr int SLD = decode_layout(D, 1, kFp8).stage_ld, kKSteps = D / 16;
+  if constexpr (kFp8) {  // 32 dims per ldmatrix.x4.trans: O blocks 4c .. 4c + 3 (fp8_o_dim)
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      uint32_t vf[4];
+      dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + c * 32 + f_col);
+      fp8_pv<T>(o[4 * c], o[4 * c + 1], pa, vf[0], vf[1]);
+      fp8_pv<T>(o[4 * c + 2], o[4 * c + 3], pa, vf[2], vf[3]);
+    }
+    if constexpr (D % 32 != 0) {  // D = 80: the last 16 dims
+      uint32_t vf[2];
+      dev::ldmatrix_x2_trans(vf, v_s + v_row * SLD + (D / 32) * 32);
+      fp8_pv<T>(o[4 * (D / 32)], o[4 * (D / 32) + 1], pa, vf[0], vf[1]);
+    }
+  } else {
+#pragma unroll
+    for (int dp = 0; dp < kKSteps; ++dp) {  // columns [16 dp, 16 dp + 16): two 8-column blocks
+      uint32_t vf[4];
+      // FAULT(decode_v_ldmatrix)
+      dev::ldmatrix_x4_trans(vf, v_s + v_row * SLD + dp * 16 + v_col);
+      const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+      dev::mma_m16n8k16<T>(o[2 * dp], pa, b0, o[2 * dp]);
+      dev::mma_m16n8k16<T>(o[2 * dp + 1], pa, b1, o[2 * dp + 1]);
+    }
+  }
+}
+
+// The first half of merging the 4 warps' (m, l, O): each warp's state into shared memory (the tile ring, drained), O
+// as [4][16][MLD] fp32 rows, then [4][16] m and [4][16] l (l summed over the row's quad first); decode_write_out
+// reads them after the closing barrier.
+template <int D, bool kFp8, int NB>
+__device__ __forceinline__ void decode_merge_warps(unsigned char* smem, const float (&o)[NB][4],
+                                                   const float (&m_run)[2], float (&l_run)[2]) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   dev::cp_async_wait_all();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -629,7 +643,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][MLD]
   float* ml_s = mo_s + kDecodeWarps * kDecodeRows * MLD;                      // [4][16] m, then [4][16] l
 #pragma unroll
-  for (int nb = 0; nb < 2 * kKSteps; ++nb) {
+  for (int nb = 0; nb < NB; ++nb) {
     float* row0 = mo_s + (warp * kDecodeRows + g) * MLD;
     if constexpr (kFp8) {  // dims 2 apart (fp8_o_dim): scalar stores
       // FAULT(decode_fp8_o_dims)
@@ -651,6 +665,18 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     ml_s[kDecodeWarps * kDecodeRows + warp * kDecodeRows + g + 8] = l_run[1];
   }
   __syncthreads();
+}
+
+// The second half of the merge, for the CTA's hc heads from decode_merge_warps' buffers: M = max m_w,
+// L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L (times v_scale), written as the output and its lse (one split)
+// or as this split's fp32 partial, lse in log2 units (combine_if_last merges them).
+template <typename T, int D>
+__device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsigned char* smem, int64_t b, int h0,
+                                                 int hc, int split, float v_scale) {
+  constexpr int MLD = kDecodeMergeLd<D>;
+  const float* mo_s = reinterpret_cast<const float*>(smem);                   // [4][16][MLD]
+  const float* ml_s = mo_s + kDecodeWarps * kDecodeRows * MLD;                // [4][16] m, then [4][16] l
+  const int tid = threadIdx.x;
   for (int idx = tid; idx < hc * D; idx += kAttnThreads) {
     const int r = idx / D, x = idx % D;
     float mw[kDecodeWarps], big = neg_inf();
@@ -686,6 +712,104 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse2);
     }
   }
+}
+
+// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
+// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
+// v_scale into the output).
+// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
+// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
+// memory and the planner (decode_ctas_per_sm), not from this bound.
+template <typename T, typename KV, int D>
+__global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
+                                                                                  const int stages) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  constexpr bool kFp8 = sizeof(KV) == 1;
+  constexpr DecodeLayout L = decode_layout(D, 1, kFp8);
+  constexpr int LD = L.ld, SLD = L.stage_ld;
+  constexpr int kKSteps = D / 16;  // k-steps of Q K^T, and pairs of 8-column blocks of P V
+  constexpr bool kQInRegs = kDecodeQInRegs<D>;
+  const DecodeLayout lay = decode_layout(D, stages, kFp8);
+  AK_DYNAMIC_SHARED(unsigned char, smem);
+  T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
+  const int vsets = decode_voff_sets(stages);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
+  const int64_t b = blockIdx.z;
+  const int h0 = kvh * p.group + chunk * kDecodeRows;               // first query head of this CTA
+  const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
+  uint4 qv[kDecodeQPer<D>];
+  decode_load_q<T, D>(p, b, h0, hc, qv);
+  const DecodeCta cta = decode_cta(p, smem, lay, stages, b, split, kvh);
+
+  // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
+  // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
+  for (int idx = tid; idx < (stages - 1) * kDecodeTileKeys; idx += kAttnThreads)
+    decode_resolve(p, cta, idx / kDecodeTileKeys, idx % kDecodeTileKeys, idx / kDecodeTileKeys,
+                   idx / kDecodeTileKeys);  // t < vsets
+  decode_store_q<T, D, kFp8>(qv, q_s);
+  __syncthreads();  // the prologue's offsets and q_s are ready
+  for (int t = 0; t < stages - 1; ++t) decode_issue_tile<KV, D>(p, cta, t < cta.ntiles, t, t);
+  __syncthreads();  // tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
+  // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
+  // addresses row l % 16 at column 8 (l / 16).
+  uint32_t qf[kQInRegs ? kKSteps : 1][4];
+  const T* q_lane = q_s + (lane % 16) * LD + (lane / 16) * 8;
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) dev::ldmatrix_x4(qf[ks], q_lane + ks * 16);
+  }
+
+  // Per-warp state for rows g and g + 8: running max (log2 units), this thread's partial row sum, O fragments
+  // (8-column block nb: {O[g][8nb + 2t4 + {0,1}], O[g+8][8nb + 2t4 + {0,1}]}).
+  float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+  float o[2 * kKSteps][4];
+#pragma unroll
+  for (int nb = 0; nb < 2 * kKSteps; ++nb)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) o[nb][x] = 0.f;
+  // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale; value = stored * v_scale.
+  const float k_scale = kFp8 ? dev::ld_global(p.k_scale) : 1.f, v_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;
+  const float qk_scale = p.softcap > 0.f ? p.scale * k_scale : p.scale * k_scale * kLog2e;
+  // ldmatrix lane addressing inside a warp's 16 keys: K (non-trans): matrix l / 8 = (key half, column half) ->
+  // key (l / 16) * 8 + l % 8, column ((l / 8) % 2) * 8; V (.trans): matrix l / 8 = (column half, key half) ->
+  // key ((l / 8) % 2) * 8 + l % 8, column (l / 16) * 8.
+  const int k_row = warp * 16 + (lane / 16) * 8 + lane % 8, k_col = ((lane / 8) % 2) * 8;
+  const int v_row = warp * 16 + ((lane / 8) % 2) * 8 + lane % 8, v_col = (lane / 16) * 8;
+  // fp8 (K and V alike): matrix l / 8 = (key half, 16-byte column half) -> key ((l / 8) % 2) * 8 + l % 8, byte
+  // column (l / 16) * 16: registers {keys 0-7, keys 8-15} x {first 16 dims, next 16 dims}.
+  const int f_col = (lane / 16) * 16;
+
+  // Ring positions without divisions: tile t is in stage st = t % stages; tile t + stages - 1, resolved and issued in
+  // trip t, goes to stage st_new = (t + stages - 1) % stages with its V offsets in set vs_new = (t + stages - 1) % vsets.
+  int st = 0, st_new = stages - 1, vs_new = 0;
+  for (int t = 0; t < cta.ntiles; ++t) {
+    if (tid < kDecodeTileKeys) decode_resolve(p, cta, t + stages - 1, tid, st_new, vs_new);
+    __syncthreads();  // tile t-1 fully consumed (its stage is reused now), offsets of tile t + stages - 1 ready
+    decode_issue_tile<KV, D>(p, cta, t + stages - 1 < cta.ntiles, st_new, vs_new);
+    // FAULT(decode_k_wait)
+    cp_async_wait_n(2 * stages - 1);  // K of tile t landed (this thread's copies) ...
+    // FAULT(decode_k_sync)
+    __syncthreads();                  // ... and everyone's
+    const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
+    const KV* v_s = k_s + kDecodeTileKeys * SLD;
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    decode_qk<T, KV, D>(s, qf, q_lane, k_s, k_row, k_col, v_row, f_col);
+    uint32_t pa[4];
+    decode_online_softmax<T>(p, s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16, qk_scale, pa);
+    cp_async_wait_n(2 * stages - 2);  // V of tile t landed
+    __syncthreads();
+    decode_pv<T, KV, D>(o, pa, v_s, v_row, v_col, f_col);
+    st = st + 1 == stages ? 0 : st + 1;
+    // FAULT(decode_ring_advance)
+    st_new = st_new + 1 == stages ? 0 : st_new + 1;
+    vs_new = vs_new + 1 == vsets ? 0 : vs_new + 1;
+  }
+
+  decode_merge_warps<D, kFp8>(smem, o, m_run, l_run);
+  decode_write_out<T, D>(p, smem, b, h0, hc, split, v_scale);
   if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem, lay.smem);
 }
 

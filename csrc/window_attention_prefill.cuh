@@ -124,6 +124,399 @@ __device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, i
   }
 }
 
+// The prefill kernel's steps, per packed query tile, in the order it runs them: prefill_block (the tile's rows, the
+// keys they see, where those live), prefill_load_q and prefill_load_tile (the Q tile and the K/V ring's cp.async
+// copies), then per key tile prefill_fp8_convert (fp8 caches: the stage into 16-bit tiles), prefill_qk (S = Q K^T),
+// prefill_scale_mask, prefill_online_softmax (S -> P, running max and sum, O rescaled) and prefill_pv (O += P V), and
+// prefill_write_out (O / l and the lse).
+
+// This lane's row r (0: g, 1: g + 8) of m16 half mt, as a row of the query tile: warp * WM + mt * 16 + g + 8 r.
+template <int D>
+__device__ __forceinline__ int prefill_lane_row(int mt, int r) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
+  return warp * prefill_warp_rows(D) + mt * 16 + g + 8 * r;
+}
+
+// One packed query tile of one CTA (FlashAttention-2's BlockInfo): rows R0 .. R0 + BM - 1 of sequence b for KV head
+// kvh, the keys its rows see and where the keys live. Packed row R0 + x (0 <= x < BM): token t_first + u / group, head
+// kvh * group + u % group with u = h_first + x < group + BM; live iff token < q_len.
+struct PrefillBlock {
+  int64_t first;          // the sequence's first query row
+  int q_len;              // its query tokens
+  int r0;                 // R0 (< 2^31: packed rows < rows * hq, checked at launch)
+  int group;              // query heads per KV head
+  int kvh;                // the KV head
+  int kstart;             // max(kv_start, 0)
+  int cap;                // keys >= cap are masked: the table's capacity, seq_len, 2^31 - BN
+  int64_t pos0;           // token 0's position: seq_len - q_len
+  int t_first, h_first;   // packed row R0's token and head in the group
+  int klo, khi;           // keys some row of the tile sees: [klo, khi]
+  int lo_all, hi_all;     // keys every row of the tile sees: [lo_all, hi_all]
+  int tile_first;         // the first key tile's first key: klo rounded down to BN
+  int ntiles;             // key tiles from tile_first to khi (0: no row sees a key)
+  int bs;                 // block_size
+  const int32_t* table;   // the sequence's block-table row
+
+  __device__ __forceinline__ void split_row(int x, int& tok, int& hig) const {  // packed row R0 + x
+    const int u = h_first + x, du = u / group;
+    tok = t_first + du;
+    hig = u - du * group;
+  }
+  __device__ __forceinline__ int position(int tok) const { return static_cast<int>(max64(pos0 + tok, -1)); }
+  // A token's first visible key, in [0, 2^31): at most max(kstart, position).
+  __device__ __forceinline__ int first_key(const AttnParams& p, int tok) const {
+    return window_attention_first_key<int>(position(tok), kstart, p.window, p.chunk);
+  }
+  // Its last visible key, -1 for none (cap is INT32_MIN when seq_len is: cap - 1 in 64 bits).
+  __device__ __forceinline__ int last_key(int tok) const {
+    return static_cast<int>(max64(min64(position(tok), int64_t(cap) - 1), -1));
+  }
+};
+
+// The packed query tile at R0 of sequence b (BM rows, BN-key tiles) and the keys its rows see.
+template <int BM, int BN>
+__device__ __forceinline__ PrefillBlock prefill_block(const AttnParams& p, int64_t b, int64_t R0, int kvh, int bs,
+                                                      const int32_t* table) {
+  PrefillBlock blk;
+  blk.first = prefill_first_row(p, b);
+  blk.q_len = prefill_q_len(p, b);
+  // 32-bit row and key arithmetic only (a 64-bit division is a called subroutine, and ptxas spilled the 32-row
+  // layout's O around such calls): packed rows < rows * hq < 2^31 (checked at launch), so R0 fits int here.
+  // Positions: with check=False seq_len and kv_start are any int32 (seq_len INT32_MIN: len - q_len wraps in int),
+  // so a token's position is formed in 64 bits and clamped to [-1, 2^31 - 1] (a row at position < 0 sees no key
+  // either way). Key bounds come out in [-1, 2^31 - 1 - BN]: keys are >= 0, and keys at or past 2^31 - BN are
+  // masked so that every key index of a tile (j0 + BN - 1) fits int32.
+  blk.r0 = static_cast<int>(R0);
+  blk.group = p.group;
+  blk.kvh = kvh;
+  // Keys at or past the table's capacity are masked (check=False); positions are int32 (seq_lens is).
+  const int64_t cap64 = p.max_blocks * p.block_size;
+  const int64_t len = dev::ld_global(p.seq_lens + b);
+  blk.kstart = p.kv_start ? static_cast<int>(max64(dev::ld_global(p.kv_start + b), 0)) : 0;
+  blk.cap = static_cast<int>(min64(min64(cap64, len), int64_t(0x7fffffff) - BN + 1));  // keys >= cap: masked
+  blk.pos0 = len - blk.q_len;                                                         // token 0's position
+  const int nrows = blk.q_len * blk.group;
+  blk.t_first = blk.r0 / blk.group;
+  blk.h_first = blk.r0 - blk.t_first * blk.group;
+  const int t_last = (nrows - blk.r0 > BM ? blk.r0 + BM - 1 : nrows - 1) / blk.group;  // no r0 + BM: it may pass 2^31
+  // A row's first key never decreases with its position: window and chunk bounds alike.
+  blk.klo = blk.first_key(p, blk.t_first);
+  blk.khi = blk.last_key(t_last);
+  blk.lo_all = blk.first_key(p, t_last);
+  blk.hi_all = blk.last_key(blk.t_first);
+  blk.tile_first = blk.klo / BN * BN;
+  blk.ntiles = blk.klo <= blk.khi ? (blk.khi - blk.tile_first) / BN + 1 : 0;
+  blk.bs = bs;
+  blk.table = table;
+  return blk;
+}
+
+// The Q tile [BM][LD] (packed row r: PrefillBlock::split_row; rows past the sequence: zeros), by cp.async where the
+// query rows are 16-byte aligned (in the ring's first commit group).
+template <typename T, int D>
+__device__ __forceinline__ void prefill_load_q(const AttnParams& p, const PrefillBlock& blk, T* q_s) {
+  constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
+  constexpr int kQChunks = D / 8;  // 16-byte chunks per query row
+  const T* const qg = static_cast<const T*>(p.query);
+  const int tid = threadIdx.x;
+  for (int idx = tid; idx < BM * kQChunks; idx += NT) {
+    const int r = idx / kQChunks, c = idx % kQChunks;
+    int tok, hig;
+    blk.split_row(r, tok, hig);
+    T* dst = q_s + r * LD + c * 8;
+    const bool live = tok < blk.q_len;
+    const T* src = live ? qg + (blk.first + tok) * p.s.q0 + (blk.kvh * blk.group + hig) * p.s.q1 + c * 8 : qg;
+    if (p.q_vec) {
+      dev::cp_async_16(dst, src, live ? 16 : 0);
+    } else {
+      uint4 v = make_uint4(0, 0, 0, 0);
+      T* vp = reinterpret_cast<T*>(&v);
+      if (live) {
+#pragma unroll
+        for (int x = 0; x < 8; ++x) vp[x] = dev::ld_global(src + x);
+      }
+      *reinterpret_cast<uint4*>(dst) = v;
+    }
+  }
+}
+
+// K/V tile i of the query tile into ring stage i % stages (kv_s: stage 0's K tile; flag_s: the fp8 valid flags):
+// this thread's key, chunks my_sub, my_sub + TPK, ... of its K and V rows, and the key's valid flag.
+template <typename KV, int D, int BN>
+__device__ __forceinline__ void prefill_load_tile(const AttnParams& p, const PrefillBlock& blk, KV* kv_s,
+                                                  uint8_t* flag_s, int stages, int i) {
+  constexpr bool kFp8 = sizeof(KV) == 1;
+  constexpr int NT = prefill_threads(D), SLD = kFp8 ? D : D + 8;
+  constexpr int kChunkElems = 16 / int(sizeof(KV));
+  constexpr int kChunks = D / kChunkElems;  // 16-byte chunks per cached row
+  constexpr int TPK = NT / BN;              // threads copying one key's rows
+  const KV* const kc = static_cast<const KV*>(p.k_cache);
+  const KV* const vc = static_cast<const KV*>(p.v_cache);
+  const int tid = threadIdx.x;
+  const int my_key = tid / TPK, my_sub = tid % TPK;  // this thread's key row of every tile, its first chunk
+  const int j = blk.tile_first + i * BN + my_key;
+  KV* const ks = kv_s + (i % stages) * 2 * BN * SLD + my_key * SLD;
+  KV* const vs = ks + BN * SLD;
+  int64_t ko = 0, vo = 0;
+  bool valid = false;
+  if (j >= blk.klo && j <= blk.khi) {
+    const int64_t bid = dev::ld_global(blk.table + j / blk.bs);
+    valid = bid >= 0 && bid < p.num_blocks;
+    const int64_t off = j % blk.bs;
+    ko = bid * p.s.k0 + off * p.s.k1 + blk.kvh * p.s.k2;
+    vo = bid * p.s.v0 + off * p.s.v1 + blk.kvh * p.s.v2;
+  }
+  const int n = valid ? 16 : 0;
+#pragma unroll
+  for (int c = my_sub; c < kChunks; c += TPK) {
+    dev::cp_async_16(ks + c * kChunkElems, valid ? kc + ko + c * kChunkElems : kc, n);
+    dev::cp_async_16(vs + c * kChunkElems, valid ? vc + vo + c * kChunkElems : vc, n);
+  }
+  if (my_sub == 0) {
+    const uint16_t flag = valid ? 1 : 0;
+    if constexpr (kFp8) {
+      flag_s[(i % stages) * BN + my_key] = uint8_t(flag);  // into the 16-bit K row's padding at conversion
+    } else {
+      memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
+    }
+  }
+}
+
+// fp8 caches: ring stage it % stages (ring: its e4m3 K rows, then V rows) -> the 16-bit K and V tiles cv_s [2 BN][LD]
+// the warps read, once per CTA (each thread 8 bytes -> one 16-byte chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt
+// each), and the keys' valid flags (flag_s) into the K rows' padding. e4m3 -> fp16 / bf16 is exact, so the warps then
+// run the 16-bit path on the same values. Ends with a barrier: the stage may be refilled from there on.
+template <typename T, int D, int BN>
+__device__ __forceinline__ void prefill_fp8_convert(const uint8_t* ring, const uint8_t* flag_s, T* cv_s, int it,
+                                                    int stages) {
+  constexpr int NT = prefill_threads(D), LD = D + 8, SLD = D;
+  const int tid = threadIdx.x;
+  // FAULT(prefill_fp8_convert_rows)
+  for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {
+    const int row = idx / (D / 8), c = idx % (D / 8);
+    const uint2 w = *reinterpret_cast<const uint2*>(ring + row * SLD + c * 8);
+    const uint4 h = make_uint4(fp8x2_to<T>(uint16_t(w.x)), fp8x2_to<T>(uint16_t(w.x >> 16)),
+                               fp8x2_to<T>(uint16_t(w.y)), fp8x2_to<T>(uint16_t(w.y >> 16)));
+    // FAULT(prefill_fp8_convert_store)
+    *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;
+  }
+  if (tid < BN) {
+    // FAULT(prefill_fp8_flags)
+    const uint16_t flag = flag_s[(it % stages) * BN + tid];
+    // FAULT(prefill_fp8_flag_copy)
+    memcpy(cv_s + tid * LD + D, &flag, 2);
+  }
+  // FAULT(prefill_fp8_convert_sync)
+  __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from here on
+}
+
+// S = Q K^T for this warp's WM rows x BN keys of the K tile ks [BN][LD]: each K fragment serves the MT m16 halves
+// (q_warp: this lane's ldmatrix.x4 row address in half 0 of the Q tile; half mt at q_warp + mt * 16 rows).
+template <typename T, int D, int MT, int NS>
+__device__ __forceinline__ void prefill_qk(float (&s)[MT][NS][4], const T* q_warp, const T* ks) {
+  constexpr int LD = D + 8, KD = D / 16;  // k-steps of S = Q K^T
+  constexpr int kQHalf = 16 * LD;         // q_warp + mt * kQHalf: half mt
+  const int tid = threadIdx.x, lane = tid % 32;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
+  // k-steps not unrolled: each one's Q and K fragments are loaded in it, and unrolled ptxas hoisted them.
+#pragma unroll 1
+  for (int kk = 0; kk < KD; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    // FAULT(prefill_q_frags)
+    for (int mt = 0; mt < MT; ++mt) dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);
+#pragma unroll
+    for (int n = 0; n < NS; n += 2) {
+      // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
+      uint32_t r[4];
+      // FAULT(prefill_k_ldmatrix)
+      dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        dev::mma_m16n8k16<T>(s[mt][n], a[mt], b0, s[mt][n]);
+        dev::mma_m16n8k16<T>(s[mt][n + 1], a[mt], b1, s[mt][n + 1]);
+      }
+    }
+  }
+}
+
+// Scale, softcap, masks of the scores of key tile j0 .. j0 + BN - 1 (valid flags always, from the K rows' padding;
+// ranges only on tiles crossing some row's boundary). softcap is uniform over the launch: one branch per tile picks
+// the variant with or without tanh, so the scores of a launch without softcap carry no tanh and no per-score select.
+// A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row (mt, r) sees it iff lo_c <= c <=
+// hi_c, its range made relative to the lane's first key once per tile (tiles inside every row's range: [0, BN),
+// no test). c is a compile-time constant: 2 compares with immediates per score, and 4 registers per m16 half
+// instead of a key index per score (the 32-row layout spilled with those).
+// The rows' ranges are formed here, on straddling tiles only (a few per query tile), not kept in registers
+// across the loop (4 per m16 half: the 32-row layout spilled with them); rows past the sequence see nothing.
+template <typename T, int D, int BN, int MT, int NS>
+__device__ __forceinline__ void prefill_scale_mask(const AttnParams& p, const PrefillBlock& blk, float (&s)[MT][NS][4],
+                                                   const T* ks, int j0, float score_mul) {
+  constexpr int LD = D + 8;
+  const int tid = threadIdx.x, t4 = tid % 32 % 4;
+  const bool ranged = j0 < blk.lo_all || j0 + BN - 1 > blk.hi_all;
+  int lo_c[MT][2], hi_c[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      lo_c[mt][r] = 0;
+      hi_c[mt][r] = BN;
+    }
+  if (ranged) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int tok, hig;
+        // FAULT(prefill_row_mask)
+        blk.split_row(prefill_lane_row<D>(mt, r), tok, hig);
+        const bool live = tok < blk.q_len;
+        lo_c[mt][r] = (live ? blk.first_key(p, tok) : 1) - (j0 + 2 * t4);
+        hi_c[mt][r] = (live ? blk.last_key(tok) : 0) - (j0 + 2 * t4);
+      }
+  }
+  auto scale_and_mask = [&](auto capped) {
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+      // Key row k's valid flag: the K row's padding (element D).
+      uint16_t flag[2];
+      memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
+      memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = n * 8 + (e & 1);
+          const bool vis = flag[e & 1] != 0 && c >= lo_c[mt][e / 2] && c <= hi_c[mt][e / 2];
+          float v = s[mt][n][e] * score_mul;
+          if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
+          s[mt][n][e] = vis ? v : neg_inf();
+        }
+    }
+  };
+  // FAULT(prefill_softcap)
+  if (p.softcap > 0.f) {
+    scale_and_mask(std::true_type{});
+  } else {
+    scale_and_mask(std::false_type{});
+  }
+}
+
+// Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half; the row's 4 lanes are a quad. The running
+// max m and this lane's share of the sum l updated, O rescaled by e^(m_old - m_new), S -> P = e^(S - m).
+template <int MT, int NS, int ND>
+__device__ __forceinline__ void prefill_online_softmax(float (&s)[MT][NS][4], float (&o)[MT][ND][4],
+                                                       float (&m)[MT][2], float (&l)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[mt][r], mx);
+      const float alpha = m[mt][r] == neg_inf() ? 0.f : __expf(m[mt][r] - m_new);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < NS; ++n) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float pr = s[mt][n][e] == neg_inf() ? 0.f : __expf(s[mt][n][e] - m_new);
+          s[mt][n][e] = pr;
+          sum += pr;  // fp32, as FlashAttention: lse exact to fp32
+        }
+      }
+      l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share; the quad's shares are added at the end
+      m[mt][r] = m_new;
+#pragma unroll
+      for (int n = 0; n < ND; ++n) {
+        o[mt][n][2 * r] *= alpha;
+        o[mt][n][2 * r + 1] *= alpha;
+      }
+    }
+}
+
+// O += P V with the V tile vs [BN][LD]: P's A fragment for keys 16kk..16kk+15 is the accumulators of n-tiles 2kk and
+// 2kk+1; each V fragment serves the MT m16 halves.
+template <typename T, int D, int MT, int NS, int ND>
+__device__ __forceinline__ void prefill_pv(float (&o)[MT][ND][4], const float (&s)[MT][NS][4], const T* vs) {
+  constexpr int LD = D + 8, BN = NS * 8;
+  const int tid = threadIdx.x, lane = tid % 32;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      a[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      // FAULT(prefill_pv_pair)
+      a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      a[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int n = 0; n < ND; n += 2) {
+      // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
+      uint32_t r[4];
+      // FAULT(prefill_v_ldmatrix)
+      dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        dev::mma_m16n8k16<T>(o[mt][n], a[mt], b0, o[mt][n]);
+        dev::mma_m16n8k16<T>(o[mt][n + 1], a[mt], b1, o[mt][n + 1]);
+      }
+    }
+  }
+}
+
+// This lane's rows of the query tile: O / l (times out_scale, fp8's v_scale) and the lse, with the attention sink
+// (one more term in the denominator, no value); zeros and -inf for a row with no visible key.
+template <typename T, int D, int MT, int ND>
+__device__ __forceinline__ void prefill_write_out(const AttnParams& p, const PrefillBlock& blk,
+                                                  const float (&o)[MT][ND][4], const float (&m)[MT][2],
+                                                  const float (&l)[MT][2], float out_scale) {
+  const int tid = threadIdx.x, t4 = tid % 32 % 4;
+  const int kvh = blk.kvh, group = blk.group;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[mt][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      // Formed here from r0 (not split_row's form: the compiler would keep the prologue's values live across the key
+      // loop instead, 8 registers the 32-row layout has not got).
+      // Unsigned: r0 + lane_row may pass 2^31 - 1 (rows past the sequence of the last tile).
+      const unsigned row = unsigned(blk.r0) + unsigned(prefill_lane_row<D>(mt, r));
+      const unsigned tok = row / unsigned(group), hig = row - tok * unsigned(group);
+      if (tok < unsigned(blk.q_len)) {
+        const int h = kvh * group + static_cast<int>(hig);
+        const int64_t oh = (blk.first + int64_t(tok)) * p.hq + h;
+        // FAULT(prefill_lse)
+        float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();
+        float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
+        // FAULT(prefill_sink)
+        if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
+        const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
+        T* const out = static_cast<T*>(p.out) + oh * D;
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+          dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
+                         pack_pair<T>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv));
+        if (t4 == 0) dev::st_global(p.lse + oh, lse);
+      }
+    }
+}
+
 // KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T once per
 // CTA and tile; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
 template <typename T, typename KV, int D, int BN>
@@ -134,13 +527,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
   constexpr int WM = prefill_warp_rows(D), MT = WM / 16;  // packed rows per warp, its m16 halves
   constexpr int SLD = kFp8 ? D : LD;  // row stride of the ring's tiles, cache elements (fp8: unpadded)
-  constexpr int KD = D / 16;          // k-steps of S = Q K^T
   constexpr int NS = BN / 8;          // n8 tiles of S
   constexpr int ND = D / 8;           // n8 tiles of O
-  constexpr int kChunkElems = 16 / int(sizeof(KV));
-  constexpr int kChunks = D / kChunkElems;  // 16-byte chunks per cached row
-  constexpr int kQChunks = D / 8;     // 16-byte chunks per query row
-  constexpr int TPK = NT / BN;        // threads copying one key's rows
   static_assert(NT % BN == 0 && NS % 2 == 0 && ND % 2 == 0, "threads per key, n8 tile pairs");
   static_assert(!kFp8 || BN <= NT, "one thread per key copies the fp8 valid flags");
   AK_DYNAMIC_SHARED(T, smem);
@@ -151,121 +539,27 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   KV* const kv_s = reinterpret_cast<KV*>(smem + prefill_tile_rows(D, BN, kFp8) * LD);
   uint8_t* const flag_s = reinterpret_cast<uint8_t*>(kv_s + stages * 2 * BN * SLD);
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
   // FAULT(prefill_zero_unowned)
   if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);
-  const int group = p.group;
   const int bs = static_cast<int>(p.block_size);
-  // Keys at or past the table's capacity are masked (check=False); positions are int32 (seq_lens is).
-  const int64_t cap64 = p.max_blocks * p.block_size;
-  const T* const qg = static_cast<const T*>(p.query);
-  const KV* const kc = static_cast<const KV*>(p.k_cache);
-  const KV* const vc = static_cast<const KV*>(p.v_cache);
   const int32_t* const table = p.block_table + b * p.max_blocks;
-  // This thread's key row in every tile, and its 16-byte chunks of that row.
-  const int my_key = tid / TPK, my_sub = tid % TPK;
 
   // Tiles in reverse: CTAs start in blockIdx order, so the last query tiles (the most keys under a causal mask)
   // start first and the short ones fill in behind them (FlashAttention-2's causal load balancing).
-  for (int64_t R0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM; R0 < int64_t(prefill_q_len(p, b)) * group;
+  for (int64_t R0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM; R0 < int64_t(prefill_q_len(p, b)) * p.group;
        R0 += int64_t(gridDim.x) * BM) {
-    const int64_t first = prefill_first_row(p, b);
-    const int q_len = prefill_q_len(p, b);
-    // 32-bit row and key arithmetic only (a 64-bit division is a called subroutine, and ptxas spilled the 32-row
-    // layout's O around such calls): packed rows < rows * hq < 2^31 (checked at launch), so R0 fits int here.
-    // Positions: with check=False seq_len and kv_start are any int32 (seq_len INT32_MIN: len - q_len wraps in int),
-    // so a token's position is formed in 64 bits and clamped to [-1, 2^31 - 1] (a row at position < 0 sees no key
-    // either way). Key bounds come out in [-1, 2^31 - 1 - BN]: keys are >= 0, and keys at or past 2^31 - BN are
-    // masked so that every key index of a tile (j0 + BN - 1) fits int32.
-    const int r0 = static_cast<int>(R0);
-    const int64_t len = dev::ld_global(p.seq_lens + b);
-    const int kstart = p.kv_start ? static_cast<int>(max64(dev::ld_global(p.kv_start + b), 0)) : 0;
-    const int cap = static_cast<int>(min64(min64(cap64, len), int64_t(0x7fffffff) - BN + 1));  // keys >= cap: masked
-    const int64_t pos0 = len - q_len;                                                           // token 0's position
-    const int nrows = q_len * group;
-    const int t_first = r0 / group, h_first = r0 - t_first * group;
-    // Packed row R0 + x (0 <= x < BM): token t_first + u / group, head kvh * group + u % group with u = h_first + x <
-    // group + BM. Live iff token < q_len.
-    auto split_row = [&](int x, int& tok, int& hig) {
-      const int u = h_first + x, du = u / group;
-      tok = t_first + du;
-      hig = u - du * group;
-    };
-    const int t_last = (nrows - r0 > BM ? r0 + BM - 1 : nrows - 1) / group;  // no r0 + BM: it may pass 2^31
-    auto position = [&](int tok) { return static_cast<int>(max64(pos0 + tok, -1)); };
-    auto first_key = [&](int tok) {  // in [0, 2^31): at most max(kstart, position)
-      return window_attention_first_key<int>(position(tok), kstart, p.window, p.chunk);
-    };
-    // (cap is INT32_MIN when seq_len is: cap - 1 in 64 bits)
-    auto last_key = [&](int tok) { return static_cast<int>(max64(min64(position(tok), int64_t(cap) - 1), -1)); };
-    // Keys some row of this tile sees: [klo, khi]; keys every row sees: [lo_all, hi_all] (a row's first key never
-    // decreases with its position: window and chunk bounds alike).
-    const int klo = first_key(t_first);
-    const int khi = last_key(t_last);
-    const int lo_all = first_key(t_last);
-    const int hi_all = last_key(t_first);
-    const int tile_first = klo / BN * BN;
-    const int ntiles = klo <= khi ? (khi - tile_first) / BN + 1 : 0;
-
+    const PrefillBlock blk = prefill_block<BM, BN>(p, b, R0, kvh, bs, table);
     __syncthreads();  // the previous query tile's last reads of the ring and of q_s are done
-    // Q tile: packed row r (split_row); rows past the sequence: zeros.
-    for (int idx = tid; idx < BM * kQChunks; idx += NT) {
-      const int r = idx / kQChunks, c = idx % kQChunks;
-      int tok, hig;
-      split_row(r, tok, hig);
-      T* dst = q_s + r * LD + c * 8;
-      const bool live = tok < q_len;
-      const T* src = live ? qg + (first + tok) * p.s.q0 + (kvh * group + hig) * p.s.q1 + c * 8 : qg;
-      if (p.q_vec) {
-        dev::cp_async_16(dst, src, live ? 16 : 0);
-      } else {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        T* vp = reinterpret_cast<T*>(&v);
-        if (live) {
-#pragma unroll
-          for (int x = 0; x < 8; ++x) vp[x] = dev::ld_global(src + x);
-        }
-        *reinterpret_cast<uint4*>(dst) = v;
-      }
-    }
-    // K/V tile i into ring stage i % stages: this thread's key, chunks my_sub, my_sub + TPK, ...
-    auto load_tile = [&](int i) {
-      const int j = tile_first + i * BN + my_key;
-      KV* const ks = kv_s + (i % stages) * 2 * BN * SLD + my_key * SLD;
-      KV* const vs = ks + BN * SLD;
-      int64_t ko = 0, vo = 0;
-      bool valid = false;
-      if (j >= klo && j <= khi) {
-        const int64_t blk = dev::ld_global(table + j / bs);
-        valid = blk >= 0 && blk < p.num_blocks;
-        const int64_t off = j % bs;
-        ko = blk * p.s.k0 + off * p.s.k1 + kvh * p.s.k2;
-        vo = blk * p.s.v0 + off * p.s.v1 + kvh * p.s.v2;
-      }
-      const int n = valid ? 16 : 0;
-#pragma unroll
-      for (int c = my_sub; c < kChunks; c += TPK) {
-        dev::cp_async_16(ks + c * kChunkElems, valid ? kc + ko + c * kChunkElems : kc, n);
-        dev::cp_async_16(vs + c * kChunkElems, valid ? vc + vo + c * kChunkElems : vc, n);
-      }
-      if (my_sub == 0) {
-        const uint16_t flag = valid ? 1 : 0;
-        if constexpr (kFp8) {
-          flag_s[(i % stages) * BN + my_key] = uint8_t(flag);  // into the 16-bit K row's padding at conversion
-        } else {
-          memcpy(ks + D, &flag, 2);  // the row's padding: read by the masking, never by ldmatrix
-        }
-      }
-    };
+    prefill_load_q<T, D>(p, blk, q_s);
     for (int i = 0; i < stages - 1; ++i) {
-      if (i < ntiles) load_tile(i);
+      if (i < blk.ntiles) prefill_load_tile<KV, D, BN>(p, blk, kv_s, flag_s, stages, i);
       dev::cp_async_commit();  // group 0 carries the Q tile too
     }
 
-    // Per-lane rows g and g + 8 of each m16 half mt of this warp: packed row R0 + lane_row(mt, r).
-    auto lane_row = [&](int mt, int r) { return warp * WM + mt * 16 + g + 8 * r; };
+    // Per-lane rows g and g + 8 of each m16 half mt of this warp: packed row R0 + prefill_lane_row<D>(mt, r).
     float o[MT][ND][4], m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -284,11 +578,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
     // ldmatrix.x4 row address of m16 half mt's A fragment (rows lane % 16, columns (lane / 16) * 8 of each k-step).
     const T* const q_warp = q_s + (warp * WM + lane % 16) * LD + (lane / 16) * 8;
-    constexpr int kQHalf = 16 * LD;  // q_warp + mt * kQHalf: half mt
 
 #pragma unroll 1
-    for (int it = 0; it < ntiles; ++it) {
-      if (it + stages - 1 < ntiles) load_tile(it + stages - 1);
+    for (int it = 0; it < blk.ntiles; ++it) {
+      if (it + stages - 1 < blk.ntiles) prefill_load_tile<KV, D, BN>(p, blk, kv_s, flag_s, stages, it + stages - 1);
       dev::cp_async_commit();  // possibly empty: wait_group counts groups
       // FAULT(prefill_tile_wait)
       if (stages == 3) {
@@ -300,174 +593,18 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       const KV* const ring = kv_s + (it % stages) * 2 * BN * SLD;
       const T* ks;  // the K tile the warps read, [BN][LD]; the V tile follows it
       if constexpr (kFp8) {
-        // The stage's e4m3 K and V rows -> 16-bit rows of cv_s, once per CTA (each thread 8 bytes -> one 16-byte
-        // chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt each), and the keys' valid flags into the K rows' padding.
-        // e4m3 -> fp16 / bf16 is exact, so the warps then run the 16-bit path on the same values.
-        // FAULT(prefill_fp8_convert_rows)
-        for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {
-          const int row = idx / (D / 8), c = idx % (D / 8);
-          const uint2 w = *reinterpret_cast<const uint2*>(ring + row * SLD + c * 8);
-          const uint4 h = make_uint4(fp8x2_to<T>(uint16_t(w.x)), fp8x2_to<T>(uint16_t(w.x >> 16)),
-                                     fp8x2_to<T>(uint16_t(w.y)), fp8x2_to<T>(uint16_t(w.y >> 16)));
-          // FAULT(prefill_fp8_convert_store)
-          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;
-        }
-        if (tid < BN) {
-          // FAULT(prefill_fp8_flags)
-          const uint16_t flag = flag_s[(it % stages) * BN + tid];
-          // FAULT(prefill_fp8_flag_copy)
-          memcpy(cv_s + tid * LD + D, &flag, 2);
-        }
-        // FAULT(prefill_fp8_convert_sync)
-        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be refilled from here on
+        prefill_fp8_convert<T, D, BN>(ring, flag_s, cv_s, it, stages);
         ks = cv_s;
       } else {
         ks = ring;
       }
       const T* const vs = ks + BN * LD;
-      const int j0 = tile_first + it * BN;
-      // S = Q K^T for this warp's WM rows x BN keys: each K fragment serves the MT m16 halves.
+      const int j0 = blk.tile_first + it * BN;
       float s[MT][NS][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
-      // k-steps not unrolled: each one's Q and K fragments are loaded in it, and unrolled ptxas hoisted them.
-#pragma unroll 1
-      for (int kk = 0; kk < KD; ++kk) {
-        uint32_t a[MT][4];
-#pragma unroll
-        // FAULT(prefill_q_frags)
-        for (int mt = 0; mt < MT; ++mt) dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);
-#pragma unroll
-        for (int n = 0; n < NS; n += 2) {
-          // matrices: keys n*8..+7 at d 0-7 / 8-15, keys n*8+8..+15 at d 0-7 / 8-15
-          uint32_t r[4];
-          // FAULT(prefill_k_ldmatrix)
-          dev::ldmatrix_x4(r, ks + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
-          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            dev::mma_m16n8k16<T>(s[mt][n], a[mt], b0, s[mt][n]);
-            dev::mma_m16n8k16<T>(s[mt][n + 1], a[mt], b1, s[mt][n + 1]);
-          }
-        }
-      }
-      // Scale, softcap, masks (valid flags always; ranges only on tiles crossing some row's boundary). softcap is
-      // uniform over the launch: one branch per tile picks the variant with or without tanh, so the scores of a
-      // launch without softcap carry no tanh and no per-score select.
-      // A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row (mt, r) sees it iff lo_c <= c <=
-      // hi_c, its range made relative to the lane's first key once per tile (tiles inside every row's range: [0, BN),
-      // no test). c is a compile-time constant: 2 compares with immediates per score, and 4 registers per m16 half
-      // instead of a key index per score (the 32-row layout spilled with those).
-      // The rows' ranges are formed here, on straddling tiles only (a few per query tile), not kept in registers
-      // across the loop (4 per m16 half: the 32-row layout spilled with them); rows past the sequence see nothing.
-      const bool ranged = j0 < lo_all || j0 + BN - 1 > hi_all;
-      int lo_c[MT][2], hi_c[MT][2];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          lo_c[mt][r] = 0;
-          hi_c[mt][r] = BN;
-        }
-      if (ranged) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            int tok, hig;
-            // FAULT(prefill_row_mask)
-            split_row(lane_row(mt, r), tok, hig);
-            const bool live = tok < q_len;
-            lo_c[mt][r] = (live ? first_key(tok) : 1) - (j0 + 2 * t4);
-            hi_c[mt][r] = (live ? last_key(tok) : 0) - (j0 + 2 * t4);
-          }
-      }
-      auto scale_and_mask = [&](auto capped) {
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-          // Key row k's valid flag: the K row's padding (element D).
-          uint16_t flag[2];
-          memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
-          memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int c = n * 8 + (e & 1);
-              const bool vis = flag[e & 1] != 0 && c >= lo_c[mt][e / 2] && c <= hi_c[mt][e / 2];
-              float v = s[mt][n][e] * score_mul;
-              if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
-              s[mt][n][e] = vis ? v : neg_inf();
-            }
-        }
-      };
-      // FAULT(prefill_softcap)
-      if (p.softcap > 0.f) {
-        scale_and_mask(std::true_type{});
-      } else {
-        scale_and_mask(std::false_type{});
-      }
-      // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half; the row's 4 lanes are a quad.
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = neg_inf();
-#pragma unroll
-          for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m[mt][r], mx);
-          const float alpha = m[mt][r] == neg_inf() ? 0.f : __expf(m[mt][r] - m_new);
-          float sum = 0.f;
-#pragma unroll
-          for (int n = 0; n < NS; ++n) {
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              const float pr = s[mt][n][e] == neg_inf() ? 0.f : __expf(s[mt][n][e] - m_new);
-              s[mt][n][e] = pr;
-              sum += pr;  // fp32, as FlashAttention: lse exact to fp32
-            }
-          }
-          l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share; the quad's shares are added at the end
-          m[mt][r] = m_new;
-#pragma unroll
-          for (int n = 0; n < ND; ++n) {
-            o[mt][n][2 * r] *= alpha;
-            o[mt][n][2 * r + 1] *= alpha;
-          }
-        }
-      // O += P V: P's A fragment for keys 16kk..16kk+15 is the accumulators of n-tiles 2kk and 2kk+1; each V
-      // fragment serves the MT m16 halves.
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          a[mt][0] = pack_pair<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          a[mt][1] = pack_pair<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          // FAULT(prefill_pv_pair)
-          a[mt][2] = pack_pair<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          a[mt][3] = pack_pair<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int n = 0; n < ND; n += 2) {
-          // .trans over V[key][d]: keys 0-7 / 8-15 at d n*8..+7, then at d n*8+8..+15
-          uint32_t r[4];
-          // FAULT(prefill_v_ldmatrix)
-          dev::ldmatrix_x4_trans(r, vs + (kk * 16 + lane % 16) * LD + n * 8 + (lane / 16) * 8);
-          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            dev::mma_m16n8k16<T>(o[mt][n], a[mt], b0, o[mt][n]);
-            dev::mma_m16n8k16<T>(o[mt][n + 1], a[mt], b1, o[mt][n + 1]);
-          }
-        }
-      }
+      prefill_qk<T, D>(s, q_warp, ks);
+      prefill_scale_mask<T, D, BN>(p, blk, s, ks, j0, score_mul);
+      prefill_online_softmax(s, o, m, l);
+      prefill_pv<T, D>(o, s, vs);
       // 16-bit caches: the warps read the ring stage itself, refilled by the next iteration's cp.async. fp8: they
       // read cv_s; the stage was free after the conversion's barrier, and the next conversion writes cv_s only after
       // the next iteration's first barrier, which every warp reaches after these reads.
@@ -477,37 +614,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
     // FAULT(prefill_out_scale)
     const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;  // fp8: value = stored * v_scale
-
-    // Write this lane's rows: O / l, lse (zeros and -inf for a row with no visible key).
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float lr = l[mt][r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        // Formed here from r0 (not split_row's form: the compiler would keep the prologue's values live across the key
-        // loop instead, 8 registers the 32-row layout has not got).
-        // Unsigned: r0 + lane_row may pass 2^31 - 1 (rows past the sequence of the last tile).
-        const unsigned row = unsigned(r0) + unsigned(lane_row(mt, r));
-        const unsigned tok = row / unsigned(group), hig = row - tok * unsigned(group);
-        if (tok < unsigned(q_len)) {
-          const int h = kvh * group + static_cast<int>(hig);
-          const int64_t oh = (first + int64_t(tok)) * p.hq + h;
-          // FAULT(prefill_lse)
-          float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();
-          float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
-          // FAULT(prefill_sink)
-          if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
-          const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
-          T* const out = static_cast<T*>(p.out) + oh * D;
-#pragma unroll
-          for (int n = 0; n < ND; ++n)
-            dev::st_global(reinterpret_cast<uint32_t*>(out + 2 * t4 + n * 8),
-                           pack_pair<T>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv));
-          if (t4 == 0) dev::st_global(p.lse + oh, lse);
-        }
-      }
+    prefill_write_out<T, D>(p, blk, o, m, l, out_scale);
   }
 }
 

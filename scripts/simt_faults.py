@@ -231,7 +231,7 @@ FAULTS += [
     _decode_fault("wrong quad shuffle in the row max",
                   "decode_row_max", "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));",
                   "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));"),
-    _decode_fault("O not rescaled by the new running max", "decode_o_rescale", "      o[nb][0] *= alpha[0];\n", ""),
+    _decode_fault("O not rescaled by the new running max", "decode_o_rescale", "    o[nb][0] *= alpha[0];\n", ""),
     _decode_fault("split size rounded down",
                   "decode_per_split", "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
                   "const int64_t per_split = tiles / p.num_splits;"),
@@ -327,8 +327,8 @@ FAULTS += [
                   "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
     _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
                   "decode_kv_offsets",
-                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n        vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
-                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n        vo = int32_t(blk * "
+                  "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n      vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
+                  "p.s.v2;", "ko = int32_t(blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2);\n      vo = int32_t(blk * "
                   "p.s.v0 + jo * p.s.v1 + kvh * p.s.v2);", "test_window_attention_offsets_past_2_31_elements[decode, simt]"),
     _safety_fault("prefill: rows no sequence owns left unwritten", _PF,
                   "prefill_zero_unowned",
@@ -347,9 +347,9 @@ FAULTS += [
 _LAYOUT_TESTS = ("test_window_attention_prefill_layout.py",)
 _LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn32 or dtype0-256-sm_89) or softcap_variants and 128"
 _LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn32 or dtype0-256-sm_89)"
-_PF_CVT_SYNC = ("        __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
+_PF_CVT_SYNC = ("  __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
                 "refilled from here on\n")
-_PF_SOFTCAP = "      if (p.softcap > 0.f) {\n        scale_and_mask(std::true_type{});"
+_PF_SOFTCAP = "  if (p.softcap > 0.f) {\n    scale_and_mask(std::true_type{});"
 
 
 def _layout_fault(what: str, site: str, find: str, replace: str, tsan: bool = False) -> Fault:
@@ -368,12 +368,12 @@ FAULTS += [
                   "const float score_mul = qk_scale;"),
     _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
                   "prefill_fp8_convert_store",
-                  "          *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
+                  "    *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
     _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
                   "prefill_fp8_convert_rows", "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
                   "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
     _layout_fault("fp8 valid flags not carried into the 16-bit tile",
-                  "prefill_fp8_flag_copy", "          memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
+                  "prefill_fp8_flag_copy", "    memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
     _layout_fault("fp8 valid flags of ring stage 0 on every tile",
                   "prefill_fp8_flags", "flag_s[(it % stages) * BN + tid];",
                   "flag_s[tid];"),
@@ -397,7 +397,8 @@ FAULTS += [
                   "prefill_q_frags", "dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);",
                   "dev::ldmatrix_x4(a[mt], q_warp + kk * 16);"),
     _halves_fault("second m16 half masked with the first half's row ranges",
-                  "prefill_row_mask", "split_row(lane_row(mt, r), tok, hig);", "split_row(lane_row(0, r), tok, hig);"),
+                  "prefill_row_mask", "split_row(prefill_lane_row<D>(mt, r), tok, hig);",
+                  "split_row(prefill_lane_row<D>(0, r), tok, hig);"),
     _halves_fault("second m16 half's lse from the first half's row max",
                   "prefill_lse", "float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();",
                   "float lse = lr > 0.f ? m[0][r] + __logf(lr) : neg_inf();"),
@@ -481,8 +482,8 @@ FAULTS += [
                   "decode_copy_offsets", "o[i] = own_live(i) ? offs[own_k(i)] : kMaskedOff;",
                   "o[i] = own_live(i) ? offs[own_k((i + 1) % kOwn)] : kMaskedOff;"),
     _decode_fault("fixed ownership: K copies reuse the previous tile's block lookup (offset slot of tile t - 1)",
-                  "decode_k_copy", "copy(k_dst, kc, koff_s + kslot * kDecodeTileKeys);",
-                  "copy(k_dst, kc, koff_s + (kslot == 0 ? stages - 1 : kslot - 1) * kDecodeTileKeys);"),
+                  "decode_k_copy", "cta.koff_s + kslot * kDecodeTileKeys, live);",
+                  "cta.koff_s + (kslot == 0 ? cta.stages - 1 : kslot - 1) * kDecodeTileKeys, live);"),
     _decode_fault("fixed ownership: the ring's issue stage not advanced (tiles copied over one stage)",
                   "decode_ring_advance", "    st_new = st_new + 1 == stages ? 0 : st_new + 1;\n", ""),
 ]
