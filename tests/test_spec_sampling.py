@@ -262,7 +262,8 @@ def test_rows_without_finite_logits_and_ids_outside_the_vocabulary(impl):
 
 def test_random_streams_follow_their_spec():
     """The torch twin of the hash against the reference's Python-integer spec (acceptance column and vocab columns,
-    64-bit seeds and steps), and the salt at work: the op's streams differ from ``sample``'s at the same (seed, step)."""
+    64-bit seeds and steps), and the salt at work: the op's streams differ from ``sample``'s at the same
+    (seed, step)."""
     seeds, poss = torch.tensor([0, -1, 2**40 + 3, -(2**62)]), torch.tensor([0, 7, 2**33 + 5, -2])
     key = spec_key_torch(seeds, poss)
     u = spec_uniform_torch(key[:, None], torch.tensor([ACCEPT_COL, 0, 1, 110])[None, :])
@@ -350,15 +351,16 @@ BAD_ARGS = [
 def test_bad_inputs(case):
     kw, match = BAD_ARGS[case]
     kw = dict(kw)
-    x, ids, d = kw.pop("x", torch.zeros(2, 4, 10)), kw.pop("ids", torch.zeros(2, 3, dtype=torch.int64)), kw.pop("d", None)
+    x, d = kw.pop("x", torch.zeros(2, 4, 10)), kw.pop("d", None)
+    ids = kw.pop("ids", torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="chain_speculative_sampling: " + match):
         arkernels.chain_speculative_sampling(x, ids, d, **kw)
 
 
 def test_op_level_checks():
     ops, x, f = torch.ops.arkernels, torch.zeros(2, 4, 10), torch.ones(2)
-    i32, i64, ids = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 3,
-                                                                                                       dtype=torch.int64)
+    i32, i64 = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    ids = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"chain_speculative_sampling: draft_ids must be int64 \[batch=2, k=3\]"):
         ops.chain_speculative_sampling(x, None, ids[:, :2], f, i32, f, f, i64, i64)
     with pytest.raises(RuntimeError, match="chain_speculative_sampling: top_k must be torch.int32"):

@@ -53,7 +53,8 @@ def _rule_tensors(logits, token_state, history_rows, new_tokens, min_new_tokens,
     pens = (("repetition_penalty", repetition_penalty, 1.0), ("frequency_penalty", frequency_penalty, 0.0),
             ("presence_penalty", presence_penalty, 0.0), ("min_new_tokens", min_new_tokens, 0))
     asked = [n for n, v, off in pens if isinstance(v, torch.Tensor) or v != off]
-    expect(token_state is not None or not asked, OP, f"{', '.join(asked)} need token_state= (arkernels.token_state(...))")
+    expect(token_state is not None or not asked, OP,
+           f"{', '.join(asked)} need token_state= (arkernels.token_state(...))")
     if token_state is None and logit_bias is None:
         return None, None, None, None
     tables = [t for t in (token_state, logit_bias) if t is not None]
@@ -61,7 +62,8 @@ def _rule_tensors(logits, token_state, history_rows, new_tokens, min_new_tokens,
         if t is not None:
             expect(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == logits.shape[-1], OP,
                    f"{name} must be [rows, vocab={logits.shape[-1]}], got {tuple(getattr(t, 'shape', ()))}")
-            expect(t.dtype == dtype and t.device == dev, OP, f"{name} must be {dtype} on {dev}, got {t.dtype} on {t.device}")
+            expect(t.dtype == dtype and t.device == dev, OP,
+                   f"{name} must be {dtype} on {dev}, got {t.dtype} on {t.device}")
     N = tables[0].shape[0]
     expect(all(t.shape[0] == N for t in tables), OP, "token_state and logit_bias must have the same rows")
     if history_rows is None:
@@ -84,6 +86,38 @@ def _rule_tensors(logits, token_state, history_rows, new_tokens, min_new_tokens,
         expect(bool(((pen[:, 0] > 0) & pen.isfinite().all(dim=1)).all()), OP,
                "repetition_penalty must be > 0 and finite, frequency_penalty and presence_penalty finite")
     return token_state, torch.stack(cols, dim=1), pen, logit_bias
+
+
+def _check_tensors(target_logits, draft_ids, draft_logits):
+    """The wrapper's tensor checks (ValueError): shapes, dtypes, devices, k everywhere, ids in range (CPU tensors:
+    no host sync for device ones). Returns ``(batch, k+1, vocab)``."""
+    shape = lambda t: tuple(getattr(t, "shape", ())) if isinstance(t, torch.Tensor) else type(t)  # noqa: E731
+    expect(isinstance(target_logits, torch.Tensor) and target_logits.dim() == 3, OP,
+           f"target_logits must be a [batch, k+1, vocab] tensor, got {shape(target_logits)}")
+    expect(target_logits.dtype in _FLOATS, OP,
+           f"target_logits must be float32, float16 or bfloat16, got {target_logits.dtype}")
+    batch, kp1, vocab = target_logits.shape
+    dev = target_logits.device
+    expect(kp1 >= 1 and vocab >= 1, OP,
+           f"target_logits needs k+1 >= 1 positions and vocab >= 1, got {shape(target_logits)}")
+    expect(isinstance(draft_ids, torch.Tensor) and draft_ids.dim() == 2, OP,
+           f"draft_ids must be an int64 [batch, k] tensor, got {shape(draft_ids)}")
+    expect(draft_ids.dtype == torch.int64, OP, f"draft_ids must be torch.int64, got {draft_ids.dtype}")
+    expect(tuple(draft_ids.shape) == (batch, kp1 - 1), OP, f"draft_ids must be [batch={batch}, k={kp1 - 1}] "
+           f"(target_logits holds k+1={kp1} positions), got {shape(draft_ids)}")
+    expect(draft_ids.device == dev, OP, f"draft_ids is on {draft_ids.device}, target_logits on {dev}")
+    if dev.type == "cpu" and draft_ids.numel() > 0 and not torch.compiler.is_compiling():
+        bad = ((draft_ids < 0) | (draft_ids >= vocab)).nonzero()
+        if bad.numel() > 0:
+            at = tuple(bad[0].tolist())
+            expect(False, OP, f"draft_ids holds token id {int(draft_ids[at])} at {at}, outside [0, {vocab})")
+    if draft_logits is not None:
+        expect(isinstance(draft_logits, torch.Tensor) and tuple(draft_logits.shape) == (batch, kp1 - 1, vocab), OP,
+               f"draft_logits must be [batch={batch}, k={kp1 - 1}, vocab={vocab}], got {shape(draft_logits)}")
+        expect(draft_logits.dtype in _FLOATS, OP,
+               f"draft_logits must be float32, float16 or bfloat16, got {draft_logits.dtype}")
+        expect(draft_logits.device == dev, OP, f"draft_logits is on {draft_logits.device}, target_logits on {dev}")
+    return batch, kp1, vocab
 
 
 def chain_speculative_sampling(
@@ -141,28 +175,8 @@ def chain_speculative_sampling(
     valid : bool ``[batch]``, with ``return_valid``
         False where the drawing position has no finite target logit (its token is then 0).
     """
-    expect(isinstance(target_logits, torch.Tensor) and target_logits.dim() == 3, OP,
-           f"target_logits must be a [batch, k+1, vocab] tensor, got {getattr(target_logits, 'shape', type(target_logits))}")
-    expect(isinstance(draft_ids, torch.Tensor) and draft_ids.dim() == 2, OP,
-           f"draft_ids must be an int64 [batch, k] tensor, got {getattr(draft_ids, 'shape', type(draft_ids))}")
-    batch, kp1, vocab = target_logits.shape
-    expect(draft_ids.dtype == torch.int64, OP, f"draft_ids must be torch.int64, got {draft_ids.dtype}")
-    expect(tuple(draft_ids.shape) == (batch, kp1 - 1), OP, f"draft_ids must be [batch={batch}, k={kp1 - 1}] "
-           f"(target_logits holds k+1={kp1} positions), got {tuple(draft_ids.shape)}")
+    batch, kp1, vocab = _check_tensors(target_logits, draft_ids, draft_logits)
     dev = target_logits.device
-    expect(draft_ids.device == dev, OP, f"draft_ids is on {draft_ids.device}, target_logits on {dev}")
-    if dev.type == "cpu" and draft_ids.numel() > 0 and not torch.compiler.is_compiling():
-        bad = ((draft_ids < 0) | (draft_ids >= vocab)).nonzero()
-        expect(bad.numel() == 0, OP, f"draft_ids holds token id {int(draft_ids[tuple(bad[0])]) if bad.numel() else 0}"
-               f" at {tuple(bad[0].tolist()) if bad.numel() else ()}, outside [0, {vocab})")
-    if draft_logits is not None:
-        expect(isinstance(draft_logits, torch.Tensor) and tuple(draft_logits.shape) == (batch, kp1 - 1, vocab), OP,
-               f"draft_logits must be [batch={batch}, k={kp1 - 1}, vocab={vocab}], "
-               f"got {tuple(getattr(draft_logits, 'shape', ()))}")
-        expect(draft_logits.dtype in _FLOATS, OP, f"draft_logits must be float32, float16 or bfloat16, got {draft_logits.dtype}")
-        expect(draft_logits.device == dev, OP, f"draft_logits is on {draft_logits.device}, target_logits on {dev}")
-    expect(target_logits.dtype in _FLOATS, OP, f"target_logits must be float32, float16 or bfloat16, got {target_logits.dtype}")
-    expect(kp1 >= 1 and vocab >= 1, OP, f"target_logits needs k+1 >= 1 positions and vocab >= 1, got {tuple(target_logits.shape)}")
     t, k, p, mp = sampler_params(OP, target_logits[:, 0], temperature, top_k, top_p, min_p)
     if seed is None:
         gdev = generator.device if generator is not None else dev
@@ -199,13 +213,14 @@ def _check(target_logits, draft_logits, draft_ids, params, rules):
            RuntimeError)
     batch, kp1, vocab = target_logits.shape
     dev = target_logits.device
-    expect(kp1 >= 1 and vocab >= 1, OP, f"target_logits needs k+1 >= 1 and vocab >= 1, got {tuple(target_logits.shape)}",
-           RuntimeError)
+    expect(kp1 >= 1 and vocab >= 1, OP,
+           f"target_logits needs k+1 >= 1 and vocab >= 1, got {tuple(target_logits.shape)}", RuntimeError)
     for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
         expect(x is None or x.dtype in _FLOATS, OP, f"{name} must be float32, float16 or bfloat16, got "
                f"{getattr(x, 'dtype', None)}", RuntimeError)
-    expect(draft_logits is None or (tuple(draft_logits.shape) == (batch, kp1 - 1, vocab) and draft_logits.device == dev),
-           OP, f"draft_logits must be [batch={batch}, k={kp1 - 1}, vocab={vocab}] on {dev}, got "
+    expect(draft_logits is None or (tuple(draft_logits.shape) == (batch, kp1 - 1, vocab)
+                                    and draft_logits.device == dev), OP,
+           f"draft_logits must be [batch={batch}, k={kp1 - 1}, vocab={vocab}] on {dev}, got "
            f"{tuple(getattr(draft_logits, 'shape', ()))}", RuntimeError)
     expect(draft_ids.dtype == torch.int64 and tuple(draft_ids.shape) == (batch, kp1 - 1) and draft_ids.device == dev,
            OP, f"draft_ids must be int64 [batch={batch}, k={kp1 - 1}] on {dev}, got {draft_ids.dtype} "

@@ -45,6 +45,22 @@ def spec_uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * 5.9604644775390625e-08
 
 
+RACE_CUT = 1.25e-9  # exp(-20.5): a column below RACE_CUT * (the row's largest weight) can never win the race
+
+
+def _race(w, key):
+    """``(max, argmax)`` over columns of ``log w - log(-log U)`` (``w > 0`` only; ties: the lowest column, torch.max's
+    rule). U lies in [2^-25, 1 - 2^-25], so ``-log(-log U)`` lies in [-2.85, 17.33]: the largest weight scores
+    >= log w_max - 2.85 and a column with ``w < w_max * exp(-20.5)`` scores < log w_max - 3.1; it never wins, so only
+    the others are hashed and logged (the rest, often denormal, cost a log each: ~1 ms per 32k row)."""
+    wmax = w.max(dim=1, keepdim=True).values
+    rows, cols = ((w > 0) & (w >= wmax * RACE_CUT)).nonzero(as_tuple=True)
+    u = spec_uniform_torch(key[rows], cols)
+    score = torch.full_like(w, float("-inf"))
+    score[rows, cols] = torch.log(w[rows, cols]) - torch.log(-torch.log(u))
+    return score.max(dim=1)
+
+
 def spec_walk_cpu(p, q, draft_ids, temperature, seed, step):
     """Same contract as ``arkernels.triton.spec_sampling_launch.spec_walk_triton``: ``p`` fp32 ``[batch*(k+1),
     vocab]``, ``q`` fp32 ``[batch*k, vocab]`` or None (one-hot draft), ``draft_ids`` int64 ``[batch, k]``,
@@ -80,10 +96,10 @@ def spec_walk_cpu(p, q, draft_ids, temperature, seed, step):
         qs = q[rows, sq]
     qs = torch.where(has_q[:, None], qs, 0.0)
     r = (ps - qs).clamp(min=0.0)
-    g = torch.log(-torch.log(spec_uniform_torch(spec_key_torch(seed, step + s)[:, None], torch.arange(vocab)[None])))
+    key = spec_key_torch(seed, step + s)
     inf = float("-inf")
-    best_r, arg_r = torch.where(r > 0, torch.log(r) - g, inf).max(dim=1)
-    best_p, arg_p = torch.where(ps > 0, torch.log(ps) - g, inf).max(dim=1)
+    best_r, arg_r = _race(r, key)
+    best_p, arg_p = _race(ps, key)
     valid = best_p > inf
     drawn = torch.where(valid, torch.where(best_r > inf, arg_r, arg_p), 0)
 
