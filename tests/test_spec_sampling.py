@@ -17,7 +17,6 @@ from arkernels.ops.spec_sampling import chain_kernel
 from arkernels.ops.spec_sampling_cpu import ACCEPT_COL, spec_key_torch, spec_uniform_torch
 from arkernels.reference.spec_sampling import chain_speculative_sampling_ref, spec_uniform_ref
 from arkernels.triton.spec_sampling_launch import spec_walk_triton
-from conftest import DEVICES
 
 IMPLS = ["op", "triton"]
 DRAFTS = ["logits", "onehot"]  # a draft model's logits, or prompt lookup's one-hot draft
@@ -153,6 +152,32 @@ def test_token_rules_inside_the_chain_match_reference(impl, which):
         seed, step = torch.arange(batch) * 31 + s, torch.full((batch,), s, dtype=torch.int64)
         got = _run(impl, x, d, ids, params, seed, step, rules=kw)
         _assert_same(got, _ref(x, d, ids, params, seed, step, rules=ref_rules))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_each_position_counts_the_drafts_before_it(impl):
+    """Sampled rows, one-hot drafts (accepted with probability p_j(t_j)) of tokens the target all but forces: row 0
+    repeats token A under a presence penalty of 20: accepted once, then rejected (its earlier occurrence counted, p
+    collapses); row 1, the same without the penalty: all accepted; row 2 proposes EOS at positions 1 and 2 with
+    min_new_tokens 1: masked at position 0 only, so accepted (new_tokens grows along the chain); row 3 proposes EOS at
+    position 0: rejected, and never emitted there. The fp64 reference agrees token for token."""
+    batch, vocab, a, eos = 4, 111, 50, EOS[0]
+    x = _logits((batch, K + 1, vocab), 151, scale=0.5)
+    x[:2, :, a] = 12.0
+    x[2, 0, a], x[2, 1:, eos], x[3, :, eos] = 12.0, 14.0, 14.0
+    ids = torch.tensor([[a, a, a], [a, a, a], [a, eos, eos], [eos, a, a]])
+    st = arkernels.token_state([[1]] * batch, vocab, eos_token_id=EOS)
+    presence = [20.0, 0.0, 0.0, 0.0]
+    kw = dict(token_state=st, min_new_tokens=torch.tensor([0, 0, 1, 1]), presence_penalty=torch.tensor(presence),
+              new_tokens=torch.zeros(batch, dtype=torch.int64), repetition_penalty=torch.ones(batch),
+              frequency_penalty=torch.zeros(batch), logit_bias=None)
+    ref_rules = dict(prompts=[[1]] * batch, generated=[[]] * batch, presence_penalty=presence, eos_token_id=EOS,
+                     min_new_tokens=[0, 0, 1, 1])
+    params = (torch.ones(batch), torch.zeros(batch, dtype=torch.int32), torch.ones(batch), torch.zeros(batch))
+    seed, step = torch.arange(batch) + 3, torch.full((batch,), 7)
+    got = _run(impl, x, None, ids, params, seed, step, rules=kw)
+    assert got[1].tolist() == [1, K, K, 0] and got[0][3, 0] != eos
+    _assert_same(got, _ref(x, None, ids, params, seed, step, rules=ref_rules))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -400,12 +425,11 @@ def test_no_drafts_draws_the_bonus_token():
     assert kept.gather(1, got[0]).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_cuda_matches_cpu(device):
-    """On a GPU (skipped without one): the Triton kernels (sampling_probs per position, the walk) against the CPU op
-    on the same inputs, rules on."""
-    if device != "cuda":
-        pytest.skip("the op's CUDA path is Triton: the interpreter runs it in the other tests")
+@pytest.mark.cuda
+def test_cuda_matches_cpu():
+    """On a GPU (skipped without one; the interpreter runs the Triton walk in the other tests): the Triton kernels
+    (sampling_probs per position, the walk) against the CPU op on the same inputs, rules on."""
+    device = "cuda"
     batch, vocab = 4, 32003
     x, d, ids, params = _case(batch, vocab, seed=141)
     kw, _ = _rules_case(batch, vocab, 142, "penalties")

@@ -71,7 +71,7 @@ def spec_walk_cpu(p, q, draft_ids, temperature, seed, step):
     p = p.view(batch, k + 1, vocab)
     q = None if q is None else q.view(batch, k, vocab)
     rows = torch.arange(batch)
-    greedy = temperature == 0
+    greedy = ~(temperature > 0)  # as sampling_probs reads it (the wrapper refuses a negative or NaN temperature)
 
     # 1. the walk: all k acceptance tests at once, then the first rejection
     t = draft_ids

@@ -71,7 +71,8 @@ def spec_sampling_kernel(p_ptr, q_ptr, draft_ptr, draft_stride, temp_ptr, seed_p
                          accepted_ptr, valid_ptr, K, V, ONEHOT: tl.constexpr, BLOCK: tl.constexpr,
                          KP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    greedy = tl.load(temp_ptr + b) == 0.0  # greedy rows ignore the draft distribution (q = 0)
+    # greedy rows (temperature 0; not > 0, as sampling_probs reads it) ignore the draft distribution (q = 0)
+    greedy = (tl.load(temp_ptr + b) > 0.0) == 0
     seed = tl.load(seed_ptr + b)
     step = tl.load(step_ptr + b)
     drow = draft_ptr + b * draft_stride
