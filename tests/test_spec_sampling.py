@@ -180,6 +180,24 @@ def test_each_position_counts_the_drafts_before_it(impl):
     _assert_same(got, _ref(x, None, ids, params, seed, step, rules=ref_rules))
 
 
+def test_history_rows_index_a_shared_table():
+    """``history_rows`` into a table with other rows: row 0 reads table row 3 (which bans its drafts: all rejected, the
+    same tokens as a one-row table holding it), row 1 is outside the table (no rule: the same tokens as without rules,
+    although table row 1 bans its drafts)."""
+    batch, vocab = 2, 111
+    x, d, ids, params = _case(batch, vocab, seed=161)
+    st = arkernels.token_state([[]] * 4, vocab, banned=[[], ids[1].tolist(), [], ids[0].tolist()])
+    kw = dict(temperature=params[0][:1], top_k=params[1][:1], seed=torch.tensor([5]), step=3)
+    got = arkernels.chain_speculative_sampling(x, ids, d, temperature=params[0], top_k=params[1],
+                                               seed=torch.tensor([5, 5]), step=3, token_state=st,
+                                               history_rows=torch.tensor([3, -1]))
+    alone = arkernels.chain_speculative_sampling(x[:1], ids[:1], d[:1], token_state=st[3:4], **kw)
+    plain = arkernels.chain_speculative_sampling(x[1:], ids[1:], d[1:], **dict(kw, temperature=params[0][1:],
+                                                                                  top_k=params[1][1:]))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], c[0]) for a, b, c in zip(got, alone, plain))
+    assert got[1][0] == 0 and int(got[0][0, 0]) not in ids[0].tolist() and got[1][1] > 0
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_greedy_rows_are_k_plus_1_greedy_steps(impl):
     """Temperature 0 with the token rules on: drafts equal to the greedy tokens are all accepted and the bonus is the
@@ -397,6 +415,7 @@ def test_op_level_checks():
 
 
 def test_opcheck_and_compile():
+    assert arkernels.kernels_report()["chain_speculative_sampling"] == ["CPU", "CUDA"]
     batch, vocab = 3, 50
     x, d, ids, (T, k, p, mp) = _case(batch, vocab, seed=121)
     args = (x, d, ids, T, k, p, mp, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 1]))
