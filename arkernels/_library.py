@@ -12,6 +12,7 @@ OPS = (
     "sampling_rules",
     "sampling_probs",
     "sample",
+    "chain_speculative_sampling",
     "quantize_rowwise",
     "int8_matmul",
     "w8a16_matmul",

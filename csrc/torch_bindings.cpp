@@ -52,6 +52,18 @@ TORCH_LIBRARY(arkernels, m) {
   m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seed, Tensor step, "
         "Tensor? token_state=None, Tensor? history=None, Tensor? penalties=None, Tensor? logit_bias=None) -> (Tensor, Tensor)");
 
+  // ---- spec_sampling: speculative sampling (Leviathan et al. / Chen et al.), one chain of k drafts per row ----
+  // target_logits [batch, k+1, vocab] fp32|fp16|bf16 (strided ok); draft_logits [batch, k, vocab]? (None: a one-hot
+  // draft, q(draft_ids) = 1: prompt lookup); draft_ids int64 [batch, k] (the proposed tokens; outside [0, vocab):
+  // never accepted); temperature .. step, token rules: as `sample`'s, applied at position j as after accepting
+  // drafts 0..j-1 (their counts added, j more new tokens). Accept draft j iff u_j * q_j(t_j) < p_j(t_j); at the first
+  // rejection draw from max(0, p_j - q_j), after k acceptances from p_k; temperature 0: accept iff t_j is the argmax.
+  // -> (tokens int64 [batch, k+1]: accepted drafts then the drawn token, -1 after; accepted int64 [batch] in [0, k];
+  // valid bool [batch]: False when the drawing position has no finite target logit, its token then 0).
+  m.def("chain_speculative_sampling(Tensor target_logits, Tensor? draft_logits, Tensor draft_ids, Tensor temperature, "
+        "Tensor top_k, Tensor top_p, Tensor min_p, Tensor seed, Tensor step, Tensor? token_state=None, "
+        "Tensor? history=None, Tensor? penalties=None, Tensor? logit_bias=None) -> (Tensor, Tensor, Tensor)");
+
   // ---- int8_matmul: symmetric int8 quantization and matmul (F.linear convention: a @ b.T) ----
   // x [M, K] fp32|fp16|bf16 -> (x_int8 [M, K], scale fp32 [M]); per row (per token, or per output channel of a weight).
   m.def("quantize_rowwise(Tensor x) -> (Tensor, Tensor)");

@@ -1,6 +1,6 @@
 """Typed Python wrappers of the arkernels ops, one module per stem; importing them registers the Triton
 kernels and the fake (meta) implementations."""
-from arkernels.ops import int8_matmul, paged_kv, sampling, window_attention  # noqa: F401
+from arkernels.ops import int8_matmul, paged_kv, sampling, spec_sampling, window_attention  # noqa: F401
 from arkernels._library import OPS, has_kernel
 
 
