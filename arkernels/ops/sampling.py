@@ -126,10 +126,11 @@ def logit_bias_table(biases, vocab: int, *, device=None) -> torch.Tensor:
     return out.to(device) if device is not None else out
 
 
-def _rules(op, logits, token_state, history_rows, new_tokens, min_new_tokens, repetition_penalty, frequency_penalty,
+def rule_tensors(op, logits, token_state, history_rows, new_tokens, min_new_tokens, repetition_penalty, frequency_penalty,
            presence_penalty, logit_bias):
     """The public token-rule arguments -> the op's ``(token_state, history, penalties, logit_bias)`` (all None when
-    no rule is on)."""
+    no rule is on); ``logits`` ``[batch, vocab]`` gives the batch, vocabulary and device (every op with token rules:
+    ``sample``, ``sampling_probs``, ``sampling_rules``, ``chain_speculative_sampling``)."""
     batch, dev = logits.shape[0], logits.device
     penal = (("repetition_penalty", repetition_penalty, 1.0, lambda t: (t > 0) & (t < math.inf), "> 0 and finite"),
              ("frequency_penalty", frequency_penalty, 0.0, lambda t: t.abs() < math.inf, "finite"),
@@ -250,7 +251,7 @@ def sampling_probs(
     """
     op = "sampling_probs"
     t, k, p, mp = sampler_params(op, logits, temperature, top_k, top_p, min_p)
-    st, hist, pen, bias = _rules(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
+    st, hist, pen, bias = rule_tensors(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
                                  repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     return _ops.sampling_probs(logits, t, k, p, mp, st, hist, pen, bias)
 
@@ -286,7 +287,7 @@ def sampling_rules(
     expect(isinstance(logits, torch.Tensor) and logits.dim() == 2, op,
            f"logits must be a [batch, vocab] tensor, got {getattr(logits, 'shape', type(logits))}")
     expect(logits.dtype in _FLOATS, op, f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
-    st, hist, pen, bias = _rules(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
+    st, hist, pen, bias = rule_tensors(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
                                  repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     return _ops.sampling_rules(logits, st, hist, pen, bias)
 
@@ -347,7 +348,7 @@ def sample(
             expect(False, op, f"{name} must be an int or an int64 [batch] tensor, got {what}")
     seed = per_row(op, "seed", seed, batch, torch.int64, dev)
     step = per_row(op, "step", step, batch, torch.int64, dev)
-    st, hist, pen, bias = _rules(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
+    st, hist, pen, bias = rule_tensors(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
                                  repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     ids, valid = _ops.sample(logits, t, k, p, mp, seed, step, st, hist, pen, bias)
     return (ids, valid) if return_valid else ids

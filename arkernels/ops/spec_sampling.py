@@ -37,55 +37,13 @@ import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas live in csrc/torch_bindings.cpp)
 from arkernels.ops._checks import expect, per_row
-from arkernels.ops.sampling import sampler_params, update_token_state
+from arkernels.ops.sampling import rule_tensors, sampler_params, update_token_state
 from arkernels.ops.spec_sampling_cpu import spec_walk_cpu
 from arkernels.triton.spec_sampling_launch import spec_walk_triton
 
 _ops = torch.ops.arkernels
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 OP = "chain_speculative_sampling"
-
-
-def _rule_tensors(logits, token_state, history_rows, new_tokens, min_new_tokens, repetition_penalty,
-                  frequency_penalty, presence_penalty, logit_bias):
-    """The keyword rules (as ``sample`` takes them) -> the op's ``(token_state, history, penalties, logit_bias)``."""
-    batch, dev = logits.shape[0], logits.device
-    pens = (("repetition_penalty", repetition_penalty, 1.0), ("frequency_penalty", frequency_penalty, 0.0),
-            ("presence_penalty", presence_penalty, 0.0), ("min_new_tokens", min_new_tokens, 0))
-    asked = [n for n, v, off in pens if isinstance(v, torch.Tensor) or v != off]
-    expect(token_state is not None or not asked, OP,
-           f"{', '.join(asked)} need token_state= (arkernels.token_state(...))")
-    if token_state is None and logit_bias is None:
-        return None, None, None, None
-    tables = [t for t in (token_state, logit_bias) if t is not None]
-    for name, t, dtype in (("token_state", token_state, torch.int32), ("logit_bias", logit_bias, torch.float32)):
-        if t is not None:
-            expect(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == logits.shape[-1], OP,
-                   f"{name} must be [rows, vocab={logits.shape[-1]}], got {tuple(getattr(t, 'shape', ()))}")
-            expect(t.dtype == dtype and t.device == dev, OP,
-                   f"{name} must be {dtype} on {dev}, got {t.dtype} on {t.device}")
-    N = tables[0].shape[0]
-    expect(all(t.shape[0] == N for t in tables), OP, "token_state and logit_bias must have the same rows")
-    if history_rows is None:
-        expect(N == batch, OP, f"without history_rows the tables need one row per batch row ({batch}), got {N}")
-        history_rows = torch.arange(batch, device=dev)
-    cols = []
-    for name, v in (("history_rows", history_rows), ("new_tokens", new_tokens), ("min_new_tokens", min_new_tokens)):
-        ok = (not v.is_floating_point() and v.dtype != torch.bool) if isinstance(v, torch.Tensor) else \
-            (isinstance(v, int) and not isinstance(v, bool) and (name == "history_rows" or v >= 0))
-        if not ok:
-            expect(False, OP, f"{name} must be an int (>= 0) or an int [batch] tensor, got {v!r}")
-        cols.append(per_row(OP, name, v, batch, torch.int64, dev))
-    penalties = []
-    for name, v, off in pens[:3]:
-        if not (isinstance(v, torch.Tensor) or (isinstance(v, (int, float)) and not isinstance(v, bool))):
-            expect(False, OP, f"{name} must be a number or an fp32 [batch] tensor, got {v!r}")
-        penalties.append(per_row(OP, name, v, batch, torch.float32, dev))
-    pen = torch.stack(penalties, dim=1)
-    if pen.device.type == "cpu" and not torch.compiler.is_compiling():
-        expect(bool(((pen[:, 0] > 0) & pen.isfinite().all(dim=1)).all()), OP,
-               "repetition_penalty must be > 0 and finite, frequency_penalty and presence_penalty finite")
-    return token_state, torch.stack(cols, dim=1), pen, logit_bias
 
 
 def _check_tensors(target_logits, draft_ids, draft_logits):
@@ -188,8 +146,8 @@ def chain_speculative_sampling(
             expect(False, OP, f"{name} must be an int or an int64 [batch] tensor, got {value!r}")
     seed = per_row(OP, "seed", seed, batch, torch.int64, dev)
     step = per_row(OP, "step", step, batch, torch.int64, dev)
-    rules = _rule_tensors(target_logits, token_state, history_rows, new_tokens, min_new_tokens, repetition_penalty,
-                          frequency_penalty, presence_penalty, logit_bias)
+    rules = rule_tensors(OP, target_logits[:, 0], token_state, history_rows, new_tokens, min_new_tokens,
+                         repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     tokens, accepted, valid = _ops.chain_speculative_sampling(target_logits, draft_logits, draft_ids, t, k, p, mp,
                                                               seed, step, *rules)
     return (tokens, accepted, valid) if return_valid else (tokens, accepted)
