@@ -386,7 +386,7 @@ BAD_ARGS = [
     (dict(step=torch.tensor([0.0, 1.0])), "step must be an int"),
     (dict(repetition_penalty=1.2), "repetition_penalty need token_state"),
     (dict(token_state=torch.zeros(2, 11, dtype=torch.int32)), r"token_state must be \[rows, vocab=10\]"),
-    (dict(token_state=torch.zeros(2, 10, dtype=torch.int32), repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(token_state=torch.zeros(2, 10, dtype=torch.int32), repetition_penalty=0.0), "repetition_penalty must be a number > 0 and finite, got 0.0"),
 ]
 
 
