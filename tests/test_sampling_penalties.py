@@ -12,7 +12,7 @@ from scipy import stats
 
 import arkernels
 from arkernels import token_state_layout as layout
-from arkernels.ops.sampling import _rules
+from arkernels.ops.sampling import rule_tensors
 from arkernels.reference.sampling import sampling_probs_ref, token_rules_ref
 from arkernels.token_state_layout import COUNT_MAX
 from arkernels.triton import sampling as triton_sampling
@@ -61,7 +61,7 @@ def _case(batch, vocab, seed, scale=3.0):
 
 def _op_args(x, kw):
     """The op-level tensors of the keyword form (what the Triton launchers take)."""
-    return _rules("test", x, kw["token_state"], kw.get("history_rows"), kw.get("new_tokens", 0),
+    return rule_tensors("test", x, kw["token_state"], kw.get("history_rows"), kw.get("new_tokens", 0),
                   kw.get("min_new_tokens", 0), kw.get("repetition_penalty", 1.0), kw.get("frequency_penalty", 0.0),
                   kw.get("presence_penalty", 0.0), kw.get("logit_bias"))
 

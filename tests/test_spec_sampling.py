@@ -14,7 +14,8 @@ from scipy import stats
 
 import arkernels
 from arkernels.ops.spec_sampling import chain_kernel
-from arkernels.ops.spec_sampling_cpu import ACCEPT_COL, spec_key_torch, spec_uniform_torch
+from arkernels.ops.sampling_cpu import uniform_torch
+from arkernels.ops.spec_sampling_cpu import ACCEPT_COL, spec_key_torch
 from arkernels.reference.spec_sampling import chain_speculative_sampling_ref, spec_uniform_ref
 from arkernels.triton.spec_sampling_launch import spec_walk_triton
 
@@ -309,7 +310,7 @@ def test_random_streams_follow_their_spec():
     (seed, step)."""
     seeds, poss = torch.tensor([0, -1, 2**40 + 3, -(2**62)]), torch.tensor([0, 7, 2**33 + 5, -2])
     key = spec_key_torch(seeds, poss)
-    u = spec_uniform_torch(key[:, None], torch.tensor([ACCEPT_COL, 0, 1, 110])[None, :])
+    u = uniform_torch(key[:, None], torch.tensor([ACCEPT_COL, 0, 1, 110])[None, :])
     want = [[spec_uniform_ref(int(s), int(p), c) for c in (0xFFFFFFFF, 0, 1, 110)] for s, p in zip(seeds, poss)]
     assert u.double().tolist() == want
     from arkernels.reference.sampling import uniform_ref

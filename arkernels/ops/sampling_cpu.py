@@ -13,7 +13,7 @@ _FLT_MAX = torch.finfo(torch.float32).max
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The random stream: the torch twins of ``_fmix32`` / ``_row_key`` / ``_uniform`` in arkernels/triton/sampling.py
+# The random stream: the torch twins of ``fmix32`` / ``row_key`` / ``uniform`` in arkernels/triton/sampling.py
 # ---------------------------------------------------------------------------------------------------------
 # The torch twin works on int32 holding the uint32 bits: int32 multiplication wraps mod 2^32 like uint32, and
 # a logical right shift is an arithmetic one masked to the remaining bits (2-3x faster than int64 on the CPU).
@@ -27,7 +27,7 @@ def _to_u32_bits(v: torch.Tensor) -> torch.Tensor:
     return (lo - ((lo >> 31) << 32)).to(torch.int32)
 
 
-def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
+def fmix32_torch(h: torch.Tensor) -> torch.Tensor:
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * _s32(0x85EBCA6B)
     h = h ^ ((h >> 13) & 0x7FFFF)
@@ -36,18 +36,18 @@ def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
 
 
 def row_key_torch(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Torch twin of ``_row_key``: seed, step int64 ``[n]`` -> the rows' keys (uint32 bits in int32)."""
-    a = _fmix32_torch(_to_u32_bits(seed) ^ 0x243F6A88)
-    a = _fmix32_torch(a ^ _to_u32_bits(seed >> 32))
-    a = _fmix32_torch(a ^ _to_u32_bits(step))
-    return _fmix32_torch(a ^ _to_u32_bits(step >> 32))
+    """Torch twin of ``row_key``: seed, step int64 ``[n]`` -> the rows' keys (uint32 bits in int32)."""
+    a = fmix32_torch(_to_u32_bits(seed) ^ 0x243F6A88)
+    a = fmix32_torch(a ^ _to_u32_bits(seed >> 32))
+    a = fmix32_torch(a ^ _to_u32_bits(step))
+    return fmix32_torch(a ^ _to_u32_bits(step >> 32))
 
 
 def uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Torch twin of ``_uniform``, bit-identical: row keys and vocab columns (broadcast together, e.g.
+    """Torch twin of ``uniform``, bit-identical: row keys and vocab columns (broadcast together, e.g.
     ``[batch, 1]`` against ``[1, vocab]``, or two ``[n]`` for gathered pairs) -> fp32 U in (0, 1)."""
-    h = _fmix32_torch(cols.to(torch.int32) * _s32(0x9E3779B9) + key)
-    h = _fmix32_torch(h ^ key)
+    h = fmix32_torch(cols.to(torch.int32) * _s32(0x9E3779B9) + key)
+    h = fmix32_torch(h ^ key)
     return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * 5.9604644775390625e-08
 
 

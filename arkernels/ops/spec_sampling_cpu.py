@@ -5,44 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from arkernels.ops.sampling_cpu import fmix32_torch, row_key_torch, uniform_torch
+
 SPEC_SALT = 0x5BD1E995  # as in arkernels/triton/spec_sampling.py (tests check both streams against the reference)
 ACCEPT_COL = -1  # uint32 0xFFFFFFFF: the acceptance uniform's column
-
-
-# The hash on int32 holding uint32 bits: int32 multiplication wraps mod 2^32 like uint32, and a logical right shift
-# is an arithmetic one masked to the remaining bits.
-def _s32(c: int) -> int:
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
-def _low32(v: torch.Tensor) -> torch.Tensor:
-    lo = v & 0xFFFFFFFF
-    return (lo - ((lo >> 31) << 32)).to(torch.int32)
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _s32(0x85EBCA6B)
-    h = h ^ ((h >> 13) & 0x7FFFF)
-    h = h * _s32(0xC2B2AE35)
-    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def spec_key_torch(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """int64 seed and chain position ``step + j`` (broadcast together) -> the position's key (uint32 bits in int32):
     ``sample``'s row key of (seed, pos), then fmix32 of it XOR SPEC_SALT."""
-    a = _fmix32(_low32(seed) ^ 0x243F6A88)
-    a = _fmix32(a ^ _low32(seed >> 32))
-    a = _fmix32(a ^ _low32(pos))
-    a = _fmix32(a ^ _low32(pos >> 32))
-    return _fmix32(a ^ SPEC_SALT)
-
-
-def spec_uniform_torch(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Keys and columns (broadcast together) -> fp32 U in (0, 1), ``sample``'s column hash."""
-    h = _fmix32(cols.to(torch.int32) * _s32(0x9E3779B9) + key)
-    h = _fmix32(h ^ key)
-    return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * 5.9604644775390625e-08
+    seed, pos = torch.broadcast_tensors(seed, pos)
+    return fmix32_torch(row_key_torch(seed, pos) ^ SPEC_SALT)
 
 
 RACE_CUT = 1.25e-9  # exp(-20.5): a column below RACE_CUT * (the row's largest weight) can never win the race
@@ -55,7 +28,7 @@ def _race(w, key):
     the others are hashed and logged (the rest, often denormal, cost a log each: ~1 ms per 32k row)."""
     wmax = w.max(dim=1, keepdim=True).values
     rows, cols = ((w > 0) & (w >= wmax * RACE_CUT)).nonzero(as_tuple=True)
-    u = spec_uniform_torch(key[rows], cols)
+    u = uniform_torch(key[rows], cols)
     score = torch.full_like(w, float("-inf"))
     score[rows, cols] = torch.log(w[rows, cols]) - torch.log(-torch.log(u))
     return score.max(dim=1)
@@ -81,7 +54,7 @@ def spec_walk_cpu(p, q, draft_ids, temperature, seed, step):
     qt = torch.where(ok, 1.0 if q is None else q.gather(2, tc[..., None])[..., 0], 0.0)
     qt = torch.where(greedy[:, None], 0.0, qt)
     pos = step[:, None] + torch.arange(k)[None, :]
-    u = spec_uniform_torch(spec_key_torch(seed[:, None], pos), torch.tensor(ACCEPT_COL))
+    u = uniform_torch(spec_key_torch(seed[:, None], pos), torch.tensor(ACCEPT_COL))
     s = (u * qt < pt).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     # 2. the draw at position s: residual race and p race, lowest column among equal scores (torch.max's rule)

@@ -95,7 +95,7 @@ RACE_Z = tl.constexpr(-21.0)  # U in [2^-25, 1 - 2^-25]: -log(-log U) in [-2.85,
 # The random stream: uint32 hash of (seed, step, column) -> U in (0, 1), open at both ends.
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fmix32(h):
+def fmix32(h):
     # murmur3's finaliser: a bijection of uint32 with full avalanche
     h ^= h >> 16
     h *= 0x85EBCA6B
@@ -106,19 +106,19 @@ def _fmix32(h):
 
 
 @triton.jit
-def _row_key(seed, step):
+def row_key(seed, step):
     """seed, step: int64 scalars -> uint32 key of the row's stream."""
-    a = _fmix32(seed.to(tl.uint32) ^ 0x243F6A88)
-    a = _fmix32(a ^ (seed >> 32).to(tl.uint32))
-    a = _fmix32(a ^ step.to(tl.uint32))
-    a = _fmix32(a ^ (step >> 32).to(tl.uint32))
+    a = fmix32(seed.to(tl.uint32) ^ 0x243F6A88)
+    a = fmix32(a ^ (seed >> 32).to(tl.uint32))
+    a = fmix32(a ^ step.to(tl.uint32))
+    a = fmix32(a ^ (step >> 32).to(tl.uint32))
     return a
 
 
 @triton.jit
-def _uniform(key, cols):
-    h = _fmix32(cols.to(tl.uint32) * 0x9E3779B9 + key)
-    h = _fmix32(h ^ key)
+def uniform(key, cols):
+    h = fmix32(cols.to(tl.uint32) * 0x9E3779B9 + key)
+    h = fmix32(h ^ key)
     # 24 random bits + 0.5, times 2^-24: exact in fp32, never 0 or 1
     return ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
 
@@ -321,7 +321,7 @@ def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq,
             cols = offs
         z = tl.math.div_rn(x - m, T)
         keep = mask & (x >= tk) & (z >= tp) & (tl.exp(z) >= min_p)
-        score = tl.where(keep, z - tl.log(-tl.log(_uniform(key, cols))), float("-inf"))
+        score = tl.where(keep, z - tl.log(-tl.log(uniform(key, cols))), float("-inf"))
         bs = tl.max(score, axis=0)
         bi = tl.min(tl.where(keep & (score == bs), cols, 2147483647), axis=0)
         best_i = tl.where(bs > best, bi, best_i)
@@ -504,7 +504,7 @@ def sampling_compact_kernel(
         if split_race:
             ninf = tl.full((), float("-inf"), tl.float32)
             sc, col = _race(base, base, first, last, m, Tg, ninf, ninf, min_p,
-                            _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on,
+                            row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on,
                             STATE, BIAS, False, R * BLOCK)
             tl.store(rbest_ptr + row * S + s, sc)
             tl.store(rcol_ptr + row * S + s, col)
@@ -562,7 +562,7 @@ def sampling_draw_kernel(
     valid = m > float("-inf")
     best_i = arg  # greedy / invalid rows: the argmax (0 for a row with no finite logit)
     if valid & (T > 0):
-        key = _row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
+        key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
         n = tl.load(ncand_ptr + row)
         row_z = (k <= 0) | (k >= V)  # no top-k: the top-p mass is the row's Z, already merged
         if n >= 0:

@@ -32,38 +32,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from arkernels.triton.sampling import fmix32, row_key, uniform
+
 SPEC_SALT = tl.constexpr(0x5BD1E995)  # murmur2's multiplier: separates the op's streams from sample's
 ACCEPT_COL = tl.constexpr(-1)  # int32 -1 = uint32 0xFFFFFFFF: the acceptance uniform's column (vocab < 2^31)
 BLOCK = 2048  # columns per trip of the draw's streaming pass
 
 
 @triton.jit
-def _fmix32(h):
-    # murmur3's finaliser (sample's hash family): a bijection of uint32 with full avalanche
-    h ^= h >> 16
-    h *= 0x85EBCA6B
-    h ^= h >> 13
-    h *= 0xC2B2AE35
-    h ^= h >> 16
-    return h
-
-
-@triton.jit
 def _spec_key(seed, pos):
     """seed, pos: int64 scalars -> the uint32 key of chain position ``pos``: sample's row key, then salted."""
-    a = _fmix32(seed.to(tl.uint32) ^ 0x243F6A88)
-    a = _fmix32(a ^ (seed >> 32).to(tl.uint32))
-    a = _fmix32(a ^ pos.to(tl.uint32))
-    a = _fmix32(a ^ (pos >> 32).to(tl.uint32))
-    return _fmix32(a ^ SPEC_SALT)
-
-
-@triton.jit
-def _uniform(key, cols):
-    h = _fmix32(cols.to(tl.uint32) * 0x9E3779B9 + key)
-    h = _fmix32(h ^ key)
-    # 24 random bits + 0.5, times 2^-24: exact in fp32, never 0 or 1
-    return ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+    return fmix32(row_key(seed, pos) ^ SPEC_SALT)
 
 
 @triton.jit
@@ -90,7 +69,7 @@ def spec_sampling_kernel(p_ptr, q_ptr, draft_ptr, draft_stride, temp_ptr, seed_p
         else:
             qt = tl.where(ok, tl.load(q_ptr + (b * K + j) * V + tc), 0.0)
         qt = tl.where(greedy, 0.0, qt)
-        u = _uniform(_spec_key(seed, step + j), n * 0 + ACCEPT_COL)
+        u = uniform(_spec_key(seed, step + j), n * 0 + ACCEPT_COL)
         acc = alive & (u * qt < pt)
         n += acc.to(tl.int32)
         alive = acc
@@ -116,7 +95,7 @@ def spec_sampling_kernel(p_ptr, q_ptr, draft_ptr, draft_stride, temp_ptr, seed_p
         else:
             qv = tl.load(qrow + cols, mask=m & has_q, other=0.0)
         r = tl.maximum(pv - qv, 0.0)
-        g = tl.log(-tl.log(_uniform(key, cols)))
+        g = tl.log(-tl.log(uniform(key, cols)))
         sr = tl.where(m & (r > 0), tl.log(tl.where(r > 0, r, 1.0)) - g, float("-inf"))  # no log(0) computed
         sp = tl.where(m & (pv > 0), tl.log(tl.where(pv > 0, pv, 1.0)) - g, float("-inf"))
         mr = tl.max(sr, 0)
