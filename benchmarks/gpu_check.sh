@@ -107,12 +107,16 @@ for graphs in (False, True):
   declare -A extra=([int8_matmul]="--shapes 14336x4096 --ms 1 4 8 16 4096"
                     [decode]="--batches 1,32 --new-tokens 64 --methods patched+host,arkernels,arkernels+graphs"
                     [window_attention]="--short"
-                    [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024")
-  declare -A limit=([decode]=100 [window_attention]=150 [cb]=60)
+                    [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024"
+                    [spec_sampling]="--quick" [spec]="--new-tokens 64 --repeats 3")
+  declare -A limit=([decode]=100 [window_attention]=150 [cb]=60 [spec]=90)
   # (the default tiers up on CUDA too: patched-eager is its first calls, patched its steady state)
   step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host" \
     --methods static+compile,patched,patched-eager,patched+host,arkernels,arkernels+graphs,arkernels+compile
-  for b in paged_kv window_attention sampling int8_matmul cb decode; do
+  # spec_sampling: the fused acceptance op (--quick: the full sweep's fp64 reference checks outlast the budget);
+  # spec: prompt lookup in arkernels.generate vs the one-token loop, stock's and patched assisted loops (host-bound
+  # tiny model and SmolLM2 on the GPU)
+  for b in paged_kv window_attention sampling int8_matmul cb decode spec_sampling spec; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086
     step "bench_$b" "${limit[$b]:-60}" $PY "benchmarks/bench_$b.py" --out "$LOG/bench" ${extra[$b]:-}
