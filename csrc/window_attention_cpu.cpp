@@ -25,19 +25,6 @@
 namespace arkernels {
 namespace {
 
-// a . b over d floats in 8 independent partial sums, so the compiler vectorises it (one running sum is a
-// loop-carried dependency it may not reorder); the order of the additions is fixed, whatever the machine
-inline float dot8(const float* a, const float* b, int64_t d) {
-  float p[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t x = 0;
-  for (; x + 8 <= d; x += 8) {
-    for (int u = 0; u < 8; ++u) p[u] += a[x + u] * b[x + u];
-  }
-  float s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-  for (; x < d; ++x) s += a[x] * b[x];
-  return s;
-}
-
 // cache_t: scalar_t, or c10::Float8_e4m3fn (k_scale/v_scale then multiply each stored element; 1 otherwise).
 template <typename scalar_t, typename cache_t>
 void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -89,7 +76,9 @@ void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_ca
         // the key row dequantized once for the whole group (fp8: stored * k_scale, as the reference does)
         for (int64_t x = 0; x < d; ++x) row[x] = kFp8 ? static_cast<float>(kp[x]) * k_scale : static_cast<float>(kp[x]);
         for (int64_t g = 0; g < group; ++g) {
-          float s = dot8(q.data() + g * d, row.data(), d) * scale;
+          float s = 0.f;
+          for (int64_t x = 0; x < d; ++x) s += q[g * d + x] * row[x];
+          s *= scale;
           if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
           scores[g * n + (j - lo)] = s;
         }

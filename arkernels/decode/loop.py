@@ -147,19 +147,24 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
                        max_length=max(plan.prompt_lens) + plan.max_new_tokens, **plan.cache_options)
     cache.set_rows(B)
     try:
-        t0 = time.perf_counter()
         aux: dict = {}  # the last draw's logprobs (eager path)
+        spec = plan.lookup is not None or plan.assistant is not None
+        # (the one-token step's pinned buffers are made before the prefill: the decode loop then reads no host data
+        # but each step's token ids)
+        dec = None if spec else _one_token_step(model, plan, cache, cache_kw, aux)
+        t0 = time.perf_counter()
         first = _prefill(model, plan, cache, cache_kw, aux)
         result.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if plan.lookup is not None or plan.assistant is not None:
+        if spec:
             drafter = make_drafter(plan)
             try:
                 decode_spec(model, plan, cache, cache_kw, first, aux.pop("lp", None), result, drafter)
             finally:
                 drafter.close()
         else:
-            _decode_one_token(model, plan, cache, cache_kw, first, aux, result)
+            inflight = deque([(list(range(B)), dec.fetch(first), aux.pop("lp", None))])  # launched, not read yet
+            _decode(plan, cache, dec, inflight, aux, result)
         result.decode_s = time.perf_counter() - t0
     finally:
         if model.config._attn_implementation != saved_attn:
@@ -169,23 +174,18 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
     result.cache_blocks_in_use = cache.blocks_in_use
 
 
-def _decode_one_token(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, aux: dict,
-                      result: GenerateResult) -> None:
-    """The one-token decode loop: ``DecodeStep`` (eager) or ``StaticDecode`` (buffers, graphs, compile)."""
+def _one_token_step(model, plan: Plan, cache, cache_kw: str, aux: dict):
+    """The one-token decode step: ``DecodeStep`` (eager) or ``StaticDecode`` (buffers, graphs, compile)."""
     from arkernels.ops.sampling import sample
-
-    B = plan.rows
 
     def step_draw(lg, sd, st, hr):
         return draw(sample, lg, None, sd, st, **plan.sampling, idx=..., rules=plan.rules, rows=hr,
                     logprobs=plan.logprobs, logprobs_mode=plan.logprobs_mode, aux=aux)
 
     kind = StaticDecode if plan.cuda_graphs else DecodeStep
-    dec = kind(model, cache, cache_kw, B, plan.seed_list, step_draw,
-               capture=plan.cuda_graphs and plan.device.type == "cuda", compile=plan.compile,
-               token_state=None if plan.rules is None else plan.rules["token_state"])
-    inflight = deque([(list(range(B)), dec.fetch(first), aux.pop("lp", None))])  # launched, tokens not read yet
-    _decode(plan, cache, dec, inflight, aux, result)
+    return kind(model, cache, cache_kw, plan.rows, plan.seed_list, step_draw,
+                capture=plan.cuda_graphs and plan.device.type == "cuda", compile=plan.compile,
+                token_state=None if plan.rules is None else plan.rules["token_state"])
 
 
 def _prefill(model, plan: Plan, cache, cache_kw: str, aux: dict) -> torch.Tensor:
