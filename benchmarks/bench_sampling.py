@@ -173,10 +173,10 @@ def bench_penalties(args, dev, iters):
         extra = {}
         if dev != "cpu" or (os.environ.get("TRITON_INTERPRET") == "1" and batch == 1):
             # the Triton kernels' own pass counter with the rules on: they add no full-row pass
-            from arkernels.ops.sampling import _rules
+            from arkernels.ops.sampling import rule_tensors
 
             f = lambda v, dt=torch.float32: torch.full((batch,), v, dtype=dt, device=dev)  # noqa: E731
-            r = _rules("bench", logits, st, None, 0, 0, *PEN_RULES.values(), None)
+            r = rule_tensors("bench", logits, st, None, 0, 0, *PEN_RULES.values(), None)
             _, _, (ncand, npass) = sample_triton(logits, f(T0), f(50, torch.int32), f(0.9), f(0.0), seed, step, *r,
                                                  debug=True)
             extra = dict(passes=int(npass.max()), fast_share=float((ncand >= 0).float().mean()))
