@@ -126,6 +126,21 @@ def logit_bias_table(biases, vocab: int, *, device=None) -> torch.Tensor:
     return out.to(device) if device is not None else out
 
 
+def seed_and_step(op, seed, step, generator, batch: int, dev):
+    """The draw's stream keys as int64 ``[batch]`` on ``dev`` (every seeded op: ``sample``,
+    ``chain_speculative_sampling``): ``seed`` None draws one per row from ``generator``; floats and bools refused."""
+    if seed is None:
+        gdev = generator.device if generator is not None else dev
+        seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=gdev, generator=generator)
+    for name, value in (("seed", seed), ("step", step)):
+        bad = isinstance(value, (float, bool)) or (
+            isinstance(value, torch.Tensor) and (value.is_floating_point() or value.dtype == torch.bool))
+        if bad:
+            what = value.dtype if isinstance(value, torch.Tensor) else repr(value)  # built only on failure
+            expect(False, op, f"{name} must be an int or an int64 [batch] tensor, got {what}")
+    return per_row(op, "seed", seed, batch, torch.int64, dev), per_row(op, "step", step, batch, torch.int64, dev)
+
+
 def rule_tensors(op, logits, token_state, history_rows, new_tokens, min_new_tokens, repetition_penalty, frequency_penalty,
            presence_penalty, logit_bias):
     """The public token-rule arguments -> the op's ``(token_state, history, penalties, logit_bias)`` (all None when
@@ -339,17 +354,9 @@ def sample(
     op = "sample"
     t, k, p, mp = sampler_params(op, logits, temperature, top_k, top_p, min_p)
     batch, dev = logits.shape[0], logits.device
-    if seed is None:
-        gdev = generator.device if generator is not None else dev
-        seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=gdev, generator=generator)
-    for name, value in (("seed", seed), ("step", step)):
-        if isinstance(value, (float, bool)) or (isinstance(value, torch.Tensor) and value.is_floating_point()):
-            what = value.dtype if isinstance(value, torch.Tensor) else repr(value)  # built only on failure
-            expect(False, op, f"{name} must be an int or an int64 [batch] tensor, got {what}")
-    seed = per_row(op, "seed", seed, batch, torch.int64, dev)
-    step = per_row(op, "step", step, batch, torch.int64, dev)
+    seed, step = seed_and_step(op, seed, step, generator, batch, dev)
     st, hist, pen, bias = rule_tensors(op, logits, token_state, history_rows, new_tokens, min_new_tokens,
-                                 repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
+                                       repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     ids, valid = _ops.sample(logits, t, k, p, mp, seed, step, st, hist, pen, bias)
     return (ids, valid) if return_valid else ids
 

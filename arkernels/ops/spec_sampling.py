@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas live in csrc/torch_bindings.cpp)
-from arkernels.ops._checks import expect, per_row
-from arkernels.ops.sampling import rule_tensors, sampler_params, update_token_state
+from arkernels.ops._checks import expect
+from arkernels.ops.sampling import rule_tensors, sampler_params, seed_and_step, update_token_state
 from arkernels.ops.spec_sampling_cpu import spec_walk_cpu
 from arkernels.triton.spec_sampling_launch import spec_walk_triton
 
@@ -136,16 +136,7 @@ def chain_speculative_sampling(
     batch, kp1, vocab = _check_tensors(target_logits, draft_ids, draft_logits)
     dev = target_logits.device
     t, k, p, mp = sampler_params(OP, target_logits[:, 0], temperature, top_k, top_p, min_p)
-    if seed is None:
-        gdev = generator.device if generator is not None else dev
-        seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=gdev, generator=generator)
-    for name, value in (("seed", seed), ("step", step)):
-        integer = value.dtype not in _FLOATS + (torch.float64, torch.bool) if isinstance(value, torch.Tensor) else \
-            isinstance(value, int) and not isinstance(value, bool)
-        if not integer:  # the message only on failure: repr() of a tensor cannot be traced
-            expect(False, OP, f"{name} must be an int or an int64 [batch] tensor, got {value!r}")
-    seed = per_row(OP, "seed", seed, batch, torch.int64, dev)
-    step = per_row(OP, "step", step, batch, torch.int64, dev)
+    seed, step = seed_and_step(OP, seed, step, generator, batch, dev)
     rules = rule_tensors(OP, target_logits[:, 0], token_state, history_rows, new_tokens, min_new_tokens,
                          repetition_penalty, frequency_penalty, presence_penalty, logit_bias)
     tokens, accepted, valid = _ops.chain_speculative_sampling(target_logits, draft_logits, draft_ids, t, k, p, mp,
