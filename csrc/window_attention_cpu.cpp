@@ -1,10 +1,8 @@
 // window_attention on the CPU: the same schema and checks as csrc/window_attention.cu.
 //
-// Parallel over (query row, kv head): one task computes every query head of one GQA group for one query, so each
-// key/value row it reads serves all `group` query heads. Scores of the visible keys go to a scratch buffer
-// [group, n_visible] (fp32), then an exact two-pass softmax (max, then sum of exp) and the weighted sum of V rows,
-// all in fp32 whatever the input dtype. fp8 (float8_e4m3fn) caches: each key/value row is dequantized once per task
-// (stored * k_scale / v_scale, fp32) before it serves the group. Attention sinks join each head's max and sum as one
+// The kernel body (tasks, tiles, SIMD lanes) is in window_attention_cpu_kernels.h, compiled for the baseline ISA and
+// for AVX2 (bit-identical outputs; the width is picked at run time). fp8 (float8_e4m3fn) caches: each key/value row
+// is dequantized (stored * k_scale / v_scale, fp32) once per task. Attention sinks join each head's max and sum as one
 // more logit with no value; chunked attention only moves the first visible key (window_attention_first_key). The CPU
 // can afford to validate the data (block ids, cu_seqlens_q against seq_lens) at no sync cost, so it raises where the
 // CUDA kernel can only mask.
@@ -16,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -25,98 +25,64 @@
 namespace arkernels {
 namespace {
 
-// cache_t: scalar_t, or c10::Float8_e4m3fn (k_scale/v_scale then multiply each stored element; 1 otherwise).
-template <typename scalar_t, typename cache_t>
-void window_attention_cpu_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const int32_t* table, int64_t max_blocks, const int32_t* lens,
-                                 const int32_t* starts,  // [batch] or nullptr
-                                 const std::vector<int64_t>& row_batch, const std::vector<int64_t>& row_pos,
-                                 int64_t window, int64_t chunk_size, float scale, float softcap, float k_scale,
-                                 float v_scale, const float* sinks,  // [hq] or nullptr
-                                 at::Tensor& out, at::Tensor& lse) {
-  const int64_t rows = query.size(0), hq = query.size(1), d = query.size(2);
-  const int64_t hkv = k_cache.size(2), group = hq / hkv, block_size = k_cache.size(1);
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
-  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
-  constexpr bool kFp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();  // contiguous [rows, hq, d]
-  float* lse_ptr = lse.data_ptr<float>();      // contiguous [rows, hq]
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
-  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kRowChunk = 8;  // query rows of one sequence per task: each K/V row read serves all of them
 
-  at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * d), acc(group * d), scores, row(d);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / hkv, kvh = item % hkv;
-      const int64_t b = row_batch[r], i = row_pos[r];
-      const int64_t lo = window_attention_first_key<int64_t>(i, starts ? starts[b] : 0, window, chunk_size);
-      // i < seq_len always; keys past the block table's capacity are masked (the rule of every kernel, see
-      // window_attention.h), the query keeps its position
-      const int64_t hi = std::min<int64_t>({i, lens[b] - 1, max_blocks * block_size - 1});
-      const int64_t n = hi - lo + 1;
-      if (n <= 0) {  // no visible key: zeros and lse -inf (or the sink: its denominator), never NaN
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = kvh * group + g;
-          std::fill(o_ptr + (r * hq + h) * d, o_ptr + (r * hq + h + 1) * d, scalar_t(0));
-          lse_ptr[r * hq + h] = sinks ? sinks[h] : kNegInf;
-        }
-        continue;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + r * qs0 + (kvh * group + g) * qs1;
-        for (int64_t x = 0; x < d; ++x) q[g * d + x] = static_cast<float>(src[x]);
-      }
-      scores.resize(group * n);
-      for (int64_t j = lo; j <= hi; ++j) {
-        const int64_t blk = table[b * max_blocks + j / block_size];
-        const cache_t* kp = k_ptr + blk * ks0 + (j % block_size) * ks1 + kvh * ks2;
-        // the key row dequantized once for the whole group (fp8: stored * k_scale, as the reference does)
-        for (int64_t x = 0; x < d; ++x) row[x] = kFp8 ? static_cast<float>(kp[x]) * k_scale : static_cast<float>(kp[x]);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = 0.f;
-          for (int64_t x = 0; x < d; ++x) s += q[g * d + x] * row[x];
-          s *= scale;
-          if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
-          scores[g * n + (j - lo)] = s;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> inv(group), mx(group);
-      for (int64_t g = 0; g < group; ++g) {
-        // The sink is one more logit in the max and the sum, with no value row.
-        const float sink = sinks ? sinks[kvh * group + g] : kNegInf;
-        float m = sink;
-        for (int64_t x = 0; x < n; ++x) m = std::max(m, scores[g * n + x]);
-        float l = sinks ? std::exp(sink - m) : 0.f;  // 0 for a -inf sink (m is finite: n > 0 keys)
-        for (int64_t x = 0; x < n; ++x) {
-          const float p = std::exp(scores[g * n + x] - m);
-          scores[g * n + x] = p;
-          l += p;
-        }
-        mx[g] = m;
-        inv[g] = 1.f / l;  // l >= 1: the max term contributes exp(0)
-        lse_ptr[r * hq + kvh * group + g] = m + std::log(l);
-      }
-      for (int64_t j = lo; j <= hi; ++j) {
-        const int64_t blk = table[b * max_blocks + j / block_size];
-        const cache_t* vp = v_ptr + blk * vs0 + (j % block_size) * vs1 + kvh * vs2;
-        for (int64_t x = 0; x < d; ++x) row[x] = kFp8 ? static_cast<float>(vp[x]) * v_scale : static_cast<float>(vp[x]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + (j - lo)];
-          float* a = acc.data() + g * d;
-          for (int64_t x = 0; x < d; ++x) a[x] += p * row[x];
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = o_ptr + (r * hq + kvh * group + g) * d;
-        for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(acc[g * d + x] * inv[g]);
-      }
-    }
-  });
+// Stored element -> fp32 (fp8: stored * scale, as the reference does).
+template <typename cache_t>
+inline float cache_to_float(cache_t v, float scale) {
+  if constexpr (std::is_same_v<cache_t, c10::Float8_e4m3fn>) return static_cast<float>(v) * scale;
+  return static_cast<float>(v);
 }
+
+// A task's query rows: rows [r0, r1) of sequence b (consecutive positions), for one KV head.
+struct RowChunk {
+  int64_t b, r0, r1;
+};
+
+// The call's tensors and parameters, as every task reads them. cache_t: scalar_t, or c10::Float8_e4m3fn (k_scale /
+// v_scale then multiply each stored element; 1 otherwise).
+template <typename scalar_t, typename cache_t>
+struct CpuAttn {
+  const scalar_t* q;  // [rows, hq, d], strides qs0, qs1 (the last one 1)
+  int64_t qs0, qs1;
+  const cache_t* k;  // [num_blocks, block_size, hkv, d]
+  int64_t ks0, ks1, ks2;
+  const cache_t* v;
+  int64_t vs0, vs1, vs2;
+  const int32_t* table;  // [batch, max_blocks], contiguous
+  int64_t max_blocks, block_size;
+  const int32_t* lens;    // [batch]
+  const int32_t* starts;  // [batch] or nullptr
+  const int64_t* row_pos;  // [rows]: each query row's absolute position
+  int64_t hq, hkv, group, d, window, chunk_size;
+  float scale, softcap, k_scale, v_scale;
+  const float* sinks;  // [hq] or nullptr
+  scalar_t* out;       // contiguous [rows, hq, d]
+  float* lse;          // contiguous [rows, hq]
+
+  const cache_t* k_row(int64_t b, int64_t j, int64_t kvh) const {
+    return k + table[b * max_blocks + j / block_size] * ks0 + (j % block_size) * ks1 + kvh * ks2;
+  }
+  const cache_t* v_row(int64_t b, int64_t j, int64_t kvh) const {
+    return v + table[b * max_blocks + j / block_size] * vs0 + (j % block_size) * vs1 + kvh * vs2;
+  }
+};
+
+namespace baseline {
+constexpr int64_t kLanes = 4;
+#include "window_attention_cpu_kernels.h"
+}  // namespace baseline
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ARKERNELS_CPU_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace avx2 {
+constexpr int64_t kLanes = 8;
+#include "window_attention_cpu_kernels.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
 
 }  // namespace
 
@@ -147,7 +113,8 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
   const int32_t* starts = kv_start.has_value() ? starts_t.data_ptr<int32_t>() : nullptr;
 
   // Each query row's sequence and absolute position; the data checks the CUDA kernel cannot afford.
-  std::vector<int64_t> row_batch(rows), row_pos(rows);
+  std::vector<int64_t> row_pos(rows);
+  std::vector<RowChunk> chunks;
   at::Tensor cu_t;
   const int32_t* cu = nullptr;
   if (cu_seqlens_q.has_value()) {
@@ -177,10 +144,8 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
       AK_CHECK("window_attention", q_len <= max_q_len, "max_q_len = ", max_q_len, " is smaller than sequence ", b,
                "'s query count ", q_len);
     }
-    for (int64_t t = 0; t < q_len; ++t) {
-      row_batch[first + t] = b;
-      row_pos[first + t] = len - q_len + t;
-    }
+    for (int64_t t = 0; t < q_len; ++t) row_pos[first + t] = len - q_len + t;
+    for (int64_t t = 0; t < q_len; t += kRowChunk) chunks.push_back({b, first + t, first + std::min(q_len, t + kRowChunk)});
   }
 
   at::Tensor sinks_t;
@@ -193,16 +158,30 @@ std::tuple<at::Tensor, at::Tensor> window_attention_cpu(const at::Tensor& query,
 
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   const float ks = fp8 ? k_scale->data_ptr<float>()[0] : 1.f, vs = fp8 ? v_scale->data_ptr<float>()[0] : 1.f;
+#ifdef ARKERNELS_CPU_AVX2
+  // ARKERNELS_CPU_ISA=baseline forces the baseline build (the tests compare the two bit for bit).
+  const char* isa = std::getenv("ARKERNELS_CPU_ISA");
+  const bool use_avx2 = __builtin_cpu_supports("avx2") && !(isa && std::string(isa) == "baseline");
+#endif
   AK_DISPATCH_FLOAT(query.scalar_type(), "window_attention_cpu", [&] {
+    auto run = [&](auto cache_zero) {
+      using cache_t = decltype(cache_zero);
+      const CpuAttn<scalar_t, cache_t> a{query.data_ptr<scalar_t>(), query.stride(0), query.stride(1),
+                                         k_cache.data_ptr<cache_t>(), k_cache.stride(0), k_cache.stride(1),
+                                         k_cache.stride(2), v_cache.data_ptr<cache_t>(), v_cache.stride(0),
+                                         v_cache.stride(1), v_cache.stride(2), table_ptr, max_blocks, block_size,
+                                         lens, starts, row_pos.data(), hq, k_cache.size(2), hq / k_cache.size(2), d,
+                                         window, chunk_size, static_cast<float>(scale), static_cast<float>(softcap),
+                                         ks, vs, sinks_ptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
+#ifdef ARKERNELS_CPU_AVX2
+      if (use_avx2) return avx2::window_attention_cpu_kernel(a, chunks);
+#endif
+      baseline::window_attention_cpu_kernel(a, chunks);
+    };
     if (fp8) {
-      window_attention_cpu_kernel<scalar_t, c10::Float8_e4m3fn>(
-          query, k_cache, v_cache, table_ptr, max_blocks, lens, starts, row_batch, row_pos, window, chunk_size,
-          static_cast<float>(scale), static_cast<float>(softcap), ks, vs, sinks_ptr, out, lse);
+      run(c10::Float8_e4m3fn());
     } else {
-      window_attention_cpu_kernel<scalar_t, scalar_t>(query, k_cache, v_cache, table_ptr, max_blocks, lens, starts,
-                                                      row_batch, row_pos, window, chunk_size,
-                                                      static_cast<float>(scale), static_cast<float>(softcap), 1.f,
-                                                      1.f, sinks_ptr, out, lse);
+      run(scalar_t());
     }
   });
   return {out, lse};
