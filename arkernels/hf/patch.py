@@ -5,7 +5,8 @@ that undoes them.
 - attention: our attention + mask functions registered under ``arkernels.hf.attention.NAME`` and selected on this
   model's config (``set_attn_implementation``); the registries are global, the selection is per instance.
 - cache: the paged cache and its compiled decode step (``arkernels.hf.cache_hook``).
-- sampler: the fused draw in place of transformers' warpers and token rules (``arkernels.hf.sampler_hook``).
+- sampler: the fused draw in place of transformers' warpers and token rules (``arkernels.hf.sampler_hook``), and the
+  fused acceptance of a sampling draft model's tokens (``arkernels.hf.spec_hook``).
 
 A call none of them can serve exactly (``output_attentions=True``, training mode) runs as the unpatched model would,
 for that call (``arkernels.hf.stock_call``); a vision or audio tower keeps the model's own attention.
@@ -18,6 +19,7 @@ import torch
 
 from arkernels.hf.cache_hook import (COMPILE_AFTER, Tier, wrap_cache, wrap_compile_criteria, wrap_compiled_call,
                                     wrap_masks)
+from arkernels.hf import spec_hook
 from arkernels.hf.sampler_hook import wrap_logits_processor
 
 _PATCH_ATTR = "_arkernels_patch"
@@ -32,6 +34,7 @@ class PatchHandle:
         self._attrs = attrs
         self._shadowed = shadowed or {}  # instance attributes a hook replaced (accelerate's forward): put back
         self._fuse = fuse_handle  # arkernels.fuse.FuseHandle when patch(fuse=True)
+        self._spec_hook = "_get_logits_processor" in attrs  # the sampler's pieces hold spec_hook's module attribute
         self.active = True
 
     def undo(self) -> None:
@@ -42,6 +45,8 @@ class PatchHandle:
             from arkernels.hf.cb import unhook_continuous_batching
 
             unhook_continuous_batching(model)  # first: it stops a CB session still running on our attention
+        if self._spec_hook:
+            spec_hook.release()
         for name in self._attrs:
             model.__dict__.pop(name, None)  # the class method shows through again
         model.__dict__.update(self._shadowed)
@@ -186,6 +191,11 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
         attrs += ["get_compiled_call", "create_masks_for_generate", "_valid_auto_compile_criteria"]
     if sampler:
         model._get_logits_processor = wrap_logits_processor(model._get_logits_processor, state, sampler)
+        if "generate" not in attrs:  # attention=False: generate is not wrapped yet
+            shadowed.update({"generate": model.__dict__["generate"]} if "generate" in model.__dict__ else {})
+            attrs.append("generate")
+        model.generate = spec_hook.wrap_generate(model, model.generate, state, sampler)
+        spec_hook.hold()
         attrs.append("_get_logits_processor")
     handle = PatchHandle(model, saved_attn, attrs, fuse_handle, shadowed)
     model.__dict__[_PATCH_ATTR] = handle

@@ -206,7 +206,7 @@ def _fused_rules(processors):
     return _HFRules(list(processors), repetition, ignore, bias, banned, suppressed, eos or [], min_len)
 
 
-def _sampler_serves(sampler: bool | str, do_sample: bool, device) -> bool:
+def sampler_serves(sampler: bool | str, do_sample: bool, device) -> bool:
     """Whether the fused draw may replace this call's processors: ``sampler=True`` always (where exact), "auto" only
     for sampling on a CUDA device (see ``patch``)."""
     if sampler == "auto":
@@ -224,7 +224,7 @@ def wrap_logits_processor(original, state: dict, sampler: bool | str = True):
         bound = signature.bind(*args, **kwargs).arguments
         config = bound["generation_config"]
         device = bound.get("device") or getattr(getattr(original, "__self__", None), "device", None)
-        if not _sampler_serves(sampler, config.do_sample, device):
+        if not sampler_serves(sampler, config.do_sample, device):
             return processors
         # only plain sampling / greedy: beams draw several candidates from the warped scores, assisted decoding
         # compares distributions, output_scores returns the warped scores: a one-hot row would change all three
