@@ -63,7 +63,7 @@ LAUNCH = {
     "sampling_stats_kernel": dict(num_warps=16),
     # the draw (the row's last program) holds [SEARCH_BLOCK, PIVOTS] tiles: 8 warps keep it spill-free (at 16 warps
     # ptxas caps registers at 64 and spills)
-    "sampling_compact_kernel": dict(num_warps=8),
+    "sampling_compact_kernel": dict(num_warps=8, maxnreg=168),
     "sampling_probs_kernel": dict(num_warps=8),
     "sampling_rules_kernel": dict(num_warps=8),
 }
