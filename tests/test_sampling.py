@@ -512,6 +512,23 @@ def test_sample_is_two_launches_and_leaves_the_workspace_at_zero(monkeypatch):
     assert len(launched) == 2 and not ws.tickets.any()
 
 
+def test_row_mass_where_used_at_temperature_one_and_not():
+    """The stats pass sums the row's mass only for top-p without top-k, without the division at T 1 (x / 1 is x):
+    top-p alone at T 1 and at T 0.7 on the fast path and the fallback draws the CPU op's tokens, in the
+    reference's kept set (a mass summed wrong moves the cutoff and the top-p threshold)."""
+    V, n = 3001, 4
+    x = _logits(n, V, seed=71, scale=3.0)
+    for t in (1.0, 0.7):
+        T, k, mp = torch.full((n,), t), torch.zeros(n, dtype=torch.int32), torch.zeros(n)
+        p = torch.tensor([_safe_top_p(x[i], t, 0, p0) for i, p0 in enumerate((0.5, 0.8, 0.9, 0.95))])
+        seed, step = torch.arange(n) + 5, torch.zeros(n, dtype=torch.int64)
+        kept = sampling_probs_ref(x, T, k, p, mp) > 0
+        fast, _, (ncand, _) = sample_triton(x, T, k, p, mp, seed, step, debug=True)
+        slow, _ = sample_triton(x, T, k, p, mp, seed, step, cap=1)
+        assert (ncand > 0).all() and torch.equal(fast, slow) and kept.gather(1, fast[:, None]).all()
+        assert torch.equal(fast, _sample("op", x, T, k, p, mp, seed, step)[0])
+
+
 @pytest.mark.cuda
 def test_cuda_sample_is_two_launches():
     """On a GPU (skipped without one): one ``arkernels.sample`` call at batch 1 and 256, rules off, is two device

@@ -59,7 +59,7 @@ class _Workspace:
         if self.rows < batch:
             if self.tickets is not None:
                 self.retired.append((self.tickets, self.rhist))
-            self.rows = max(batch, 16)
+            self.rows = triton.cdiv(max(batch, 1), 16) * 16  # the compaction tickets stay 16-byte aligned
             self.tickets = torch.zeros(2 * self.rows, dtype=torch.int64, device=device)
             self.rhist = torch.zeros(self.rows, NB.value, dtype=torch.int32, device=device)
         self.epoch = self.epoch % EPOCH_MAX + 1
