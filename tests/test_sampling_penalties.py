@@ -527,8 +527,9 @@ for fn, consts in jobs:
                                   os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spill = [int(v) for v in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
-        out.append([fn.__name__, c.get("R"), state, bias, len(k.asm["cubin"]), regs, spill,
-                    k.asm["ptx"].count("bar.sync")])
+        ptx = k.asm["ptx"]
+        out.append([fn.__name__, c.get("R"), state, bias, len(k.asm["cubin"]), regs, spill, ptx.count("bar.sync"),
+                    ptx.count("atom.global.gpu.acq_rel.add.u64"), ptx.count("atom.global.gpu.relaxed.add.u32")])
 print(json.dumps(out))
 """
 
@@ -549,7 +550,12 @@ def test_triton_kernels_compile_for_sm90():
     built = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(built) == 3 * 3 + 3 * 3 + 2 * 3 and all(b[4] > 0 for b in built)
     spilled = [b for b in built if b[6] != [0, 0]]
-    assert not spilled, spilled  # [kernel, R, STATE, BIAS, cubin bytes, registers, spill stores/loads, bar.sync]
+    assert not spilled, spilled  # [kernel, R, STATE, BIAS, cubin bytes, registers, spill stores/loads, bar.sync, ...]
+    # sample's two kernels each take one ticket per program (the row's last one goes on); the stats kernel adds its
+    # histogram into the row's with global atomics (no merge kernel)
+    two = [b for b in built if b[0] in ("sampling_stats_kernel", "sampling_compact_kernel")]
+    assert len(two) == 18 and all(b[8] == 1 for b in two), two
+    assert all(b[9] > 0 for b in two if b[0] == "sampling_stats_kernel"), two
 
 
 def test_patched_num_return_sequences_draw_distinct_samples(llama):

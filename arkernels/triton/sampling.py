@@ -329,12 +329,9 @@ def _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, T, NCP: tl.constexpr):
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
 def _last_program(ticket_ptr, epoch):
-    """Take this program's ticket for its row: True for the last of the ``num_programs(1)`` to arrive, which then
-    owns the row's remaining work; the ticket is left at 0. int8_matmul's split-K ticket protocol (see its
-    ``_is_last_split``): an int64 ``(epoch << 32) | count``; a program that finds another tag (0, or an aborted
-    launch's) claims it for its own epoch by compare-and-swap; the barrier puts every thread's stores before the
-    single-thread acquire-release atomic (the threadfence-reduction idiom), whose acquire orders the last program's
-    loads of the other programs' results after their releases."""
+    """True for the last of the row's ``num_programs(1)`` to take its ticket (left at 0); int8_matmul's split-K
+    protocol (``_is_last_split``): an int64 ``(epoch << 32) | count``, another tag (0, an aborted launch's) claimed by
+    compare-and-swap; the barrier puts all threads' stores before the single-thread acquire-release atomic."""
     tl.debug_barrier()
     old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     mine = old + 1
@@ -571,11 +568,9 @@ def _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, ste
           NCHUNK, CAP, S, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
           MAX_PASSES: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
           STATE: tl.constexpr, BIAS: tl.constexpr):
-    """The row's token: the exact top-k / top-p / min-p thresholds and the race on the ``n`` candidates (fast
-    path), the merge of the programs' race winners (``n`` -2), or the full-row search (``n`` -1). The candidate
-    and the full-row paths give the same token: top-k counts are exact on either set and the race scores are the
-    same floats; only the top-p mass is summed in another order, so they can differ only for a top_p within fp32
-    rounding of a decision boundary, as CPU and GPU can."""
+    """The row's token: thresholds and race on the ``n`` candidates (fast path), the merge of the programs' race
+    winners (``n`` -2), or the full-row search (``n`` -1): the same token (top-k counts exact on either set, the same
+    race scores; only the top-p mass summed in another order: a top_p within fp32 rounding of a boundary)."""
     T = tl.load(temp_ptr + row)
     k = tl.load(topk_ptr + row)
     p = tl.load(topp_ptr + row)
