@@ -18,6 +18,10 @@ Each (setting, vocab)'s kept set is checked against the float64 reference (two r
 GPU goals (issue 13, H200): vocab 128k batch 1 top-k + top-p <= 25 us; batch 256 >= 5x the sort path and
 >= 50% of HBM bandwidth (4.3 TB/s) for one read of the logits.
 
+Headline case (``--headline``, ``bench_sampling_headline``; gpu_check runs it first): vocab 128256 fp32, batch 1 and
+256, every setting, ``arkernels.sample`` captured in a CUDA graph and replayed (the device time of its two launches,
+without the Python wrapper's host time) next to the eager call; on the CPU it only runs the eager CPU op.
+
 Penalties case (``bench_sampling_penalties``): vocab 128256, batch 1 and 256, a 4096-token history per row (prompt
 3072 + 1024 generated), T 0.8 + top-k 50 + top-p 0.9 with repetition 1.1, frequency 0.2, presence 0.1, against
 ``hf+torch`` (transformers' RepetitionPenaltyLogitsProcessor over the 4096 input ids, vLLM's frequency / presence
@@ -192,9 +196,45 @@ def bench_penalties(args, dev, iters):
     return rows
 
 
+HEADLINE_VOCAB, HEADLINE_BATCHES = 128256, (1, 256)
+
+
+def bench_headline(dev, iters):
+    """``sample`` at the issues' headline shapes: eager and CUDA-graph replayed (us per call)."""
+    rows = []
+    for batch in HEADLINE_BATCHES:
+        logits = _logits(batch, HEADLINE_VOCAB, dev)
+        seed, step = torch.arange(batch, device=dev), torch.zeros(batch, dtype=torch.int64, device=dev)
+        for name, (T, k, p, mp) in SETTINGS.items():
+            run = lambda: arkernels.sample(logits, temperature=T, top_k=k, top_p=p, min_p=mp,  # noqa: E731
+                                           seed=seed, step=step)
+            times = {"eager": timeit(run, iters=iters, device=dev)}
+            if dev != "cpu":
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    run()  # compile and allocate (the stream's ticket workspace too) outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: no zero fill captured
+                    run()
+                times["graph"] = timeit(graph.replay, iters=iters, device=dev)
+            for impl, t in times.items():
+                rows.append(dict(setting=name, vocab=HEADLINE_VOCAB, batch=batch, impl=impl, us=t * 1e6,
+                                 gbps=logits.numel() * logits.element_size() / t / 1e9, device=device_name(dev)))
+    return rows
+
+
 def main():
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--headline", action="store_true", help="only vocab 128256 at batch 1 and 256, eager and graphed")
+    args = p.parse_args()
     dev = args.device
+    if args.headline:
+        rows = bench_headline(dev, 50 if dev != "cpu" else 2)
+        write_results(rows, args.out, "bench_sampling_headline")
+        print_table(rows, ["setting", "vocab", "batch", "impl", "us", "gbps"])
+        return
     if dev == "cpu":
         torch.set_num_threads(1)  # CI's 2 cores are shared: one thread per implementation is the steadier measure
     vocabs, batches = (QUICK_VOCABS, QUICK_BATCHES) if args.quick else (VOCABS, BATCHES)

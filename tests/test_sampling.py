@@ -14,9 +14,9 @@ from scipy import stats
 import arkernels
 from arkernels.ops.sampling_cpu import row_key_torch, uniform_torch
 from arkernels.reference.sampling import sample_ref, sampling_probs_ref
-from arkernels.triton.sampling import MAX_SPLITS, STATS_BLOCK, TILE_CHUNKS
+from arkernels.triton.sampling import MAX_SPLITS, STATS_BLOCK, TILE_CHUNKS, sampling_stats_kernel
 from arkernels.triton.sampling_launch import (TARGET_PROGRAMS, sample_triton, sampling_probs_triton, sampling_splits,
-                                              sampling_tile_chunks)
+                                              sampling_tile_chunks, sampling_workspace)
 from conftest import DEVICES
 
 VOCABS = [111, 32003]  # odd small vocab, and a 32k-scale one (not a power of two)
@@ -468,6 +468,90 @@ def test_several_programs_per_row_draw_what_one_program_draws():
         assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[2][0], got[0][2][0]) and
                    torch.equal(g[2][1], got[0][2][1]) for g in got)
         assert got[0][2][0][0] > 0 and got[0][2][1][0] == 2
+
+
+def _count_launches(monkeypatch):
+    """The names of the Triton kernels launched from now on (the interpreter's launch entry point, counted)."""
+    launched = []
+    cls = type(sampling_stats_kernel)
+    run = cls.run
+
+    def counted(self, *args, **kwargs):
+        launched.append(self.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "run", counted)
+    return launched
+
+
+def test_sample_is_two_launches_and_leaves_the_workspace_at_zero(monkeypatch):
+    """Issue 34: ``sample`` is two launches per call, stats (+ the row's cutoff) and compaction (+ the draw), on
+    every path: several programs per row (tickets) or one, fast path, fallback, split race, greedy, rules on; the
+    tokens are the CPU op's, and each row's last programs leave the tickets and the row histograms at 0. A ticket
+    left stale under another epoch (an aborted launch's) is claimed and the draw is unchanged."""
+    launched = _count_launches(monkeypatch)
+    V = 9000
+    x, T, k, p, mp = _regime_rows(V, seed=61)
+    seed, step = torch.arange(7) * 13 + 2, torch.full((7,), 3)
+    want = _sample("op", x, T, k, p, mp, seed, step)[0]
+    ws, seen = sampling_workspace(torch.device("cpu")), set()
+    for rows, splits, cap in ((slice(1, 2), None, FAST_CAP), (slice(0, 7), None, FAST_CAP), (slice(0, 7), None, 1),
+                              (slice(0, 7), 1, FAST_CAP)):
+        launched.clear()
+        args = (x[rows], T[rows], k[rows], p[rows], mp[rows], seed[rows], step[rows])
+        ids, valid, (ncand, _) = sample_triton(*args, cap=cap, splits=splits, debug=True)
+        assert launched == ["sampling_stats_kernel", "sampling_compact_kernel"]
+        assert torch.equal(ids, want[rows]) and valid.all()
+        assert not ws.tickets.any() and not ws.rhist.any()
+        seen.update(ncand.tolist())
+    assert {0, -1, -2} < seen and max(seen) > 0  # greedy, fallback, split race and fast-path rows all ran
+    ws.tickets[:7] = (ws.epoch + 5) << 32 | 3  # 3 programs of another launch arrived, its last never did
+    ws.tickets[ws.rows:ws.rows + 7] = (ws.epoch + 5) << 32 | 2
+    launched.clear()
+    assert torch.equal(sample_triton(x, T, k, p, mp, seed, step, cap=1)[0], want)
+    assert len(launched) == 2 and not ws.tickets.any()
+
+
+def test_row_mass_where_used_at_temperature_one_and_not():
+    """The stats pass sums the row's mass only for top-p without top-k, without the division at T 1 (x / 1 is x):
+    top-p alone at T 1 and at T 0.7 on the fast path and the fallback draws the CPU op's tokens, in the
+    reference's kept set (a mass summed wrong moves the cutoff and the top-p threshold)."""
+    V, n = 3001, 4
+    x = _logits(n, V, seed=71, scale=3.0)
+    for t in (1.0, 0.7):
+        T, k, mp = torch.full((n,), t), torch.zeros(n, dtype=torch.int32), torch.zeros(n)
+        p = torch.tensor([_safe_top_p(x[i], t, 0, p0) for i, p0 in enumerate((0.5, 0.8, 0.9, 0.95))])
+        seed, step = torch.arange(n) + 5, torch.zeros(n, dtype=torch.int64)
+        kept = sampling_probs_ref(x, T, k, p, mp) > 0
+        fast, _, (ncand, _) = sample_triton(x, T, k, p, mp, seed, step, debug=True)
+        slow, _ = sample_triton(x, T, k, p, mp, seed, step, cap=1)
+        assert (ncand > 0).all() and torch.equal(fast, slow) and kept.gather(1, fast[:, None]).all()
+        assert torch.equal(fast, _sample("op", x, T, k, p, mp, seed, step)[0])
+
+
+@pytest.mark.cuda
+def test_cuda_sample_is_two_launches():
+    """On a GPU (skipped without one): one ``arkernels.sample`` call at batch 1 and 256, rules off, is two device
+    operations in the profiler (kernels, memsets and copies counted): no stand-in or zero fill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in (1, 256):
+        x = torch.randn(batch, 128256, device="cuda")
+        seed = torch.arange(batch, device="cuda")
+        run = lambda: arkernels.sample(x, temperature=0.8, top_k=50, top_p=0.9, seed=seed)  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        t = torch.tensor([0.8] * batch, device="cuda")
+        k = torch.full((batch,), 50, dtype=torch.int32, device="cuda")
+        p, mp = torch.full((batch,), 0.9, device="cuda"), torch.zeros(batch, device="cuda")
+        step = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        sample_triton(x, t, k, p, mp, seed, step)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sample_triton(x, t, k, p, mp, seed, step)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert len(names) == 2 and all("sampling_" in n for n in names), names
 
 
 def test_programs_per_row_plan():

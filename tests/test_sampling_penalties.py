@@ -500,14 +500,14 @@ import arkernels.triton.sampling as S
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 INT_PTRS = {"topk_ptr": "*i32", "carg_ptr": "*i32", "hist_ptr": "*i32", "rhist_ptr": "*i32", "passes_ptr": "*i32",
             "state_ptr": "*i32", "hrow_ptr": "*i64", "seed_ptr": "*i64", "step_ptr": "*i64", "cidx_ptr": "*i32",
-            "ncand_ptr": "*i32", "rcol_ptr": "*i32", "ids_ptr": "*i64", "valid_ptr": "*i1", "logits_ptr": "*bf16"}
+            "ncand_ptr": "*i32", "rcol_ptr": "*i32", "ids_ptr": "*i64", "valid_ptr": "*i1", "logits_ptr": "*bf16",
+            "ticket_ptr": "*i64", "cut_ptr": "*i32", "off_ptr": "*i32"}
 search = dict(SEARCH_BLOCK=S.SEARCH_BLOCK, P=S.PIVOTS, MAX_PASSES=S.MAX_PASSES)
-jobs = [(S.sampling_stats_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, DEBUG=False)) for r in (1, 2, S.TILE_CHUNKS)]
-jobs += [(S.sampling_compact_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, NCP=128, SP=S.MAX_SPLITS, DEBUG=False))
-         for r in (1, 2, S.TILE_CHUNKS)]
-jobs += [(S.sampling_merge_kernel, dict(SP=S.MAX_SPLITS, W=S.MERGE_TILE // S.MAX_SPLITS)),
-         (S.sampling_draw_kernel, dict(BLOCK=S.DRAW_BLOCK, NCP=128, SP=S.MAX_SPLITS, DEBUG=False, **search)),
-         (S.sampling_probs_kernel, dict(BLOCK=S.DRAW_BLOCK, **search)),
+jobs = [(S.sampling_stats_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, NCP=128, SP=S.MAX_SPLITS, DEBUG=False))
+        for r in (1, 2, S.TILE_CHUNKS)]
+jobs += [(S.sampling_compact_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, DRAW_BLOCK=S.DRAW_BLOCK, NCP=128, SP=S.MAX_SPLITS,
+                                          DEBUG=False, **search)) for r in (1, 2, S.TILE_CHUNKS)]
+jobs += [(S.sampling_probs_kernel, dict(BLOCK=S.DRAW_BLOCK, **search)),
          (S.sampling_rules_kernel, dict(BLOCK=S.DRAW_BLOCK))]
 out = []
 for fn, consts in jobs:
@@ -527,8 +527,9 @@ for fn, consts in jobs:
                                   os.path.join(d, "k.o")], capture_output=True, text=True, check=True).stderr
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spill = [int(v) for v in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
-        out.append([fn.__name__, c.get("R"), state, bias, len(k.asm["cubin"]), regs, spill,
-                    k.asm["ptx"].count("bar.sync")])
+        ptx = k.asm["ptx"]
+        out.append([fn.__name__, c.get("R"), state, bias, len(k.asm["cubin"]), regs, spill, ptx.count("bar.sync"),
+                    ptx.count("atom.global.gpu.acq_rel.add.u64"), ptx.count("atom.global.gpu.relaxed.add.u32")])
 print(json.dumps(out))
 """
 
@@ -547,9 +548,14 @@ def test_triton_kernels_compile_for_sm90():
         pytest.skip("no ptxas (Triton's wheel ships one)")
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(built) == 3 * 3 + 3 * 3 + 1 + 3 * 3 and all(b[4] > 0 for b in built)
+    assert len(built) == 3 * 3 + 3 * 3 + 2 * 3 and all(b[4] > 0 for b in built)
     spilled = [b for b in built if b[6] != [0, 0]]
-    assert not spilled, spilled  # [kernel, R, STATE, BIAS, cubin bytes, registers, spill stores/loads, bar.sync]
+    assert not spilled, spilled  # [kernel, R, STATE, BIAS, cubin bytes, registers, spill stores/loads, bar.sync, ...]
+    # sample's two kernels each take one ticket per program (the row's last one goes on); the stats kernel adds its
+    # histogram into the row's with global atomics (no merge kernel)
+    two = [b for b in built if b[0] in ("sampling_stats_kernel", "sampling_compact_kernel")]
+    assert len(two) == 18 and all(b[8] == 1 for b in two), two
+    assert all(b[9] > 0 for b in two if b[0] == "sampling_stats_kernel"), two
 
 
 def test_patched_num_return_sequences_draw_distinct_samples(llama):

@@ -5,34 +5,19 @@ What it computes: for every row of ``logits [batch, vocab]`` (fp32/fp16/bf16, ro
 ``stride_row``, columns contiguous) either one token id (``sample``) or the filtered, renormalised fp32
 distribution (``sampling_probs``), with transformers' semantics (see arkernels/ops/sampling.py).
 
-``sample``: four kernels (three at one program per row), two full-row passes on the fast path.
-  1. ``sampling_stats_kernel``, grid ``(batch, splits)``: ``splits = sampling_splits(batch, vocab)`` programs
-     share a row (about TARGET_PROGRAMS in all, <= MAX_SPLITS: 63 for one 128k row, 1 from batch 133 on),
-     each over whole chunks of STATS_BLOCK columns, R = TILE_CHUNKS (4) chunks per loop trip as one [R, 1024]
-     tile: R chunks' loads in flight, the per-chunk reductions along axis 1 and one histogram per trip. Per
-     chunk: max, argmax, ``sum exp((x - chunk max) / T)``; per program: the suffix counts of a histogram of
-     the top 12 bits of the order-preserving fp32 key (NB = 4096 buckets, 16 KB). Chunk partials, not
-     program partials, so a row's floats never depend on the batch around it.
-  1b. ``sampling_merge_kernel``, grid ``(batch, <= 32)``, only when splits > 1: the second level of the
-     histogram merge; each program sums a slice of buckets over the row's programs (integers: exact, so the
-     same row histogram whatever the split).
-  2. ``sampling_compact_kernel``, grid ``(batch, splits)``: merges the partials (max, mass Z), reads the row
-     histogram and picks a cutoff bucket that provably keeps a superset of the final kept set: top-k: the
-     bucket holding the k-th largest logit; top-p (without top-k): the highest bucket whose mass *lower bound* above it
-     reaches p * Z; min-p: ``z >= log(min_p)``; the draw: ``z >= -21`` (a token below can never win the
-     race, see below); with top-k and top-p both on, the top-k bucket alone (top-p needs the whole top-k
-     set's mass). The candidates (bucket >= cutoff) are compacted into ``[batch, cap]`` scratch in
-     column order; each program's offset is the candidate count of the programs before it, one suffix
-     count each (exact integers: deterministic, no atomics); R chunks per trip, and a trip without a
-     candidate costs one reduction (no scan, no store). More than ``cap`` candidates: the row is
-     flagged and falls back; if it needs no search (no top-k, no top-p), these programs run the race over
-     their own columns instead (the winners merge in the draw kernel), so it still reads the row twice.
-  3. ``sampling_draw_kernel``, grid ``(batch,)``: the exact top-k / top-p / min-p thresholds and the draw,
-     on the <= cap candidates (fast path) or, for a flagged row, on the whole row (the full-row search).
-     Both give the same token: top-k counts are exact on either set and the race scores are the same
-     floats; only the top-p mass is summed in another order (candidates vs the whole row), so the two can
-     differ only for a top_p within fp32 rounding of a decision boundary, as CPU and GPU can (tests and a
-     fuzz of 250 rows agree token for token).
+``sample``: two kernels, two full-row passes on the fast path; grids ``(batch, splits)``, ``splits =
+sampling_splits(batch, vocab)`` programs per row (about TARGET_PROGRAMS in all, <= MAX_SPLITS: 63 for one 128k row,
+1 from batch 133 on), each over whole chunks of STATS_BLOCK columns, TILE_CHUNKS (R) chunks per loop trip.
+  1. ``sampling_stats_kernel``: per chunk max, argmax and (rows that use it, ``_needs_z``) ``sum exp((x - chunk
+     max) / T)``; per program a histogram of the top 12 bits of the order-preserving fp32 key (NB = 4096 buckets).
+     Chunk partials, not program partials, so a row's floats never depend on the batch around it. With several
+     programs per row, each adds its occupied buckets into the row histogram (integer atomics: exact) and takes a
+     ticket; the row's last program (one program per row: that one) picks the cutoff bucket (``_cutoff``: a
+     superset of the final kept set), each program's output offset and the candidate count (``_plan_row``).
+  2. ``sampling_compact_kernel``: each program compacts its candidates (bucket >= cutoff) into ``[batch, cap]``
+     scratch in column order; over ``cap`` candidates the row falls back (a row needing no search races here,
+     split like the stats pass); the row's last program draws (``_draw``): exact thresholds and the race on the
+     candidates, or for a flagged row the full-row search.
 
 ``sampling_probs``: one program per row, the full-row search (``sampling_probs_kernel``).
 
@@ -73,18 +58,12 @@ NB = tl.constexpr(4096)  # histogram buckets = the top 12 bits of the fp32 key: 
 BUCKET_SHIFT = tl.constexpr(20)  # 32 - 12
 MAX_SPLITS = 64  # programs per row at most (batch 1): 128k columns over 63 programs of 2 chunks
 TILE_CHUNKS = 4  # chunks per loop trip in the stats / compaction passes: a [4, 1024] tile, 4 chunks' loads in flight
-MERGE_TILE = 8192  # partial-histogram words each merge program loads at once ([64, 128] at 64 splits: 32 KB)
-# Launch options per kernel (the offline sm_90 compile test reads them too). Registers and spills are ptxas's
-# for Triton 3.8's sm_90 compile with the runtime's 16-byte divisibility specialisation, rules off / on:
+# Launch options per kernel (the offline sm_90 compile test reads them too; its registers and spills: docs/kernels.md)
 LAUNCH = {
-    # R = 1 / 2 / 4: 50-61 / 64-76 / 76-128 registers, no spill
     "sampling_stats_kernel": dict(num_warps=16),
-    "sampling_merge_kernel": dict(num_warps=4),  # 68 registers
-    # without maxnreg ptxas picks 64 registers and spills (4 B at R = 1; 20 B in the one-chunk loop before);
-    # 80 is spill-free at every R (one 16-warp CTA per SM either way above 64)
-    "sampling_compact_kernel": dict(num_warps=16, maxnreg=80),
-    # 16 warps: 64 registers and 16 B spilled; 8 warps: 127-128 registers, no spill, still 2 CTAs per SM
-    "sampling_draw_kernel": dict(num_warps=8),
+    # the draw (the row's last program) holds [SEARCH_BLOCK, PIVOTS] tiles: 8 warps keep it spill-free (at 16 warps
+    # ptxas caps registers at 64 and spills)
+    "sampling_compact_kernel": dict(num_warps=8, maxnreg=168),
     "sampling_probs_kernel": dict(num_warps=8),
     "sampling_rules_kernel": dict(num_warps=8),
 }
@@ -346,18 +325,51 @@ def _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, T, NCP: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# sample: stats -> compaction -> draw
+# sample: stats (+ the row's cutoff, by its last program) -> compaction (+ the draw, by its last program)
 # ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _last_program(ticket_ptr, epoch):
+    """True for the last of the row's ``num_programs(1)`` to take its ticket (left at 0); int8_matmul's split-K
+    protocol (``_is_last_split``): an int64 ``(epoch << 32) | count``, another tag (0, an aborted launch's) claimed by
+    compare-and-swap; the barrier puts all threads' stores before the single-thread acquire-release atomic."""
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    mine = old + 1
+    claimed = (old >> 32) == epoch
+    seen = mine
+    while not claimed:
+        want = tl.where((seen >> 32) == epoch, seen + 1, (epoch.to(tl.int64) << 32) + 1)
+        got = tl.atomic_cas(ticket_ptr, seen, want, sem="acq_rel", scope="gpu")
+        claimed = got == seen
+        mine = want
+        seen = got
+    last = (mine & 0xFFFFFFFF) == tl.num_programs(1)
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _needs_z(T, k, p, V):
+    """Whether a row reads its full mass Z: top-p without top-k (with top-k, the draw sums the mass of the top-k
+    candidates itself); the stats pass skips the per-element exp for the other rows."""
+    return (T > 0) & (p < 1.0) & ((k <= 0) | (k >= V))
+
+
 @triton.jit
 def sampling_stats_kernel(
     logits_ptr, stride_row, V,  # [batch, V] any float dtype, row stride in elements
-    temp_ptr,  # [batch] fp32
+    temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [batch] fp32, int32, fp32, fp32
     cmax_ptr, carg_ptr, csum_ptr,  # [batch, NCHUNK] fp32, int32, fp32: per-chunk max, argmax, sum exp((x - max) / T)
-    hist_ptr,  # [batch, S, NB] int32: per-program suffix counts (its tokens in buckets >= b)
+    hist_ptr,  # [batch, S, NB] int32: per-program suffix counts (S > 1 only)
+    rhist_ptr,  # [batch, NB] int32: the row histogram, summed by atomics; all 0 between launches (S > 1 only)
+    ticket_ptr, epoch,  # int64 [batch] tickets, this launch's epoch (S > 1 only: see _last_program)
+    cut_ptr, off_ptr, ncand_ptr,  # [batch] int32 cutoff bucket; [batch, SP] int32 program offsets; [batch] int32
     passes_ptr,  # [batch] int32 (DEBUG only): full-row passes
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
-    NCHUNK, CPS, S,  # chunks per row, chunks per program, programs per row
-    BLOCK: tl.constexpr, R: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
+    NCHUNK, CPS, S, CAP,  # chunks per row, chunks per program, programs per row, candidates per row
+    BLOCK: tl.constexpr, R: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
+    STATE: tl.constexpr, BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -366,7 +378,10 @@ def sampling_stats_kernel(
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
     T = tl.load(temp_ptr + row)
-    T = tl.where(T > 0, T, 1.0)  # greedy rows: Z is unused
+    k = tl.load(topk_ptr + row)
+    p = tl.load(topp_ptr + row)
+    Tg = tl.where(T > 0, T, 1.0)  # greedy rows: Z is unused
+    need_z = _needs_z(T, k, p, V)
     hist = tl.zeros([NB], tl.int32)
     r = tl.arange(0, R)
     c1 = tl.minimum(s * CPS + CPS, NCHUNK)
@@ -381,36 +396,36 @@ def sampling_stats_kernel(
         # chunk's columns, so an all -inf chunk reports its first column, as a masked min over columns did).
         # keep_dims: the [R, 1] results stay in the tile's layout, so the stores need no layout conversion
         bm, bi = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True, keep_dims=True)
-        e = tl.exp(tl.math.div_rn(x - tl.where(bm > float("-inf"), bm, 0.0), T))  # all -inf: all 0
         live = ch < c1
         tl.store(cmax_ptr + row * NCHUNK + ch, bm, mask=live)
         tl.store(carg_ptr + row * NCHUNK + ch, ch * BLOCK + bi, mask=live)
-        tl.store(csum_ptr + row * NCHUNK + ch, tl.sum(e, axis=1, keep_dims=True), mask=live)
+        cs = tl.zeros([R, 1], tl.float32)
+        if need_z:
+            d = x - tl.where(bm > float("-inf"), bm, 0.0)  # all -inf: all exp 0
+            if Tg == 1.0:  # d / 1 is d: the same bits without the IEEE division
+                cs = tl.sum(tl.exp(d), axis=1, keep_dims=True)
+            else:
+                cs = tl.sum(tl.exp(tl.math.div_rn(d, Tg)), axis=1, keep_dims=True)
+        tl.store(csum_ptr + row * NCHUNK + ch, cs, mask=live)
         # masked lanes are not counted: bucket -1 marks them through the reorder (a histogram ignores order)
         bk = tl.reshape(tl.where(mask, _bucket(x), -1), [R * BLOCK], can_reorder=True)
         hist += tl.histogram(tl.maximum(bk, 0), NB, mask=bk >= 0)
-    # suffix counts: a program's candidates at any cutoff are one load away, and the row's merge is a plain sum
-    tl.store(hist_ptr + (row * S + s) * NB + tl.arange(0, NB), tl.cumsum(hist, axis=0, reverse=True))
-    if DEBUG:
-        if s == 0:
+    b = tl.arange(0, NB)
+    last = s == 0  # one program per row: it is the last
+    if S > 1:
+        # suffix counts (a program's candidates at any cutoff are one load away); the row's histogram by atomics on
+        # the occupied buckets only (integers: exact in any order)
+        tl.store(hist_ptr + (row * S + s) * NB + b, tl.cumsum(hist, axis=0, reverse=True))
+        tl.atomic_add(rhist_ptr + row * NB + b, hist, mask=hist > 0, sem="relaxed", scope="gpu")
+        last = _last_program(ticket_ptr + row, epoch)
+    if last:
+        if S > 1:
+            hist = tl.load(rhist_ptr + row * NB + b, cache_modifier=".cg")
+            tl.store(rhist_ptr + row * NB + b, tl.zeros([NB], tl.int32))  # 0 again for the next launch
+        _plan_row(hist, row, S, V, T, k, p, tl.load(minp_ptr + row), cmax_ptr, carg_ptr, csum_ptr, hist_ptr,
+                  cut_ptr, off_ptr, ncand_ptr, NCHUNK, CAP, NCP, SP)
+        if DEBUG:
             tl.store(passes_ptr + row, 1)
-
-
-@triton.jit
-def sampling_merge_kernel(
-    hist_ptr,  # [batch, S, NB] int32: per-program suffix counts (sampling_stats_kernel)
-    rhist_ptr,  # [batch, NB] int32: the row's suffix counts
-    S,
-    SP: tl.constexpr, W: tl.constexpr,  # next_power_of_2(S); buckets per program
-):
-    """The second level of the histogram merge, grid ``(batch, NB // W)``: program g sums buckets
-    ``[g W, g W + W)`` over the row's S programs, all S x W loads issued at once. Integer sums: exact in any
-    order, so the row histogram is the same whatever the split."""
-    row = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1) * W + tl.arange(0, W)
-    t = tl.arange(0, SP)
-    h = tl.load(hist_ptr + (row * S + t[:, None]) * NB + b[None, :], mask=t[:, None] < S, other=0)
-    tl.store(rhist_ptr + row * NB + b, tl.sum(h, axis=0))
 
 
 @triton.jit
@@ -456,103 +471,106 @@ def _cutoff(h, above, m, T, k, p, min_p, Z, V):
 
 
 @triton.jit
+def _plan_row(hist, row, S, V, T, k, p, min_p, cmax_ptr, carg_ptr, csum_ptr, hist_ptr, cut_ptr, off_ptr, ncand_ptr,
+              NCHUNK, CAP, NCP: tl.constexpr, SP: tl.constexpr):
+    """The last stats program's work, once per row: from the row histogram ``hist [NB]``, the cutoff bucket, each
+    program's output offset (the candidates of the programs before it: one suffix count each, exact integers, so
+    deterministic) and the row's candidate count (``ncand``: see sampling_compact_kernel)."""
+    Tg = tl.where(T > 0, T, 1.0)
+    m, arg, Z = _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, Tg, NCP)
+    n = tl.zeros((), tl.int32)
+    if (m > float("-inf")) & (T > 0):
+        above = tl.cumsum(hist, axis=0, reverse=True)
+        cut, low = _cutoff(hist, above, m, Tg, k, p, min_p, Z, V)
+        total = tl.sum(tl.where(tl.arange(0, NB) == cut, above, 0), axis=0)
+        t = tl.arange(0, SP)
+        cnt = tl.load(hist_ptr + (row * S + t) * NB + cut, mask=(t < S) & (S > 1), other=0, cache_modifier=".cg")
+        tl.store(off_ptr + row * SP + t, tl.cumsum(cnt, axis=0) - cnt, mask=t < S)
+        tl.store(cut_ptr + row, cut)
+        fast = (~low) & (total <= CAP)
+        # a row that overflows but needs no search (no top-k, no top-p: temperature / min-p on a flat row)
+        # races in the compaction programs, split like the stats pass, instead of in one program
+        split_race = (~fast) & ((k <= 0) | (k >= V)) & (p >= 1.0)
+        n = tl.where(fast, total, tl.where(split_race, -2, -1))
+    tl.store(ncand_ptr + row, n)
+
+
+@triton.jit
 def sampling_compact_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [batch] fp32, int32, fp32, fp32
-    cmax_ptr, carg_ptr, csum_ptr, hist_ptr,  # from sampling_stats_kernel
-    rhist_ptr,  # [batch, NB] int32: the row's suffix counts (sampling_merge_kernel; hist_ptr itself when S is 1)
-    cval_ptr, cidx_ptr,  # [batch, CAP] fp32, int32: candidates (logit, column) in column order
-    ncand_ptr,  # [batch] int32: candidate count; -1: full-row fallback; -2: fallback raced here (no search)
     seed_ptr, step_ptr,  # [batch] int64
+    cmax_ptr, carg_ptr, csum_ptr, cut_ptr, off_ptr,  # from sampling_stats_kernel
+    ncand_ptr,  # [batch] int32: candidate count; 0: greedy / no finite logit; -1: full-row fallback; -2: raced here
+    cval_ptr, cidx_ptr,  # [batch, CAP] fp32, int32: candidates (logit, column) in column order
     rbest_ptr, rcol_ptr,  # [batch, S] fp32, int32: each program's race winner (score, column) when ncand is -2
+    ticket_ptr, epoch,  # int64 [batch] tickets, this launch's epoch (S > 1 only: see _last_program)
+    ids_ptr, valid_ptr,  # [batch] int64, bool
     passes_ptr,
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S, CAP,
-    BLOCK: tl.constexpr, R: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
-    STATE: tl.constexpr, BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, R: tl.constexpr, DRAW_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
+    MAX_PASSES: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
+    """Each program compacts its columns' candidates (bucket >= the row's cutoff) into ``[batch, cap]`` scratch in
+    column order from its offset (R chunks per trip; a trip without a candidate costs one reduction, no scan and
+    no store), or, on a row flagged -2, races its own columns; the row's last program then draws (``_draw``)."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
     hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
     sb = state_ptr + hr * V
     bb = bias_ptr + hr * V
-    T = tl.load(temp_ptr + row)
-    k = tl.load(topk_ptr + row)
-    p = tl.load(topp_ptr + row)
-    min_p = tl.load(minp_ptr + row)
-    Tg = tl.where(T > 0, T, 1.0)
-    m, arg, Z = _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, Tg, NCP)
-    if (m > float("-inf")) & (T > 0):
-        b = tl.arange(0, NB)
-        rh = rhist_ptr + row * NB
-        above = tl.load(rh + b)
-        cut, low = _cutoff(above - tl.load(rh + b + 1, mask=b + 1 < NB, other=0), above, m, Tg, k, p, min_p, Z, V)
-        total = tl.load(rh + cut)
-        # this program's offset: the candidates of the programs before it, one suffix count each (exact integers:
-        # deterministic, no atomics)
-        t = tl.arange(0, SP)
-        before = tl.sum(tl.load(hist_ptr + (row * S + t) * NB + cut, mask=t < s, other=0), axis=0)
-        fast = (~low) & (total <= CAP)
-        # a row that overflows but needs no search (no top-k, no top-p: temperature / min-p on a flat row)
-        # races here, split like the stats pass, instead of in one program of the draw kernel
-        split_race = (~fast) & ((k <= 0) | (k >= V)) & (p >= 1.0)
-        if s == 0:
-            tl.store(ncand_ptr + row, tl.where(fast, total, tl.where(split_race, -2, -1)))
-        first = s * CPS * BLOCK
-        last = tl.minimum(first + CPS * BLOCK, V)  # this program's columns [first, last)
-        if split_race:
-            ninf = tl.full((), float("-inf"), tl.float32)
-            sc, col = _race(base, base, first, last, m, Tg, ninf, ninf, min_p,
-                            row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on,
-                            STATE, BIAS, False, R * BLOCK)
-            tl.store(rbest_ptr + row * S + s, sc)
-            tl.store(rcol_ptr + row * S + s, col)
-            if DEBUG:
-                if s == 0:
-                    tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
-        if fast:
-            pos = before
-            # R chunks per trip, flat (column order is all the compaction needs); a trip without a candidate
-            # (most of them under top-k / top-p) costs one reduction, no scan and no store
-            for start in range(first, last, R * BLOCK):
-                offs = start + tl.arange(0, R * BLOCK)
-                mask = offs < last
-                x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
-                keep = (mask & (_bucket(x) >= cut)).to(tl.int32)
-                n = tl.sum(keep, axis=0)
-                if n > 0:
-                    dest = pos + tl.cumsum(keep, axis=0) - keep
-                    put = (keep != 0) & (dest < CAP)  # dest < total <= CAP already: the bound holds whatever the input
-                    tl.store(cval_ptr + row * CAP + dest, x, mask=put)
-                    tl.store(cidx_ptr + row * CAP + dest, offs, mask=put)
-                pos += n
-            if DEBUG:
-                if s == 0:
-                    tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
-    else:
-        if s == 0:
-            tl.store(ncand_ptr + row, 0)
+    n = tl.load(ncand_ptr + row)
+    first = s * CPS * BLOCK
+    last = tl.minimum(first + CPS * BLOCK, V)  # this program's columns [first, last)
+    if n == -2:
+        T = tl.load(temp_ptr + row)
+        m, _, _ = _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, T, NCP)
+        ninf = tl.full((), float("-inf"), tl.float32)
+        sc, col = _race(base, base, first, last, m, T, ninf, ninf, tl.load(minp_ptr + row),
+                        row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row)), sb, bb, rv, rp, fq, ps, eos_on,
+                        STATE, BIAS, False, R * BLOCK)
+        tl.store(rbest_ptr + row * S + s, sc)
+        tl.store(rcol_ptr + row * S + s, col)
+    if n > 0:
+        cut = tl.load(cut_ptr + row)
+        pos = tl.load(off_ptr + row * SP + s)
+        for start in range(first, last, R * BLOCK):
+            offs = start + tl.arange(0, R * BLOCK)
+            mask = offs < last
+            x = _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS)
+            keep = (mask & (_bucket(x) >= cut)).to(tl.int32)
+            nk = tl.sum(keep, axis=0)
+            if nk > 0:
+                dest = pos + tl.cumsum(keep, axis=0) - keep
+                put = (keep != 0) & (dest < CAP)  # dest < n <= CAP already: the bound holds whatever the input
+                tl.store(cval_ptr + row * CAP + dest, x, mask=put)
+                tl.store(cidx_ptr + row * CAP + dest, offs, mask=put)
+            pos += nk
+    if DEBUG:
+        if (s == 0) & ((n > 0) | (n == -2)):
+            tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
+    done = s == 0  # one program per row: it is the last
+    if S > 1:
+        done = _last_program(ticket_ptr + row, epoch)
+    if done:
+        _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, cmax_ptr, carg_ptr,
+              csum_ptr, cval_ptr, cidx_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr,
+              sb, bb, rv, rp, fq, ps, eos_on, NCHUNK, CAP, S, DRAW_BLOCK, SEARCH_BLOCK, P, MAX_PASSES, NCP, SP,
+              DEBUG, STATE, BIAS)
 
 
 @triton.jit
-def sampling_draw_kernel(
-    logits_ptr, stride_row, V,
-    temp_ptr, topk_ptr, topp_ptr, minp_ptr,
-    seed_ptr, step_ptr,  # [batch] int64
-    cmax_ptr, carg_ptr, csum_ptr, cval_ptr, cidx_ptr, ncand_ptr, rbest_ptr, rcol_ptr,  # from the kernels above
-    ids_ptr, valid_ptr,  # [batch] int64, bool
-    passes_ptr,
-    state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
-    NCHUNK, CAP, S,
-    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr,
-    NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr, BIAS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    hr, rv, rp, fq, ps, eos_on = _row_rules(row, hrow_ptr, pen_ptr, NH, STATE, BIAS)
-    sb = state_ptr + hr * V
-    bb = bias_ptr + hr * V
+def _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, cmax_ptr, carg_ptr, csum_ptr,
+          cval_ptr, cidx_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr, sb, bb, rv, rp, fq, ps, eos_on,
+          NCHUNK, CAP, S, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
+          MAX_PASSES: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
+          STATE: tl.constexpr, BIAS: tl.constexpr):
+    """The row's token: thresholds and race on the ``n`` candidates (fast path), the merge of the programs' race
+    winners (``n`` -2), or the full-row search (``n`` -1): the same token (top-k counts exact on either set, the same
+    race scores; only the top-p mass summed in another order: a top_p within fp32 rounding of a boundary)."""
     T = tl.load(temp_ptr + row)
     k = tl.load(topk_ptr + row)
     p = tl.load(topp_ptr + row)
@@ -563,7 +581,6 @@ def sampling_draw_kernel(
     best_i = arg  # greedy / invalid rows: the argmax (0 for a row with no finite logit)
     if valid & (T > 0):
         key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
-        n = tl.load(ncand_ptr + row)
         row_z = (k <= 0) | (k >= V)  # no top-k: the top-p mass is the row's Z, already merged
         if n >= 0:
             cb = cval_ptr + row * CAP
@@ -577,9 +594,10 @@ def sampling_draw_kernel(
                 cmin = tl.minimum(cmin, tl.min(tl.where(mask, x, float("inf")), axis=0))
                 Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, Tg)), 0.0), axis=0)
             # the candidates hold processed logits already: no rules on them
-            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, rv, rp, fq, ps, eos_on, False, False,
-                                     BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, cb, cb, rv, rp, fq, ps, eos_on, False, False, True, BLOCK)
+            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, rv, rp,
+                                     fq, ps, eos_on, False, False, BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
+            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, cb, cb, rv, rp, fq, ps,
+                              eos_on, False, False, True, BLOCK)
         elif n == -2:  # raced by the compaction programs: the best score, ties to the first program
             j = tl.arange(0, SP)
             sc = tl.load(rbest_ptr + row * S + j, mask=j < S, other=float("-inf"))
@@ -587,14 +605,14 @@ def sampling_draw_kernel(
             best_i = tl.min(tl.where((j < S) & (sc == tl.max(sc, axis=0)), col, 2147483647), axis=0)
         else:
             ninf = tl.full((), float("-inf"), tl.float32)
-            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS,
-                                     BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE, BIAS, False, BLOCK)
+            tk, tp, npass = _filters(base, V, ninf, m, Tg, k, p, V, Z, tl.zeros((), tl.float32), row_z, sb, bb, rv,
+                                     rp, fq, ps, eos_on, STATE, BIAS, BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
+            _, best_i = _race(base, base, 0, V, m, Tg, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE,
+                              BIAS, False, BLOCK)
             if DEBUG:
                 tl.store(passes_ptr + row, tl.load(passes_ptr + row) + npass + 1)
     tl.store(ids_ptr + row, best_i.to(tl.int64))
     tl.store(valid_ptr + row, valid)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # sampling_probs: one program per row, the full-row search

@@ -1,6 +1,6 @@
-"""Host side of the sampling kernels (arkernels/triton/sampling.py): splits, scratch, grids and launches of
-``arkernels::sample``, ``sampling_probs`` and ``sampling_rules``. Inputs arrive validated and converted by
-arkernels/ops/sampling.py.
+"""Host side of the sampling kernels (arkernels/triton/sampling.py): splits, scratch, the tickets' workspace, grids
+and launches of ``arkernels::sample`` (two launches, nothing else on the device), ``sampling_probs`` and
+``sampling_rules``. Inputs arrive validated and converted by arkernels/ops/sampling.py.
 
 Full-row passes (``debug=True`` counts them): fast path 2 (stats + compaction); fallback without top-k and
 top-p 2 (stats + split race); other fallbacks 1 + the search passes (top-k: 1 per search pass, top-p: 1 for
@@ -11,14 +11,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from arkernels.triton.sampling import (DRAW_BLOCK, LAUNCH, MAX_PASSES, MAX_SPLITS, MERGE_TILE, NB, PIVOTS,
-                                       SEARCH_BLOCK, STATS_BLOCK, TILE_CHUNKS, sampling_compact_kernel,
-                                       sampling_draw_kernel, sampling_merge_kernel, sampling_probs_kernel,
+from arkernels.triton.int8_matmul_launch import EPOCH_MAX
+from arkernels.triton.sampling import (DRAW_BLOCK, LAUNCH, MAX_PASSES, MAX_SPLITS, NB, PIVOTS, SEARCH_BLOCK,
+                                       STATS_BLOCK, TILE_CHUNKS, sampling_compact_kernel, sampling_probs_kernel,
                                        sampling_rules_kernel, sampling_stats_kernel)
 
 CAND_CAP = 4096  # candidates per row on the fast path: 32 KB of scratch per row (value + column)
 TARGET_PROGRAMS = 264  # 2 per SM on an H200 (132 SMs)
-MERGE_PROGRAMS = 32  # merge programs per row at most (128 buckets each)
 
 
 class _null:
@@ -33,17 +32,47 @@ def _on(dev):
     return torch.cuda.device(dev) if dev.type == "cuda" else _null()
 
 
-def _rule_args(logits, token_state, history, penalties, logit_bias):
-    """The token-rule kernel arguments: ``(state, history, penalties, bias, history rows, STATE, BIAS)``, with
-    one-element stand-ins for what is off (the kernels never read them then)."""
-    dev = logits.device
-    state = token_state if token_state is not None else torch.zeros(1, dtype=torch.int32, device=dev)
-    bias = logit_bias if logit_bias is not None else torch.zeros(1, dtype=torch.float32, device=dev)
-    hist = history if history is not None else torch.zeros(3, dtype=torch.int64, device=dev)
-    if penalties is None:
-        penalties = torch.tensor([1.0, 0.0, 0.0], device=dev).repeat(max(logits.shape[0], 1), 1)
+def _rule_args(logits, token_state, history, penalties, logit_bias, spare):
+    """The token-rule kernel arguments: ``(state, history, penalties, bias, history rows, STATE, BIAS)``; what is
+    off is passed as ``spare`` (any tensor of the call: the kernels never read it then, and no stand-in is made)."""
+    if token_state is not None and penalties is None:
+        penalties = torch.tensor([1.0, 0.0, 0.0], device=logits.device).repeat(max(logits.shape[0], 1), 1)
     nh = (token_state if token_state is not None else logit_bias).shape[0] if history is not None else 0
-    return state, hist, penalties, bias, nh, token_state is not None, logit_bias is not None
+    return (*(t if t is not None else spare for t in (token_state, history, penalties, logit_bias)), nh,
+            token_state is not None, logit_bias is not None)
+
+
+class _Workspace:
+    """What the programs of a row share across one launch, on one (device, stream), for batches with several
+    programs per row: int64 tickets (per row: one for the stats launch, one for the compaction launch) and the
+    int32 row histograms, all 0 between launches (each row's last program resets its own), and the epoch of the next
+    call (the tickets' tag: see ``_last_program``). Per stream: launches on one stream run one after another. Grown
+    (new zeroed tensors) for a larger batch; a CUDA graph may hold the old addresses, so they are kept. Graphs
+    captured on one stream must not be replayed concurrently on two streams; created during a capture, the zero
+    fill becomes a node of that graph (harmless: the launches find the reset values anyway). What a reset cannot
+    cover: a launch aborted between the histogram atomics and its last program leaves counts behind."""
+
+    def __init__(self):
+        self.rows, self.tickets, self.rhist, self.epoch, self.retired = 0, None, None, 0, []
+
+    def take(self, device: torch.device, batch: int):
+        if self.rows < batch:
+            if self.tickets is not None:
+                self.retired.append((self.tickets, self.rhist))
+            self.rows = triton.cdiv(max(batch, 1), 16) * 16  # the compaction tickets stay 16-byte aligned
+            self.tickets = torch.zeros(2 * self.rows, dtype=torch.int64, device=device)
+            self.rhist = torch.zeros(self.rows, NB.value, dtype=torch.int32, device=device)
+        self.epoch = self.epoch % EPOCH_MAX + 1
+        return self.tickets[:self.rows], self.tickets[self.rows:], self.rhist, self.epoch
+
+
+_WORKSPACES: dict = {}
+
+
+def sampling_workspace(device: torch.device) -> _Workspace:
+    """The sampler's workspace of ``device``'s current stream (tests read its state)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _WORKSPACES.setdefault((device, stream), _Workspace())
 
 
 def sampling_splits(batch: int, vocab: int) -> int:
@@ -80,37 +109,33 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_st
     cps = triton.cdiv(nchunk, S)
     S = triton.cdiv(nchunk, cps)
     R = sampling_tile_chunks(cps)
+    ncp, spx = triton.next_power_of_2(nchunk), max(triton.next_power_of_2(S), MAX_SPLITS)  # one variant per split
     f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+    # torch.empty only: no launch besides the two kernels (the workspace is zeroed once, then reset by the kernels)
     cmax, carg, csum = torch.empty(batch, nchunk, **f32), torch.empty(batch, nchunk, **i32), torch.empty(batch, nchunk, **f32)
-    hist = torch.empty(batch, S, NB.value, **i32)
-    rhist = torch.empty(batch, NB.value, **i32) if S > 1 else hist  # one program: its suffix counts are the row's
+    cut, off, ncand = torch.empty(batch, **i32), torch.empty(batch, spx, **i32), torch.empty(batch, **i32)
     cval, cidx = torch.empty(batch, cap, **f32), torch.empty(batch, cap, **i32)
-    ncand = torch.empty(batch, **i32)
     rbest, rcol = torch.empty(batch, S, **f32), torch.empty(batch, S, **i32)
-    passes = torch.zeros(batch if debug else 1, **i32)
-    ncp, sp = triton.next_power_of_2(nchunk), triton.next_power_of_2(S)
-    spx = max(sp, MAX_SPLITS)  # the compaction / draw kernels' [SP] loads: one compiled variant for every split
-    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    passes = torch.empty(batch if debug else 1, **i32)  # DEBUG: the stats launch writes it first
+    if S > 1:
+        hist = torch.empty(batch, S, NB.value, **i32)
+        t_stats, t_compact, rhist, epoch = sampling_workspace(dev).take(dev, batch)
+    else:  # one program per row: no histogram leaves it, no ticket (never read)
+        hist, t_stats, t_compact, rhist, epoch = carg, seed, seed, carg, 0
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias, temperature)
     rules = dict(STATE=STATE, BIAS=BIAS)
     if batch > 0 and vocab > 0:
         with _on(dev):
             sampling_stats_kernel[(batch, S)](
-                logits, logits.stride(0), vocab, temperature, cmax, carg, csum, hist, passes, st, hs, pn, bs, nh,
-                nchunk, cps, S, BLOCK=STATS_BLOCK, R=R, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
-            if S > 1:
-                w = max(NB.value // MERGE_PROGRAMS, MERGE_TILE // sp)  # <= MERGE_TILE loads per program
-                sampling_merge_kernel[(batch, NB.value // w)](hist, rhist, S, SP=sp, W=w,
-                                                              **LAUNCH["sampling_merge_kernel"])
-            sampling_compact_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist, rhist,
-                cval, cidx, ncand, seed, step, rbest, rcol, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
-                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **rules, **LAUNCH["sampling_compact_kernel"])
-            sampling_draw_kernel[(batch,)](
-                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step,
-                cmax, carg, csum, cval, cidx, ncand, rbest, rcol, ids, valid, passes, st, hs, pn, bs, nh,
-                nchunk, cap, S,
-                BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx,
-                DEBUG=debug, **rules, **LAUNCH["sampling_draw_kernel"])
+                t_stats, epoch, cut, off, ncand, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
+                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
+            sampling_compact_kernel[(batch, S)](
+                logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step, cmax, carg, csum, cut,
+                off, ncand, cval, cidx, rbest, rcol, t_compact, epoch, ids, valid, passes, st, hs, pn, bs, nh,
+                nchunk, cps, S, cap, BLOCK=STATS_BLOCK, R=R, DRAW_BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK,
+                P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx, DEBUG=debug, **rules,
+                **LAUNCH["sampling_compact_kernel"])
     if debug:
         return ids, valid, (ncand, passes)
     return ids, valid
@@ -121,7 +146,7 @@ def sampling_probs_triton(logits, temperature, top_k, top_p, min_p, token_state=
     """The ``arkernels::sampling_probs`` kernel: fp32 ``[batch, vocab]``."""
     batch, vocab = logits.shape
     probs = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
-    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias, logits)
     if batch > 0:
         with _on(logits.device):
             sampling_probs_kernel[(batch,)](
@@ -135,7 +160,7 @@ def sampling_rules_triton(logits, token_state=None, history=None, penalties=None
     """The ``arkernels::sampling_rules`` kernel: the processed fp32 logits ``[batch, vocab]``."""
     batch, vocab = logits.shape
     out = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
-    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias)
+    st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias, logits)
     if batch > 0 and vocab > 0:
         with _on(logits.device):
             sampling_rules_kernel[(batch, triton.cdiv(vocab, DRAW_BLOCK))](
