@@ -1,9 +1,10 @@
-"""arkernels.generate(prompt_lookup_num_tokens=k): speculative decoding with prompt-lookup drafts.
+"""arkernels.generate(prompt_lookup_num_tokens=k | assistant_model=draft): speculative decoding.
 
 The contract (arkernels/decode/spec.py): the tokens are those of the one-token loop for the same seeds, in greedy,
 sampling and with every token rule, on ragged batches, windowed families, forked samples; EOS and max_new_tokens hold
 exactly inside an accepted run; rejected drafts leave no block behind; drafts follow transformers' prompt-lookup rule.
-Each case also checks that drafts were accepted, so the verification path is exercised, not skipped.
+Each case also checks that drafts were accepted, so the verification path is exercised, not skipped. A sampling
+draft model without token rules uses Leviathan / Chen acceptance instead: the same distribution, not the same tokens.
 """
 import random
 
@@ -175,3 +176,60 @@ def test_draft_model_refusals():
         arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, prompt_lookup_num_tokens=2)
     with pytest.raises(ValueError, match="assistant_model runs on the eager decode path"):
         arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, cuda_graphs=True)
+
+
+def _sharp(seed: int, negate: bool = False):
+    """A tiny Llama over 16 tokens whose head is scaled up (logits spread over a few units, so a wrong acceptance
+    rule shows in the token counts); ``negate``: the head's sign flipped (a draft that prefers the target's unlikely
+    tokens)."""
+    from arkernels.models import tiny_llama
+
+    model = tiny_llama(seed, vocab_size=16)
+    model.lm_head.weight.data.mul_(-12.0 if negate else 12.0)
+    return model
+
+
+@pytest.mark.parametrize("draft_kind", ["itself", "other-seed", "anti"])
+def test_sampled_draft_model_emits_the_target_distribution(draft_kind):
+    """Sampling without token rules: drafts drawn from the draft model and kept by Leviathan / Chen acceptance
+    (chain_speculative_sampling). 1500 rows (one seed each) of the same prompt: the tokens at indices 1 and 2 (the
+    first ones a speculative step emits) have the one-token loop's distribution (two-sample chi-square), whatever the
+    draft; the test has power: the anti draft's own draws are rejected by the same test."""
+    from scipy import stats
+
+    n, prompt = 1500, [[5, 6, 7, 8, 9, 5, 6]]
+    target = _sharp(0)
+    draft = {"itself": target, "other-seed": _sharp(1), "anti": _sharp(0, negate=True)}[draft_kind]
+    kw = dict(max_new_tokens=3, eos_token_id=[], temperature=0.8, seed=list(range(n)))
+    plain = arkernels.generate(target, prompt * n, **kw)
+    spec = arkernels.generate(target, prompt * n, assistant_model=draft, num_assistant_tokens=2, **kw)
+
+    def counts(result, j):
+        return torch.bincount(torch.tensor([t[j] for t in result.tokens]), minlength=16)
+
+    def same(a, b):
+        keep = (a + b) > 0
+        return stats.chi2_contingency(torch.stack([a[keep], b[keep]]).numpy()).pvalue > 1e-3
+
+    for j in (1, 2):
+        assert same(counts(plain, j), counts(spec, j)), j
+    accepted, proposed = sum(spec.accepted_tokens), sum(spec.proposed_tokens)
+    assert proposed > 0 and 0 < accepted <= proposed
+    if draft_kind == "itself":
+        assert accepted == proposed  # p == q: min(1, p / q) = 1
+    if draft_kind == "anti":
+        assert accepted < proposed // 2
+        own = arkernels.generate(draft, prompt * n, **kw)
+        assert not same(counts(plain, 1), counts(own, 1))
+
+
+def test_sampled_draft_model_with_rules_keeps_the_one_token_tokens():
+    """Token rules (or logprobs) in a sampling call: greedy drafts kept while they equal the one-token loop's draws
+    (drafts.speculative_sampling), so the tokens are the one-token loop's for the same seeds."""
+    target, draft = _sharp(0), _sharp(1)
+    for kw in (dict(repetition_penalty=1.3), dict(logprobs=2)):
+        kw |= dict(max_new_tokens=12, eos_token_id=[], temperature=0.8, seed=[1, 2, 3])
+        prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3], [9]]
+        plain = arkernels.generate(target, prompts, **kw)
+        spec = arkernels.generate(target, prompts, assistant_model=draft, num_assistant_tokens=3, **kw)
+        assert spec.tokens == plain.tokens and sum(spec.proposed_tokens) > 0

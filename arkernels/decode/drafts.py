@@ -5,9 +5,11 @@ row's history: prompt + emitted tokens), ``commit(rows, drafts, emitted)`` (what
 state follows) and ``close()``.
 
 - ``LookupDrafts``: prompt lookup, transformers' ``PromptLookupCandidateGenerator`` rule (``propose_ngram``).
-- ``ModelDrafts``: a draft model on its own paged cache, greedy (its argmax is the token most likely to match the
-  target's draw); rejected drafts are rolled back by length, and the tokens it has not yet seen (the target's
-  correction, or the last draft after a full accept) are fed at its next step.
+- ``ModelDrafts``: a draft model on its own paged cache; rejected drafts are rolled back by length, and the tokens it
+  has not yet seen (the target's correction, or the last draft after a full accept) are fed at its next step. Greedy
+  (its argmax is the token most likely to equal the target's draw), or, with ``sampling`` (``speculative_sampling``
+  says when), drawn from its own distribution with ``arkernels.sample`` and kept with their logits for Leviathan /
+  Chen acceptance (``arkernels.decode.spec``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ def make_drafter(plan):
         return LookupDrafts(*plan.lookup, plan.eos)
     draft, k = plan.assistant
     return ModelDrafts(draft, k, plan.prompts, plan.rows, plan.n_seq, max(plan.prompt_lens) + plan.max_new_tokens,
-                       plan.block_size)
+                       plan.block_size, (plan.sampling, plan.seeds) if speculative_sampling(plan) else None)
+
+
+def speculative_sampling(plan) -> bool:
+    """Whether a plan's draft-model steps use Leviathan / Chen acceptance: a sampling call (temperature > 0) with no
+    token rules and no logprobs. Otherwise the drafts are greedy and kept while they equal the one-token loop's draws
+    (token rules inside a sampled draft chain and logprobs of its emitted tokens are not built)."""
+    return (plan.assistant is not None and plan.sampling["temperature"] > 0 and plan.rules is None
+            and plan.logprobs is None)
 
 
 def propose_ngram(history: list[int], k: int, max_ngram: int, eos: set[int]) -> list[int]:
@@ -66,7 +76,7 @@ class ModelDrafts:
     it for the call). Per row: ``lens`` tokens in its cache, ``pending`` tokens of the history it has not seen."""
 
     def __init__(self, draft, k: int, prompts: list[list[int]], rows: int, n_seq: int, max_length: int,
-                 block_size: int):
+                 block_size: int, sampling: tuple[dict, torch.Tensor] | None = None):
         from arkernels.decode.inputs import cache_kwarg
         from arkernels.hf.attention import NAME, register
         from arkernels.hf.cache import PagedCache
@@ -80,10 +90,14 @@ class ModelDrafts:
         self.cache.set_rows(rows)
         self.lens = [0] * rows
         self.pending = [list(prompts[r // n_seq]) for r in range(rows)]
+        self.prompt_lens = [len(prompts[r // n_seq]) for r in range(rows)]
         self.device = next(draft.parameters()).device
+        self.sampling = sampling  # (temperature / top_k / top_p / min_p, per-row seeds) or None: greedy drafts
+        self.logits: dict[int, list[torch.Tensor]] = {}  # sampling: each row's draft logits [V] of the last propose
 
-    def _forward(self, rows: list[int], feeds: list[list[int]]) -> list[int]:
-        """One packed forward of ``feeds[i]`` for row ``rows[i]``; the argmax at each row's last position."""
+    def _forward(self, rows: list[int], feeds: list[list[int]], steps: list[int]) -> list[int]:
+        """One packed forward of ``feeds[i]`` for row ``rows[i]``; the token at each row's last position: its argmax,
+        or (sampling) a draw from the draft's distribution at token index ``steps[i]`` of the row's seed."""
         q = [len(f) for f in feeds]
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)[None]
         pos = torch.tensor([p for r, n in zip(rows, q) for p in range(self.lens[r], self.lens[r] + n)],
@@ -94,15 +108,26 @@ class ModelDrafts:
                             **{self.cache_kw: self.cache}).logits[0]
         for r, n in zip(rows, q):
             self.lens[r] += n
-        return torch.argmax(logits, dim=-1).tolist()
+        if self.sampling is None:
+            return torch.argmax(logits, dim=-1).tolist()
+        from arkernels.ops.sampling import sample
+
+        params, seeds = self.sampling
+        idx = torch.tensor(rows, device=seeds.device)
+        for r, row in zip(rows, logits):
+            self.logits[r].append(row)
+        return sample(logits, **params, seed=seeds[idx], step=torch.tensor(steps, device=seeds.device)).tolist()
 
     def propose(self, rows: list[int], history: list[list[int]], room: list[int]) -> list[list[int]]:
         want = {r: min(self.k, m) for r, m in zip(rows, room)}
         drafts = {r: [] for r in rows}
+        self.logits = {r: [] for r in rows}
         go = [r for r in rows if want[r] > 0]
         feeds = [self.pending[r] for r in go]
         while go:
-            for r, t in zip(go, self._forward(go, feeds)):
+            # a draft's token index in its row (the one-token loop's ``step``): emitted so far + drafts before it
+            steps = [len(history[r]) - self.prompt_lens[r] + len(drafts[r]) for r in go]
+            for r, t in zip(go, self._forward(go, feeds, steps)):
                 drafts[r].append(t)
                 self.pending[r] = []
             go = [r for r in go if len(drafts[r]) < want[r]]

@@ -13,9 +13,13 @@ Exactness: a proposed draft is a point mass, so "keep the draft iff the target's
 sampling's acceptance rule for a one-hot draft (accept with probability ``p(t)``, else draw from ``p`` without ``t``,
 renormalised), and because the draw is the one the one-token loop makes for that token, the tokens are the same as
 without speculation for the same seeds (greedy and sampling, rules included), up to the logits' float differences
-between a multi-token forward and one-token forwards. (For a sampling draft model, Leviathan / Chen acceptance against
-the draft's own distribution accepts more often, ``sum min(p, q)`` instead of ``p(argmax q)``, but gives other tokens
-than the one-token loop for the same seeds; it is not used here.)
+between a multi-token forward and one-token forwards.
+
+A sampling call with a draft model and neither token rules nor logprobs (``drafts.speculative_sampling``) instead
+draws its drafts from the draft's distribution q and accepts them with ``arkernels.chain_speculative_sampling``
+(``verify_sampled``: Leviathan / Chen, accept t with probability min(1, p(t) / q(t)), else a draw from the residual):
+``sum min(p, q)`` acceptance instead of ``p(argmax q)``, tokens distributed as the one-token loop's, but not the same
+tokens for the same seeds (the op's streams are its own).
 """
 from __future__ import annotations
 
@@ -68,6 +72,29 @@ def verify(plan: Plan, logits: torch.Tensor, rows: list[int], drafts: list[list[
     return out
 
 
+def verify_sampled(plan: Plan, logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
+                   done_tokens: list[int], draft_logits: dict[int, list[torch.Tensor]]) -> list[list[int]]:
+    """Leviathan / Chen acceptance of sampled drafts (module docstring), with the fused op over the rows that proposed
+    the same number of drafts (one call, one host read, per distinct count)."""
+    from arkernels.ops.spec_sampling import chain_speculative_sampling
+
+    starts = [sum(1 + len(d) for d in drafts[:i]) for i in range(len(drafts))]
+    out: list[list[int]] = [[] for _ in rows]
+    dev = logits.device
+    for m in sorted({len(d) for d in drafts}):
+        group = [i for i, d in enumerate(drafts) if len(d) == m]
+        target = torch.stack([logits[starts[i]:starts[i] + m + 1] for i in group])
+        q = torch.stack([torch.stack(draft_logits[rows[i]]) for i in group]).to(target.dtype) if m else None
+        ids = torch.tensor([drafts[i] for i in group], dtype=torch.int64, device=dev).view(len(group), m)
+        idx = torch.tensor([rows[i] for i in group], device=dev)
+        tokens, accepted = chain_speculative_sampling(
+            target, ids, q, **plan.sampling, seed=plan.seeds[idx],
+            step=torch.tensor([done_tokens[i] for i in group], dtype=torch.int64, device=dev))
+        for i, t, a in zip(group, tokens.tolist(), accepted.tolist()):
+            out[i] = t[:a + 1]
+    return out
+
+
 def decode_spec(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, lp, result: GenerateResult,
                 drafter) -> None:
     """The decode loop with speculative steps (after the prefill drew ``first``, int64 ``[rows]``); ``drafter``: an
@@ -87,7 +114,11 @@ def decode_spec(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, lp
         logits = _forward(model, cache, cache_kw, rows, [history[r][-1] for r in rows], drafts,
                           [lengths[r] for r in rows])
         aux: dict = {}
-        emitted = verify(plan, logits, rows, drafts, [len(result.tokens[r]) for r in rows], aux)
+        done_tokens = [len(result.tokens[r]) for r in rows]
+        if getattr(drafter, "sampling", None) is not None:
+            emitted = verify_sampled(plan, logits, rows, drafts, done_tokens, drafter.logits)
+        else:
+            emitted = verify(plan, logits, rows, drafts, done_tokens, aux)
         lps = _split_logprobs(aux.pop("lp", None), rows, drafts, emitted)
         for r, d, e in zip(rows, drafts, emitted):
             result.proposed_tokens[r] += len(d)
