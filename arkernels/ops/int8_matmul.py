@@ -18,6 +18,7 @@ import torch
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas)
 from arkernels.ops._checks import expect
 from arkernels.ops.int8_matmul_cpu import int8_matmul_cpu, quantize_rowwise_cpu, w8a16_matmul_cpu
+from arkernels.ops.int8_matmul_layout import PACK_INNER, is_packed, unpack_weight
 
 _ops = torch.ops.arkernels
 
@@ -90,13 +91,20 @@ def _check_int8_matmul(a, b, a_scale, b_scale, bias, out_dtype) -> torch.dtype:
 def _check_w8a16_matmul(x, w, w_scale, bias):
     op = "w8a16_matmul"
     _check_2d(op, "x", x)
-    _check_2d(op, "w", w)
+    if isinstance(w, torch.Tensor) and w.dim() == 3:  # the packed layout (int8_matmul_layout.py)
+        if w.shape[2] != PACK_INNER or not w.is_contiguous():
+            _fail(op, f"a 3-D w is the packed layout [N, K // {PACK_INNER}, {PACK_INNER}], contiguous (pack_weight); "
+                      f"got shape {tuple(w.shape)}, strides {tuple(w.stride())}")
+        w_k = w.shape[1] * PACK_INNER
+    else:
+        _check_2d(op, "w", w)
+        w_k = w.shape[1]
     if x.dtype not in FLOAT_DTYPES:
         _fail(op, f"x must be float16 or bfloat16 (float32 accepted), got {x.dtype}", TypeError)
     if w.dtype != torch.int8:
         _fail(op, f"w must be int8 [N, K], got {w.dtype}", TypeError)
-    if x.shape[1] != w.shape[1]:
-        _fail(op, f"K mismatch: x is [M, K] = {tuple(x.shape)} and w is [N, K] = {tuple(w.shape)}")
+    if x.shape[1] != w_k:
+        _fail(op, f"K mismatch: x is [M, K] = {tuple(x.shape)} and w is [N, K] = {(w.shape[0], w_k)}")
     _check_same_device(op, "x", x.device, w=w, w_scale=w_scale, bias=bias)
     _check_vector(op, "w_scale", w_scale, w.shape[0], "N", (torch.float32,))
     if bias is not None:
@@ -188,7 +196,9 @@ def w8a16_matmul(
     Args:
         x: ``[..., K]`` float16 or bfloat16 (float32 is accepted too: the CPU path serves fp32 models, the CUDA
             path then runs an fp32 dot, slower).
-        w_int8: int8 ``[N, K]``.
+        w_int8: int8 ``[N, K]``, or the packed ``[N, K // 16, 16]`` of
+            :func:`arkernels.ops.int8_matmul_layout.pack_weight` (the layout the decode kernels stream fastest:
+            what ``Int8Linear(mode="w8a16")`` stores).
         w_scale: float32 ``[N]``.
         bias: ``[N]`` float or None.
 
@@ -225,7 +235,7 @@ def _int8_matmul_cpu(a, b, a_scale, b_scale, bias, out_dtype):
 @torch.library.register_kernel("arkernels::w8a16_matmul", "cpu")
 def _w8a16_matmul_cpu(x, w, w_scale, bias):
     _check_w8a16_matmul(x, w, w_scale, bias)
-    return w8a16_matmul_cpu(x, w, w_scale, bias)
+    return w8a16_matmul_cpu(x, unpack_weight(w) if is_packed(w) else w, w_scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -63,8 +63,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from arkernels.ops import int8_matmul_layout as layout
+
 QMAX: tl.constexpr = tl.constexpr(127.0)  # symmetric: the quantizers produce [-127, 127] (constexpr: a kernel global)
 LARGE_M = 1 << 30  # the M class "larger than 64"
+PACK_ROWS: tl.constexpr = tl.constexpr(layout.PACK_ROWS)  # the packed weight layout's row group and K chunk
+PACK_K: tl.constexpr = tl.constexpr(layout.PACK_K)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,11 +274,16 @@ def w8a16_matmul_kernel(
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (which gets bf16 arithmetic wrong): an exact fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; BLOCK_K divides PACK_K)
+    WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
 ):
     rm, rn, rk, x_ptrs, w_ptrs = _tile_pointers(x_ptr, w_ptr, M, N, stride_xm, stride_xk, stride_wn, stride_wk,
                                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    n0 = tl.min(rn, axis=0)  # the tile's first row (packed only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if PACKED:
+            w_ptrs = _packed_w_ptrs(w_ptr, tl.where(rn < N, rn, n0), n0, k * BLOCK_K, rk, N, K, WHOLE_PACK)
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -398,6 +407,25 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
 
 
 @triton.jit
+def _packed_w_ptrs(w_ptr, rows, n0, k, rk, N, K, WHOLE: tl.constexpr):
+    """Pointers ``[BLOCK_K, len(rows)]`` into a packed weight (arkernels/ops/int8_matmul_layout.py) at rows ``rows``
+    (valid rows of the tile that starts at row ``n0``, a multiple of PACK_ROWS) and columns ``k + rk`` (one K tile
+    inside one PACK_K chunk: BLOCK_K divides PACK_K). int64 only in the tile's base ``n0 * K``; the rest is < BLOCK_N x
+    K. Every term of a row's offset is a multiple of 16 (K is one), so the loads along K are 16-byte vectors.
+    WHOLE: every row group and K chunk is full (N % PACK_ROWS == K % PACK_K == 0), so the in-group strides are
+    constants: two address registers per 8 rows instead of one per load (offline sm_90 SASS)."""
+    k = tl.cast(k, tl.int32)  # a tensor also when the caller's loop variable is a Python int (the interpreter)
+    cs = k - k % PACK_K
+    g0 = rows - rows % PACK_ROWS
+    if WHOLE:
+        row_off = (g0 - n0) * K + cs * PACK_ROWS + (rows - g0) * PACK_K + (k - cs)
+    else:
+        kw = tl.minimum(K - cs, PACK_K)
+        row_off = (g0 - n0) * K + cs * tl.minimum(N - g0, PACK_ROWS) + (rows - g0) * kw + (k - cs)
+    return (w_ptr + n0.to(tl.int64) * K) + tl.multiple_of(row_off, 16)[None, :] + rk[:, None]
+
+
+@triton.jit
 def _gemv_load(x_ptr, w_ptr, rm, rk, M, K, stride_xm, stride_xk, stride_wk, EVEN_K: tl.constexpr):
     """x rows ``rm`` (past M: zeros, never read) at K lanes ``rk`` -> ``[BLOCK_M, BLOCK_K]``, and the K-lane offsets
     of the weight (``[BLOCK_K, 1]``: the tile is read K-major, as a dot's B operand)."""
@@ -410,9 +438,14 @@ def _gemv_load(x_ptr, w_ptr, rm, rk, M, K, stride_xm, stride_xk, stride_wk, EVEN
 
 
 @triton.jit
-def _gemv_step(acc, x, w_k, ln, rk, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """``acc [16, BLOCK_N] += x [16, BLOCK_K] @ w[ln, rk].T`` for one weight tile ``[BLOCK_K, BLOCK_N]``."""
-    w_ptrs = w_k + ln[None, :].to(tl.int64) * stride_wn
+def _gemv_step(acc, x, w_k, w_ptr, ln, n0, k, rk, N, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+               PACKED: tl.constexpr, WHOLE_PACK: tl.constexpr):
+    """``acc [16, BLOCK_N] += x [16, BLOCK_K] @ w[ln, k + rk].T`` for one weight tile ``[BLOCK_K, BLOCK_N]`` (``w_k``:
+    the plain layout's K-lane pointers; packed: from ``w_ptr``, rows ``ln`` of the tile at ``n0``)."""
+    if PACKED:
+        w_ptrs = _packed_w_ptrs(w_ptr, ln, n0, k, tl.arange(0, rk.shape[0]), N, K, WHOLE_PACK)
+    else:
+        w_ptrs = w_k + ln[None, :].to(tl.int64) * stride_wn
     if EVEN_K:
         w = tl.load(w_ptrs)
     else:
@@ -437,6 +470,8 @@ def w8a16_gemv_kernel(
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (bf16 arithmetic is wrong there): the dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
     K_HALVES: tl.constexpr,  # 1 or 2 x slices of BLOCK_K per program: 2 halves the split workspace
+    PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; K_HALVES x BLOCK_K <= PACK_K)
+    WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
 ):
     """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, K_HALVES * BLOCK_K))``: program (i, s) holds the x slice of
     split s in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of it, one
@@ -452,13 +487,19 @@ def w8a16_gemv_kernel(
     if DOT_FP32:
         x0 = x0.to(tl.float32)
         x1 = x1.to(tl.float32)
-    for t in range(N_TILES):
-        rn = (pid_n * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = pid_k * (K_HALVES * BLOCK_K)
+    for t in range(N_TILES):  # software-pipelined (num_stages): every tile's weight is a cp.async in flight at once
+        n0 = (pid_n * N_TILES + t) * BLOCK_N
+        rn = n0 + tl.arange(0, BLOCK_N)
         ln = tl.where(rn < N, rn, 0)  # past-the-edge columns read column 0 (valid), masked at the store
+        if PACKED:
+            ln = tl.where(rn < N, rn, n0)  # the packed pointers stay in the tile: its first row
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _gemv_step(acc, x0, w_k0, ln, rk0, K, stride_wn, EVEN_K, DOT_FP32)
+        acc = _gemv_step(acc, x0, w_k0, w_ptr, ln, n0, k0, rk0, N, K, stride_wn, EVEN_K, DOT_FP32, PACKED,
+                         WHOLE_PACK)
         if K_HALVES == 2:
-            acc = _gemv_step(acc, x1, w_k1, ln, rk1, K, stride_wn, EVEN_K, DOT_FP32)
+            acc = _gemv_step(acc, x1, w_k1, w_ptr, ln, n0, k0 + BLOCK_K, rk1, N, K, stride_wn, EVEN_K, DOT_FP32,
+                             PACKED, WHOLE_PACK)
         _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                      HAS_BIAS, SPLIT)
     if SPLIT and FUSED:
@@ -477,6 +518,8 @@ def w8a16_splitk_kernel(
     REDUCE_BLOCK: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the interpreter (bf16 arithmetic is wrong there): an fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+    PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; BLOCK_K divides PACK_K)
+    WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(K, K_PER_SPLIT))``: program (i, s) multiplies the (at most 16) rows of x by
     N tile i over K range s on the tensor cores. Rows past M are masked (zeros), not clamped: no duplicate reads."""
@@ -492,6 +535,9 @@ def w8a16_splitk_kernel(
         ln[None, :] * stride_wn + rk[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k0, tl.minimum(k0 + K_PER_SPLIT, K), BLOCK_K):
+        if PACKED:
+            w_ptrs = _packed_w_ptrs(w_ptr, tl.where(rn < N, rn, pid_n * BLOCK_N), pid_n * BLOCK_N, k, rk, N, K,
+                                    WHOLE_PACK)
         if EVEN_K:
             x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
             w = tl.load(w_ptrs)

@@ -1,0 +1,70 @@
+"""The packed ("tile-order") int8 weight layout of the w8a16 decode kernels: its tags, and the conversions.
+
+A weight ``w [N, K]`` (``K % 16 == 0``) is stored as row groups of PACK_ROWS rows (the last group may be shorter:
+``r = min(PACK_ROWS, N - g * PACK_ROWS)`` rows); inside a group, K is cut in chunks of PACK_K columns (the last may be
+shorter: ``kw = min(PACK_K, K - c * PACK_K)``) and each chunk is stored as its own row-major ``[r, kw]`` block, the
+chunks one after another. Element ``(n, k)`` of group ``g = n // 16``, chunk start ``cs = k - k % PACK_K``::
+
+    offset = g * PACK_ROWS * K + cs * r + (n % PACK_ROWS) * kw + (k - cs)
+
+So the ``[32, 512]`` weight tile one GEMV program reads for one split of K is two contiguous 8 KB blocks (one per
+row group), in the order the program consumes them; rows ``[a, b)`` with ``a``, ``b`` multiples of PACK_ROWS (or ``b =
+N``) are the contiguous bytes ``[a * K, b * K)`` and are themselves the packed form of those rows, so packed weights
+concatenate and slice along N like plain ones (what ``fuse_projections`` relies on).
+
+The packed tensor has shape ``[N, K // 16, 16]`` (contiguous): dim 0 still counts rows (each row's K bytes, by group),
+and the 3-D shape is what tells every op this layout from the plain ``[N, K]`` one. Its elements are *not* indexable
+as ``w[n, k // 16, k % 16]``: read them through :func:`unpack_weight`.
+"""
+from __future__ import annotations
+
+import torch
+
+PACK_ROWS = 16  # rows per group: the mma's N granularity, and the unit in which packed weights slice and concatenate
+PACK_K = 512  # K columns per chunk: the GEMV's split of K (K_HALVES x BLOCK_K), so one program reads whole chunks
+PACK_INNER = 16  # the packed tensor's last dim ([N, K // 16, 16]); K must be a multiple of it
+LAYOUT_PLAIN = 1  # Int8Linear.weight_format: [N, K] row-major (checkpoints without the tag)
+LAYOUT_PACKED = 2  # [N, K // 16, 16] in the order above
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    """True for a weight in the packed layout (its 3-D shape ``[N, K // 16, 16]``)."""
+    return w.dim() == 3
+
+
+def _blocks(flat: torch.Tensor, rows: int, K: int, to_plain: bool) -> torch.Tensor:
+    """The ``groups x rows x K`` bytes of ``flat`` (whole groups of ``rows`` rows each) converted between the two
+    orders: packed -> plain when ``to_plain``, else plain -> packed. One copy, by views."""
+    full, tail = K // PACK_K, K % PACK_K
+    groups = flat.numel() // (rows * K)
+    g = flat.view(groups, rows * K)
+    if to_plain:
+        head = g[:, :full * rows * PACK_K].reshape(groups, full, rows, PACK_K).permute(0, 2, 1, 3)
+        rest = g[:, full * rows * PACK_K:].reshape(groups, rows, tail)
+        return torch.cat([head.reshape(groups, rows, full * PACK_K), rest], dim=2).reshape(-1)
+    p = g.view(groups, rows, K)
+    head = p[:, :, :full * PACK_K].reshape(groups, rows, full, PACK_K).permute(0, 2, 1, 3)
+    return torch.cat([head.reshape(groups, -1), p[:, :, full * PACK_K:].reshape(groups, -1)], dim=1).reshape(-1)
+
+
+def _convert(w: torch.Tensor, N: int, K: int, to_plain: bool) -> torch.Tensor:
+    flat = w.contiguous().view(-1)
+    whole = (N // PACK_ROWS) * PACK_ROWS
+    parts = [_blocks(flat[:whole * K], PACK_ROWS, K, to_plain)] if whole else []
+    if N > whole:
+        parts.append(_blocks(flat[whole * K:], N - whole, K, to_plain))
+    return torch.cat(parts) if parts else flat
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` (any strides; ``K % 16 == 0``) -> the packed ``[N, K // 16, 16]``, contiguous."""
+    N, K = w.shape
+    if K % PACK_INNER:
+        raise ValueError(f"pack_weight: K = {K} is not a multiple of {PACK_INNER}")
+    return _convert(w, N, K, to_plain=False).view(N, K // PACK_INNER, PACK_INNER)
+
+
+def unpack_weight(wp: torch.Tensor) -> torch.Tensor:
+    """The packed ``[N, K // 16, 16]`` -> the plain int8 ``[N, K]``, contiguous (a copy)."""
+    N, K = wp.shape[0], wp.shape[1] * wp.shape[2]
+    return _convert(wp, N, K, to_plain=True).view(N, K)
