@@ -522,8 +522,8 @@ def test_w8a16_tickets_survive_an_aborted_launch(path, M, cfg):
 def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
     """Offline compile of a decode kernel for sm_90 (no GPU needed: triton's own ptxas), in a subprocess without
     TRITON_INTERPRET (under it the kernels are interpreted functions, which do not compile) -> (PTX, SASS,
-    resource-usage match). ``aligned``: the divisibility-by-16 facts Triton's launcher specializes an aligned
-    weight on."""
+    resource-usage match, dynamic shared memory bytes). ``aligned``: the divisibility-by-16 facts Triton's launcher
+    specializes an aligned weight on."""
     import json
     import os
     import re
@@ -538,7 +538,8 @@ def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
     done = subprocess.run([sys.executable, __file__, job], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
-    return got["ptx"], got["sass"], re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", got["res"])
+    return (got["ptx"], got["sass"], re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", got["res"]),
+            got["shared"])
 
 
 def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
@@ -576,13 +577,24 @@ def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
 WIDE_GLOBAL_LOAD = r"cp\.async\.\w+\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;]|ld\.global[.\w]*\.v4\."
 
 
-@pytest.mark.parametrize("path,M,N,K", [("gemv", 1, 4096, 14336), ("splitk", 8, 4096, 14336)])
-def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
+def _sass_lines(sass):
+    import re
+
+    return [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
+
+
+@pytest.mark.parametrize("path,M,N,K,packed", [("gemv", 1, 4096, 14336, False), ("gemv", 1, 4096, 14336, True),
+                                               ("gemv", 1, 14336, 4096, True), ("splitk", 8, 4096, 14336, False),
+                                               ("splitk", 8, 4096, 14336, True)])
+def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed):
     """The fused decode kernels compile offline for sm_90 with the planned config: no local memory (no spills,
-    STL/LDL), the ticket's atomics and the partials' L2 (.cg) loads present, the weight read by 16-byte vector
-    loads when aligned (GEMV: 8 ld.global.v4 per tile; split-K: cp.async of 16 bytes), and byte loads without the
-    divisibility facts (GEMV: 128 ld.global.b8; the silent 4x the op now warns about and Int8Linear refuses).
-    ~30-40 s of compiles per case on 2 cores."""
+    STL/LDL), the ticket's atomics and the partials' L2 (.cg) loads present, the weight read by 16-byte cp.async
+    when aligned, and (plain layout) byte loads without the divisibility facts (GEMV: ld.global.b8; the silent 4x
+    the op warns about and Int8Linear refuses; a packed weight is contiguous with K % 16 == 0 by construction).
+    GEMV: at most GEMV_REGISTERS registers and the shared memory gemv_smem counts (so resident_programs counts
+    what the hardware holds), and every weight load of the program (N_TILES tiles) is a cp.async issued before the
+    first wait on any of them (DEPBAR): all of the program's weight bytes in flight at once, no second DRAM round
+    trip. ~10-20 s of compiles per case on 2 cores."""
     import re
 
     cfg = tkp.w8a16_decode_config(path, M, N, K, 132)
@@ -593,23 +605,34 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
     splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
     block, unroll = tkp.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
     consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
-                  REDUCE_BLOCK=block, REDUCE_UNROLL=unroll)
+                  REDUCE_BLOCK=block, REDUCE_UNROLL=unroll, PACKED=packed,
+                  WHOLE_PACK=packed and N % 16 == 0 and K % 512 == 0)
     kernel = "w8a16_gemv_kernel" if path == "gemv" else "w8a16_splitk_kernel"
-    ptx, sass, res = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
+    ptx, sass, res, shared = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
     assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
     assert not re.search(r"\b(?:STL|LDL)\b", sass)
     assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
     # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
     # trip, not one (masked loads were serialised on predicate registers: one load per addition)
-    ins = [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
+    ins = _sass_lines(sass)
     first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
     ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
     assert sum("LDG.E.STRONG.GPU" in x for x in ins[first:first + ahead]) >= min(unroll, 8), ins[first:first + ahead]
-    wide = len(re.findall(WIDE_GLOBAL_LOAD, ptx))
-    ptx_unaligned, _, _ = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)
-    wide_unaligned = len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
-    assert wide > wide_unaligned, (wide, wide_unaligned)
-    assert "ld.global.b8" not in ptx and "ld.global.b8" in ptx_unaligned  # aligned: no byte loads at all
+    assert "ld.global.b8" not in ptx  # aligned: no byte loads at all
+    if path == "gemv":
+        assert int(res[1]) <= tkp.GEMV_REGISTERS
+        assert shared == tkp.gemv_smem(cfg["N_TILES"], cfg["BLOCK_N"], cfg["K_PER_SPLIT"]), shared
+        copies = cfg["N_TILES"] * cfg["BLOCK_N"] * cfg["K_PER_SPLIT"] // (16 * 32 * cfg["num_warps"])  # per thread
+        wait = next(i for i, x in enumerate(ins) if "DEPBAR.LE" in x)
+        assert sum("LDGSTS.E.BYPASS.128" in x for x in ins[:wait]) == copies, ins[:wait]
+        x_loads = 16 * cfg["K_PER_SPLIT"] * 2 // (16 * 32 * cfg["num_warps"])  # the bf16 x slice, [16, K_PER_SPLIT]
+        assert sum("LDG.E.128" in x for x in ins) == x_loads  # no weight byte through registers
+    else:
+        assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > 0
+    if not packed:
+        ptx_unaligned = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)[0]
+        assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
+        assert "ld.global.b8" in ptx_unaligned
 
 
 class _FakeConfig:

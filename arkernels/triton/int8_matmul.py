@@ -371,11 +371,15 @@ def _is_last_split(ticket_ptr, epoch):
 
 
 @triton.jit
-def _load_partial(p_ptrs, s, SPLIT_K, M, N):
-    """Split ``s``'s partial sums at ``p_ptrs`` (offsets into ``part [SPLIT_K, M, N]``); past the last split, the
-    last split's (a valid address, discarded by the caller)."""
-    s = tl.minimum(s, SPLIT_K - 1)
-    return tl.load(p_ptrs + tl.cast(s, tl.int64) * M * N, cache_modifier=".cg")
+def _add_partials(acc, p_ptrs, s0, M, N, COUNT: tl.constexpr):
+    """``acc`` plus splits ``s0, s0 + 1, ..., s0 + COUNT - 1`` of ``part [SPLIT_K, M, N]`` at ``p_ptrs``, added in
+    that order; the COUNT loads are independent of the sums (one basic block, no predicates): all issued first."""
+    q = p_ptrs + tl.cast(s0, tl.int64) * M * N
+    step = tl.cast(M * N, tl.int64)
+    for u in tl.static_range(COUNT):
+        acc = acc + tl.load(q, cache_modifier=".cg")
+        q += step
+    return acc
 
 
 @triton.jit
@@ -385,9 +389,11 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
     1, ... of part[s]) * w_scale + bias``, the splits added one after another in split order, so the bits do not
     depend on which split finished first (and equal the two-launch reduce's). UNROLL splits per loop trip, fully
     unrolled into one basic block: their loads do not depend on the sums, so they are all issued before the first
-    addition (one L2 round trip per UNROLL splits: 2 for the 28 splits of K = 14336); ``.cg``: the other programs'
-    partials are read from L2, never from a line this SM's L1 might hold. BLOCK x UNROLL / threads <= 32 loads in
-    flight per thread (:func:`reduce_shape`), under the GEMV's own register use."""
+    addition; the rest in blocks of UNROLL / 2, UNROLL / 4, ..., 1 behind uniform branches (28 splits, UNROLL 16:
+    16 + 8 + 4, three L2 round trips). No per-split predicate: ptxas has 7 predicate registers, and 16 predicated
+    additions made it issue the loads 4 at a time (offline sm_90 SASS). ``.cg``: the other programs' partials are
+    read from L2, never from a line this SM's L1 might hold. BLOCK x UNROLL / threads <= 32 loads in flight per
+    thread (:func:`reduce_shape`), under the GEMV's own register use."""
     SPLIT_K = tl.num_programs(1)
     for r0 in range(0, M * COLS, BLOCK):
         idx = r0 + tl.arange(0, BLOCK)
@@ -399,10 +405,15 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
         # masked ones on the few predicate registers (offline SASS: one load per addition, not UNROLL at once)
         p_ptrs = part_ptr + tl.where(mask, rows * N + cols, 0)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s0 in range(0, SPLIT_K, UNROLL):
-            for u in tl.static_range(UNROLL):
-                # no + 0.0 past the last split (a -0.0 sum stays -0.0, as in the two-launch reduce)
-                acc = tl.where(s0 + u < SPLIT_K, acc + _load_partial(p_ptrs, s0 + u, SPLIT_K, M, N), acc)
+        s0 = SPLIT_K * 0
+        for _ in range(SPLIT_K // UNROLL):
+            acc = _add_partials(acc, p_ptrs, s0, M, N, UNROLL)
+            s0 += UNROLL
+        for h in tl.static_range(1, 5):  # UNROLL <= 16: the remainder (< UNROLL splits) in power-of-two blocks
+            if (UNROLL >> h) > 0:
+                if SPLIT_K - s0 >= (UNROLL >> h):
+                    acc = _add_partials(acc, p_ptrs, s0, M, N, UNROLL >> h)
+                    s0 += UNROLL >> h
         _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
 
 

@@ -24,7 +24,7 @@ SM90_LIMITS = dict(registers=65536, register_unit=256, smem=228 * 1024, smem_per
 GEMV_REGISTERS = 64
 GEMV_N_TILES = (2, 4)  # weight tiles per program, all in flight at once: num_stages = N_TILES + 1 (one spare slot)
 LITTLE_BYTES = 23 * 1024  # loads in flight per SM that saturate HBM (~4.3 TB/s x ~0.7 us / 132 SMs: Little's law)
-GEMV_SMEM_EXTRA = 2048  # shared memory beside the stages' weight tiles (offline compile: 51200 B at 2 tiles of 16 KB)
+GEMV_SMEM_EXTRA = 2048  # the epilogue's scratch, beside the weight tiles and the x slice (offline sm_90 compile)
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
 REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
 
@@ -108,9 +108,11 @@ def resident_programs(registers: int, smem: int, num_warps: int, limits: dict = 
     return max(0, min(by_regs, by_smem, limits["blocks"], limits["warps"] // num_warps))
 
 
-def gemv_smem(n_tiles: int, block_n: int, k_per_split: int) -> int:
-    """Shared memory of a GEMV program: N_TILES + 1 pipeline stages of one ``[K_PER_SPLIT, BLOCK_N]`` int8 tile."""
-    return (n_tiles + 1) * block_n * k_per_split + GEMV_SMEM_EXTRA
+def gemv_smem(n_tiles: int, block_n: int, k_per_split: int, block_m: int = 16, x_bytes: int = 2) -> int:
+    """Shared memory of a GEMV program as triton lays it out (offline sm_90 compile; a test compares): num_stages - 1
+    = N_TILES buffers of one ``[K_PER_SPLIT, BLOCK_N]`` int8 tile, the x slice ``[BLOCK_M, K_PER_SPLIT]`` on its way
+    to the dot's register layout, GEMV_SMEM_EXTRA. 2 tiles of 16 KB: 51200 B."""
+    return n_tiles * block_n * k_per_split + block_m * k_per_split * x_bytes + GEMV_SMEM_EXTRA
 
 
 def wave_efficiency(programs: int, wave: int) -> float:
