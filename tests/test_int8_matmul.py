@@ -15,8 +15,9 @@ import triton.language as tl
 
 import arkernels
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
+from arkernels.ops.int8_matmul_layout import pack_weight
 from arkernels.reference.int8_matmul import (dequantize_rowwise_ref, int8_matmul_ref, quantize_rowwise_ref,
-                                             sqnr_db, w8a16_matmul_ref)
+                                             sqnr_db, unpack_weight_ref, w8a16_matmul_ref)
 from arkernels.triton import int8_matmul as tk  # the jit kernels and their configs
 from arkernels.triton import int8_matmul_launch as tkl
 from arkernels.triton import int8_matmul_plan as tkp
@@ -213,6 +214,10 @@ def test_w8a16_matmul_grid(device, dtype):
             x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias=M % 2 == 1)
             d = lambda t: None if t is None else t.to(device)  # noqa: E731
             _check_w8a16(w8a16_matmul(d(x), d(w), d(w_scale), d(bias)), x, w, w_scale, bias)
+            if K % 16 == 0:  # the packed layout (what Int8Linear(mode="w8a16") stores): K a multiple of 16
+                wp = pack_weight(w)
+                assert torch.equal(unpack_weight_ref(wp), w)
+                _check_w8a16(w8a16_matmul(d(x), d(wp), d(w_scale), d(bias)), x, w, w_scale, bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -319,6 +324,34 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
     out = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), config=GEMV_CFG if path == "gemv" else SPLITK_CFG,
                                   path=path)
     _check_w8a16(out.cpu(), x, w, w_scale, bias)
+
+
+# Packed weights through every w8a16 kernel: N = 130 ends in a 2-row group, K = 1040 in a 16-column chunk (the
+# general addressing); 64 x 1024 has only whole groups and chunks (WHOLE_PACK's constant strides).
+PACKED_CASES = [("gemv", 1, 1040, 130, GEMV_CFG), ("gemv", 4, 1024, 64, None), ("splitk", 9, 1040, 130, SPLITK_CFG),
+                ("splitk", 16, 1024, 64, None), ("tiled", 20, 1040, 130, MID_TILE), ("tiled", 33, 1024, 64, None)]
+
+
+@pytest.mark.parametrize("path,M,K,N,cfg", PACKED_CASES)
+def test_w8a16_packed_layout_triton(path, M, K, N, cfg):
+    """The kernels read the packed layout (arkernels/ops/int8_matmul_layout.py) to the same bits as the plain
+    weight (the same plan, the same sums; a wrong address in any group or chunk changes them), and the reference's
+    values; a tile that would straddle a row group or a K chunk is refused."""
+    gen = torch.Generator().manual_seed(M + K)
+    x, w, w_scale, bias = _w8a16_case(M, K, N, torch.bfloat16, gen)
+    d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
+    wp = pack_weight(w)
+    assert not torch.equal(wp.view(N, K), w)  # the layouts really differ here
+    kw = dict(config=cfg, path=path if cfg is not None or path != "tiled" else None)
+    plain = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), **kw)
+    packed = tkl.w8a16_matmul_triton(d(x), d(wp), d(w_scale), d(bias), **kw)
+    assert torch.equal(packed, plain)
+    _check_w8a16(packed.cpu(), x, w, w_scale, bias)
+    if cfg is not None:
+        bad = dict(cfg, BLOCK_N=8) if path != "gemv" else dict(cfg, BLOCK_K=1024, K_HALVES=1, K_PER_SPLIT=1024)
+        with pytest.raises(ValueError, match="a packed weight needs BLOCK_N a multiple of 16"):
+            tkl.w8a16_matmul_triton(d(x), d(wp), d(w_scale), d(bias), config=bad, path=path if path != "tiled"
+                                    else None)
 
 
 @pytest.mark.parametrize("path", ["gemv", "splitk"])
@@ -861,7 +894,12 @@ def test_w8a16_and_quantize_bad_inputs(device):
     _raises(lambda: w8a16_matmul(x, w, s.half()), "w8a16_matmul", "w_scale must be torch.float32")
     _raises(lambda: w8a16_matmul(x, w, s[:7]), "w8a16_matmul", r"w_scale must have shape \[N=8\]")
     _raises(lambda: w8a16_matmul(x, w, s, s[:3]), "w8a16_matmul", "bias must have shape")
-    _raises(lambda: w8a16_matmul(x, i8(2, 8, 32), s), "w8a16_matmul", "w must be 2-D")
+    _raises(lambda: w8a16_matmul(x, i8(2, 8, 2, 16), s), "w8a16_matmul", "w must be 2-D")
+    # 3-D: the packed layout [N, K // 16, 16], contiguous, K from its shape
+    _raises(lambda: w8a16_matmul(x, i8(8, 4, 8), s), "w8a16_matmul", r"the packed layout \[N, K // 16, 16\]")
+    _raises(lambda: w8a16_matmul(x, i8(8, 16, 2).transpose(1, 2), s), "w8a16_matmul", "packed layout")
+    _raises(lambda: w8a16_matmul(x, i8(8, 3, 16), s), "w8a16_matmul", r"K mismatch.*\(8, 48\)")
+    assert w8a16_matmul(x, i8(8, 2, 16), s).shape == (3, 8)
     _raises(lambda: quantize_per_channel(torch.ones(2, 3, 4, device=device)), "quantize_per_channel", "w must be 2-D")
     _raises(lambda: quantize_per_token(i8(3, 32)), "quantize_rowwise", "x must be float32")
 
@@ -883,6 +921,8 @@ def test_int8_opcheck():
     torch.library.opcheck(ops.int8_matmul.default, (a, b, a_scale, b_scale, bias, torch.float16))
     x, w, w_scale, bias = _w8a16_case(5, 34, 24, torch.bfloat16, gen)
     torch.library.opcheck(ops.w8a16_matmul.default, (x, w, w_scale, bias))
+    x, w, w_scale, bias = _w8a16_case(5, 48, 24, torch.bfloat16, gen)
+    torch.library.opcheck(ops.w8a16_matmul.default, (x, pack_weight(w), w_scale, bias))
 
 
 def test_int8_compile_fullgraph():

@@ -17,29 +17,33 @@ BLOCK_M is not taller than the bucket (a 256-row tile at M = 128 computes half z
 cores: BLOCK_M % 64 == 0 and num_warps % 4 == 0 so Hopper emits int8 wgmma rather than mma.sync.
 
 W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once and nothing else matters.
-- M <= 4: ``w8a16_gemv_kernel``. A program owns one BLOCK_K slice of K (its split) and keeps the activation
-  rows of that slice in registers (``[16, 512]`` bf16 as two dot operands: 32 registers per thread, rows past M
-  zero and never read) while it streams N_TILES weight tiles of ``[512, 32]`` past them through the tensor cores:
-  x is read once per N_TILES tiles, not once per tile. The K reduction on the tensor cores matters: the sm_90
-  SASS of an fp32 FMA + shuffle-reduction version of this loop had 9.7 instructions per weight at M = 1 and 21.7
-  at M = 4, past the ~7.7 an SM can issue per weight byte at 4.3 TB/s (128 lanes/clk / 16.5 B/clk).
+- M <= 4: ``w8a16_gemv_kernel``. A program owns one K_HALVES x BLOCK_K slice of K (its split) and keeps the
+  activation rows of that slice in registers (``[16, 512]`` as two dot operands, rows past M zero and never read)
+  while it streams N_TILES (2 or 4) weight tiles of ``[512, 32]`` past them through the tensor cores: x is read
+  once per N_TILES tiles. The N-tile loop is software-pipelined with num_stages = N_TILES + 1, so every tile's
+  weight is a cp.async (straight to shared memory, no registers held) issued in the prologue, before the first
+  wait: all of a program's weight bytes are in flight at once. The K reduction runs on the tensor cores (an FMA +
+  shuffle version is issue-bound: docs/kernels.md).
+- Weight layouts: the plain ``[N, K]`` (any strides), or the packed ``[N, K // 16, 16]`` of
+  arkernels/ops/int8_matmul_layout.py (PACKED: 16-row groups of 512-column chunks, each program's tile contiguous
+  per row group; :func:`_packed_w_ptrs`), which every w8a16 kernel reads; WHOLE_PACK makes the in-group strides
+  constants when no group or chunk is partial.
 - 5 <= M <= 16: ``w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT.
 - Grids (:func:`w8a16_decode_config`): a pure function of (path, M, N, K, SM count), never autotuned (the bits do
-  not depend on which config a sweep picked; decode never sweeps), planned for whole waves of PROGRAMS_PER_SM
-  programs per SM (4 GEMV, 2 split-K): among the N_TILES (GEMV) or split counts (split-K) the shape allows, the
-  fewest programs within WAVE_SLACK of the best wave efficiency. M = 1 at 4096x14336 on 132 SMs: 3584 programs,
-  6.8 waves of 528, 0.97 busy (the previous 896 programs were 1.7 waves, 0.85). Split-K keeps its workspace under
-  10% of the weight bytes (K = 4096 at M = 16: 3 splits).
+  not depend on which config a sweep picked; decode never sweeps), planned in whole waves of the programs an SM
+  holds at once (GEMV: :func:`resident_programs` of its registers and shared memory; split-K: PROGRAMS_PER_SM):
+  among the N_TILES (GEMV) or split counts (split-K) the shape allows, the fewest programs within WAVE_SLACK of
+  the best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3
+  splits). The per-shape figures: docs/kernels.md.
 - Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
   workspace; each program then takes a ticket for its output tile (:func:`_is_last_split`: an int64 atomic tagged
   with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
-  programs adds the partials in split order (0, 1, ...; up to 16 splits' loads in flight at once), then applies
+  programs adds the partials in split order (0, 1, ...; blocks of up to 16 splits' loads in flight), then applies
   scale and bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes
   first. ``reduce="launch"`` keeps the previous two-launch path (``splitk_reduce_kernel``, the same order, the
   same bits) as the benchmark's baseline. With one split the matmul kernel applies the epilogue itself and no
-  workspace or ticket exists. Offline sm_90 compile (triton 3.8, ``triton.compile`` of an ``ASTSource``, then
-  ``cuobjdump``; tests/test_int8_matmul.py): GEMV fused 64 registers, 24 KB shared, split-K fused 69 registers,
-  36 KB, no local memory; 13 of the GEMV reduce's 16 partial loads issue before its first addition.
+  workspace or ticket exists. Registers, shared memory and instruction order of the offline sm_90 compile
+  (tests/test_int8_matmul.py checks them): docs/kernels.md.
 - Alignment: Triton specializes pointers and integer arguments divisible by 16 and strides equal to 1; an
   aligned, K-contiguous weight with rows a multiple of 16 bytes gets 16-byte loads with no hint written here,
   anything else byte loads (~4x slower). :func:`weight_unaligned_reason` names the cases; the op warns on CUDA and
