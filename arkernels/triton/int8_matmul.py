@@ -287,7 +287,8 @@ def w8a16_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if PACKED:
-            w_ptrs = _packed_w_ptrs(w_ptr, tl.where(rn < N, rn, n0), n0, k * BLOCK_K, rk, N, K, WHOLE_PACK)
+            w_ptrs = _packed_w_ptrs(w_ptr, tl.where(rn < N, tl.arange(0, BLOCK_N), 0), n0, k * BLOCK_K, rk, N, K,
+                                    WHOLE_PACK)
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -422,21 +423,22 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
 
 
 @triton.jit
-def _packed_w_ptrs(w_ptr, rows, n0, k, rk, N, K, WHOLE: tl.constexpr):
-    """Pointers ``[BLOCK_K, len(rows)]`` into a packed weight (arkernels/ops/int8_matmul_layout.py) at rows ``rows``
-    (valid rows of the tile that starts at row ``n0``, a multiple of PACK_ROWS) and columns ``k + rk`` (one K tile
-    inside one PACK_K chunk: BLOCK_K divides PACK_K). int64 only in the tile's base ``n0 * K``; the rest is < BLOCK_N x
-    K. Every term of a row's offset is a multiple of 16 (K is one), so the loads along K are 16-byte vectors.
+def _packed_w_ptrs(w_ptr, jl, n0, k, rk, N, K, WHOLE: tl.constexpr):
+    """Pointers ``[BLOCK_K, len(jl)]`` into a packed weight (arkernels/ops/int8_matmul_layout.py) at rows ``n0 + jl``
+    (``jl``: rows of the tile that starts at row ``n0``, a multiple of PACK_ROWS; all valid) and columns ``k + rk``
+    (one K tile inside one PACK_K chunk: BLOCK_K divides PACK_K). int64 only in the tile's base ``n0 * K``; the rest
+    is < BLOCK_N x K. Every term of a row's offset is a multiple of 16 (K is one), so the loads along K are 16-byte
+    vectors; the row terms depend on ``jl`` alone, so a loop over tiles with the same ``jl`` can hoist them.
     WHOLE: every row group and K chunk is full (N % PACK_ROWS == K % PACK_K == 0), so the in-group strides are
     constants: two address registers per 8 rows instead of one per load (offline sm_90 SASS)."""
     k = tl.cast(k, tl.int32)  # a tensor also when the caller's loop variable is a Python int (the interpreter)
     cs = k - k % PACK_K
-    g0 = rows - rows % PACK_ROWS
+    g = jl - jl % PACK_ROWS  # the row's group, from the tile's first row
     if WHOLE:
-        row_off = (g0 - n0) * K + cs * PACK_ROWS + (rows - g0) * PACK_K + (k - cs)
+        row_off = g * K + (jl - g) * PACK_K + (cs * PACK_ROWS + (k - cs))
     else:
         kw = tl.minimum(K - cs, PACK_K)
-        row_off = (g0 - n0) * K + cs * tl.minimum(N - g0, PACK_ROWS) + (rows - g0) * kw + (k - cs)
+        row_off = g * K + cs * tl.minimum(N - n0 - g, PACK_ROWS) + (jl - g) * kw + (k - cs)
     return (w_ptr + n0.to(tl.int64) * K) + tl.multiple_of(row_off, 16)[None, :] + rk[:, None]
 
 
@@ -487,6 +489,7 @@ def w8a16_gemv_kernel(
     K_HALVES: tl.constexpr,  # 1 or 2 x slices of BLOCK_K per program: 2 halves the split workspace
     PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; K_HALVES x BLOCK_K <= PACK_K)
     WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
+    N_EDGE: tl.constexpr = True,  # some tile has columns past N (False: N_TILES x BLOCK_N divides N, no clamp)
 ):
     """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, K_HALVES * BLOCK_K))``: program (i, s) holds the x slice of
     split s in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of it, one
@@ -507,8 +510,8 @@ def w8a16_gemv_kernel(
         n0 = (pid_n * N_TILES + t) * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         ln = tl.where(rn < N, rn, 0)  # past-the-edge columns read column 0 (valid), masked at the store
-        if PACKED:
-            ln = tl.where(rn < N, rn, n0)  # the packed pointers stay in the tile: its first row
+        if PACKED:  # tile-local rows (past N: the tile's first), the same every tile when N is whole tiles
+            ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0) if N_EDGE else tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = _gemv_step(acc, x0, w_k0, w_ptr, ln, n0, k0, rk0, N, K, stride_wn, EVEN_K, DOT_FP32, PACKED,
                          WHOLE_PACK)
@@ -551,8 +554,7 @@ def w8a16_splitk_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k0, tl.minimum(k0 + K_PER_SPLIT, K), BLOCK_K):
         if PACKED:
-            w_ptrs = _packed_w_ptrs(w_ptr, tl.where(rn < N, rn, pid_n * BLOCK_N), pid_n * BLOCK_N, k, rk, N, K,
-                                    WHOLE_PACK)
+            w_ptrs = _packed_w_ptrs(w_ptr, ln, pid_n * BLOCK_N, k, rk, N, K, WHOLE_PACK)
         if EVEN_K:
             x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
             w = tl.load(w_ptrs)
