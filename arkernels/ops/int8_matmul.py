@@ -235,7 +235,8 @@ def _int8_matmul_cpu(a, b, a_scale, b_scale, bias, out_dtype):
 @torch.library.register_kernel("arkernels::w8a16_matmul", "cpu")
 def _w8a16_matmul_cpu(x, w, w_scale, bias):
     _check_w8a16_matmul(x, w, w_scale, bias)
-    return w8a16_matmul_cpu(x, unpack_weight(w) if is_packed(w) else w, w_scale, bias)
+    # packed: unpacked straight to fp32, the pass the plain path's own int8 -> fp32 conversion makes anyway
+    return w8a16_matmul_cpu(x, unpack_weight(w, torch.float32) if is_packed(w) else w, w_scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------

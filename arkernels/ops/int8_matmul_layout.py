@@ -32,28 +32,26 @@ def is_packed(w: torch.Tensor) -> bool:
     return w.dim() == 3
 
 
-def _blocks(flat: torch.Tensor, rows: int, K: int, to_plain: bool) -> torch.Tensor:
-    """The ``groups x rows x K`` bytes of ``flat`` (whole groups of ``rows`` rows each) converted between the two
-    orders: packed -> plain when ``to_plain``, else plain -> packed. One copy, by views."""
+def _convert(src: torch.Tensor, N: int, K: int, to_plain: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The ``N x K`` bytes of ``src`` (contiguous) in the other order, as a new contiguous ``dtype`` tensor of ``N *
+    K`` elements: packed -> plain when ``to_plain``, else plain -> packed. One pass (each block is a strided view
+    copied once, the dtype conversion included), no concatenation."""
+    src, out = src.reshape(-1), torch.empty(N * K, dtype=dtype, device=src.device)
     full, tail = K // PACK_K, K % PACK_K
-    groups = flat.numel() // (rows * K)
-    g = flat.view(groups, rows * K)
-    if to_plain:
-        head = g[:, :full * rows * PACK_K].reshape(groups, full, rows, PACK_K).permute(0, 2, 1, 3)
-        rest = g[:, full * rows * PACK_K:].reshape(groups, rows, tail)
-        return torch.cat([head.reshape(groups, rows, full * PACK_K), rest], dim=2).reshape(-1)
-    p = g.view(groups, rows, K)
-    head = p[:, :, :full * PACK_K].reshape(groups, rows, full, PACK_K).permute(0, 2, 1, 3)
-    return torch.cat([head.reshape(groups, -1), p[:, :, full * PACK_K:].reshape(groups, -1)], dim=1).reshape(-1)
-
-
-def _convert(w: torch.Tensor, N: int, K: int, to_plain: bool) -> torch.Tensor:
-    flat = w.contiguous().view(-1)
     whole = (N // PACK_ROWS) * PACK_ROWS
-    parts = [_blocks(flat[:whole * K], PACK_ROWS, K, to_plain)] if whole else []
-    if N > whole:
-        parts.append(_blocks(flat[whole * K:], N - whole, K, to_plain))
-    return torch.cat(parts) if parts else flat
+    packed_flat, plain_flat = (src, out) if to_plain else (out, src)
+    for row0, rows, count in ((0, PACK_ROWS, whole // PACK_ROWS), (whole, N - whole, int(N > whole))):
+        if count == 0:  # no whole group, or no partial last one
+            continue
+        lo, hi = row0 * K, (row0 + count * rows) * K
+        packed, plain = packed_flat[lo:hi].view(count, rows * K), plain_flat[lo:hi].view(count, rows, K)
+        pairs = [(plain[:, :, full * PACK_K:], packed[:, full * rows * PACK_K:].view(count, rows, tail))]
+        if full:
+            pairs.append((plain[:, :, :full * PACK_K].unflatten(2, (full, PACK_K)),
+                          packed[:, :full * rows * PACK_K].view(count, full, rows, PACK_K).permute(0, 2, 1, 3)))
+        for p, q in pairs:
+            p.copy_(q) if to_plain else q.copy_(p)
+    return out
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -61,10 +59,11 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
     if K % PACK_INNER:
         raise ValueError(f"pack_weight: K = {K} is not a multiple of {PACK_INNER}")
-    return _convert(w, N, K, to_plain=False).view(N, K // PACK_INNER, PACK_INNER)
+    return _convert(w.contiguous(), N, K, False, torch.int8).view(N, K // PACK_INNER, PACK_INNER)
 
 
-def unpack_weight(wp: torch.Tensor) -> torch.Tensor:
-    """The packed ``[N, K // 16, 16]`` -> the plain int8 ``[N, K]``, contiguous (a copy)."""
+def unpack_weight(wp: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """The packed ``[N, K // 16, 16]`` -> the plain ``[N, K]`` in ``dtype`` (int8: the weight itself; a float dtype:
+    its values, converted in the same pass, as the CPU kernel takes them), contiguous (a copy)."""
     N, K = wp.shape[0], wp.shape[1] * wp.shape[2]
-    return _convert(wp, N, K, to_plain=True).view(N, K)
+    return _convert(wp.contiguous(), N, K, True, dtype).view(N, K)
