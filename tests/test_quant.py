@@ -219,6 +219,32 @@ def test_save_load_quantized_round_trip(tmp_path, mode):
     assert torch.equal(_logits(target, ids), _logits(model, ids))
 
 
+def test_load_quantized_reads_files_written_before_the_layout_tag(tmp_path):
+    """A file from before the layout tag (plain [N, K] int8 weights, no weight_format entries, same metadata) loads
+    with strict=True into a w8a16 model, which stores the packed layout: the same logits as the model it came from."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from arkernels.ops.int8_matmul_layout import unpack_weight
+
+    model = tiny_llama(0)
+    arkernels.quantize(model, mode="w8a16")
+    path = str(tmp_path / "new.safetensors")
+    arkernels.save_quantized(model, path)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    old = {k: (unpack_weight(v) if v.dim() == 3 else v).contiguous() for k, v in load_file(path).items()
+           if not k.endswith("weight_format")}
+    assert any(v.dtype == torch.int8 and v.dim() == 2 for v in old.values())
+    old_path = str(tmp_path / "old.safetensors")
+    save_file(old, old_path, metadata=meta)
+    target = arkernels.load_quantized(tiny_llama(1), old_path)
+    up = target.model.layers[0].mlp.up_proj
+    assert up.weight.dim() == 3 and int(up.weight_format) == LAYOUT_PACKED
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_logits(target, ids), _logits(model, ids))
+
+
 def test_load_quantized_rejects_foreign_files(tmp_path):
     from safetensors.torch import save_model
 

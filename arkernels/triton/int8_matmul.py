@@ -430,7 +430,7 @@ def _packed_w_ptrs(w_ptr, jl, n0, k, rk, N, K, WHOLE: tl.constexpr):
     is < BLOCK_N x K. Every term of a row's offset is a multiple of 16 (K is one), so the loads along K are 16-byte
     vectors; the row terms depend on ``jl`` alone, so a loop over tiles with the same ``jl`` can hoist them.
     WHOLE: every row group and K chunk is full (N % PACK_ROWS == K % PACK_K == 0), so the in-group strides are
-    constants: two address registers per 8 rows instead of one per load (offline sm_90 SASS)."""
+    constants, not min() of the shape (docs/kernels.md: the SASS either way)."""
     k = tl.cast(k, tl.int32)  # a tensor also when the caller's loop variable is a Python int (the interpreter)
     cs = k - k % PACK_K
     g = jl - jl % PACK_ROWS  # the row's group, from the tile's first row

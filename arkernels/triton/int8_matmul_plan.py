@@ -22,7 +22,8 @@ SM90_LIMITS = dict(registers=65536, register_unit=256, smem=228 * 1024, smem_per
 # The GEMV's budget per thread: the offline sm_90 compiles of its plans stay at or under it (a test checks), so the
 # residency the plan counts from it is never more than the hardware's.
 GEMV_REGISTERS = 64
-GEMV_N_TILES = (2, 4)  # weight tiles per program, all in flight at once: num_stages = N_TILES + 1 (one spare slot)
+GEMV_N_TILES = (2, 4)  # weight tiles per program, all in flight at once: num_stages = N_TILES + 1 (triton keeps
+# num_stages - 1 tiles in flight; one tile is a folded loop, no pipeline, so no cp.async at all)
 LITTLE_BYTES = 23 * 1024  # loads in flight per SM that saturate HBM (~4.3 TB/s x ~0.7 us / 132 SMs: Little's law)
 GEMV_SMEM_EXTRA = 2048  # the epilogue's scratch, beside the weight tiles and the x slice (offline sm_90 compile)
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
