@@ -444,7 +444,8 @@ def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
                 options = [triton.cdiv(N, 64) * triton.cdiv(K, triton.cdiv(k_blocks, s) * cfg["BLOCK_K"])
                            for s in range(1, max(1, min(k_blocks, K // (80 * M))) + 1)]
                 assert eff >= max(tkp.wave_efficiency(p, wave) for p in options) - tkp.WAVE_SLACK, (M, N, K, cfg)
-    assert _plan(1, 4096, 14336, 132)[3] == 896  # 28 splits x 32 groups of 4 column tiles, 2 resident per SM
+    assert _plan(1, 4096, 14336, 132)[3] == 1792  # 28 splits x 64 pairs of column tiles, 4 resident per SM
+    assert _plan(1, 4096, 14336, 132)[1]["N_TILES"] == 2  # 4 tiles: as many waves, but 2 programs (8 warps) per SM
     assert tkp.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
 
 

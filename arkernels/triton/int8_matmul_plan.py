@@ -137,8 +137,8 @@ def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict
     gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512)
     (one chunk of the packed layout per split); N_TILES (weight tiles per program, sharing its x slice, all of
     them in flight at once on a num_stages = N_TILES + 1 cp.async pipeline) from GEMV_N_TILES, each counted with
-    the waves of its own residency (:func:`resident_programs` from GEMV_REGISTERS and :func:`gemv_smem`): the one
-    that fills whole waves best (within WAVE_SLACK, then the fewest programs). BLOCK_M 16 (the dot's smallest;
+    the waves of its own residency (:func:`resident_programs` from GEMV_REGISTERS and :func:`gemv_smem`): among
+    those within WAVE_SLACK of the best wave efficiency, the most resident programs, then the fewest programs. BLOCK_M 16 (the dot's smallest;
     rows past M are never read). The figures per shape are in docs/kernels.md. The workspace is 1.6% (M = 1) to
     6.2% (M = 4) of the weight bytes.
     splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
@@ -157,9 +157,11 @@ def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict
                 break  # no tile group wider than twice the columns
             resident = resident_programs(GEMV_REGISTERS, gemv_smem(t, block_n, halves * block_k), 4)
             programs = triton.cdiv(n_blocks, t) * split_k
-            plans.append((wave_efficiency(programs, resident * num_sms), -programs, t))
-        best = max(e for e, _, _ in plans)
-        n_tiles = max(p for p in plans if p[0] >= best - WAVE_SLACK)[2]  # near the best: the fewest programs
+            plans.append((wave_efficiency(programs, resident * num_sms), resident, -programs, t))
+        best = max(p[0] for p in plans)
+        # near the best: the most resident programs (warps to hide the dot's latencies: 2 programs of 4 warps leave
+        # 2 warps per scheduler), then the fewest programs
+        n_tiles = max(p[1:] for p in plans if p[0] >= best - WAVE_SLACK)[-1]
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
                     K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=n_tiles + 1)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
