@@ -188,7 +188,7 @@ def w8a16_matmul(
 ) -> torch.Tensor:
     """Weight-only int8 matmul: ``x @ (w_int8 * w_scale[:, None]).T + bias``, weights dequantised in registers
     (never materialised in memory on CUDA). On CUDA the kernel follows the row count M = prod(x.shape[:-1]) (a
-    shape: no host sync): M <= 4 a GEMV (fp32 FMAs, split over K), 5..16 split-K tensor-core tiles, larger the
+    shape: no host sync): M <= 4 a tensor-core GEMV (split over K), 5..16 split-K tensor-core tiles, larger the
     autotuned tile kernel; the split-K partial sums are added in a fixed order (by the last program of each tile,
     in the same launch), so equal inputs give equal bits. A weight that is not K-contiguous with rows a multiple of
     16 bytes (16-byte aligned) runs on CUDA at byte-load speed (~4x slower) and warns once per view shape.

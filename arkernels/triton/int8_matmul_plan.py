@@ -138,9 +138,9 @@ def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict
     (one chunk of the packed layout per split); N_TILES (weight tiles per program, sharing its x slice, all of
     them in flight at once on a num_stages = N_TILES + 1 cp.async pipeline) from GEMV_N_TILES, each counted with
     the waves of its own residency (:func:`resident_programs` from GEMV_REGISTERS and :func:`gemv_smem`): among
-    those within WAVE_SLACK of the best wave efficiency, the most resident programs, then the fewest programs. BLOCK_M 16 (the dot's smallest;
-    rows past M are never read). The figures per shape are in docs/kernels.md. The workspace is 1.6% (M = 1) to
-    6.2% (M = 4) of the weight bytes.
+    those within WAVE_SLACK of the best wave efficiency, the most resident programs, then the fewest programs.
+    BLOCK_M 16 (the dot's smallest; rows past M are never read). The figures per shape are in docs/kernels.md. The
+    workspace is 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
     splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
     cdiv(N, 64) x SPLIT_K fills whole waves of 2 x SMs best, unless the workspace would pass 10% of the weight
     bytes (K = 4096 at M = 16: 3 splits, 192 programs).
