@@ -244,7 +244,8 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
                  DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
                  **_pack_flags(w, N, K))
     if path == "gemv":
-        flags["N_EDGE"] = N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
+        # only the packed addressing reads it: the plain weight keeps one specialization
+        flags["N_EDGE"] = not flags["PACKED"] or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
         w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)
     else:
         w8a16_splitk_kernel[grid](*args, k_per_split, **flags, **cfg, **launch)
