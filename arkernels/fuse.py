@@ -27,6 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from arkernels.ops.int8_matmul_layout import PACK_ROWS, is_packed
 from arkernels.quant import Int8Linear
 
 # (parts, fused child name): the parent holds each part as an attribute; the fused layer is added under the name
@@ -97,6 +98,11 @@ def _fusable(mods: list[nn.Module]) -> str | None:
         return "bias on some parts only, or biases of different dtypes"
     if isinstance(mods[0], Int8Linear) and len({m.mode for m in mods}) != 1:
         return "different int8 modes"
+    if isinstance(mods[0], Int8Linear) and len({m.weight.dim() for m in mods}) != 1:
+        return "int8 weights in different layouts"
+    if any(is_packed(m.weight) and m.out_features % PACK_ROWS for m in mods[:-1]):
+        # packed rows concatenate in whole row groups only (arkernels/ops/int8_matmul_layout.py)
+        return f"packed int8 parts whose out_features is not a multiple of {PACK_ROWS} (all but the last)"
     if any(hasattr(m, "_hf_hook") or m._forward_hooks or m._forward_pre_hooks for m in mods):
         return "hooks on a part (accelerate offload or user hooks would be bypassed)"
     return None
@@ -109,7 +115,8 @@ def _build(mods: list[nn.Module]) -> nn.Module:
     # built on "meta", then every tensor replaced by the concatenation: no transient full-size zero weight
     if isinstance(first, Int8Linear):
         fused = Int8Linear(first.in_features, out, bias=first.bias is not None, mode=first.mode, device="meta")
-        fused.weight = torch.cat([m.weight for m in mods])
+        fused.weight = torch.cat([m.weight for m in mods])  # packed too: whole row groups (_fusable)
+        fused.weight_format = first.weight_format.clone()
         fused.weight_scale = torch.cat([m.weight_scale for m in mods])
         if first.bias is not None:
             fused.bias = torch.cat([m.bias for m in mods])

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
+from arkernels.ops.int8_matmul_layout import (LAYOUT_PACKED, LAYOUT_PLAIN, PACK_INNER, is_packed, pack_weight,
+                                              unpack_weight)
 
 MODES = ("w8a16", "w8a8")
 # mode="w8a8" runs the weight-only kernels below this many rows (decode): at M <= 16 an int8 tensor-core tile (64+
@@ -50,9 +52,15 @@ def _check_mode(mode: str) -> str:
 class Int8Linear(nn.Module):
     """``y = x @ (weight * weight_scale[:, None]).T + bias`` with an int8 weight.
 
-    Buffers (all in ``state_dict``): ``weight`` int8 ``[out_features, in_features]``, ``weight_scale`` float32
-    ``[out_features]`` (stays float32 through ``module.to(dtype)``), ``bias`` ``[out_features]`` in the original
-    Linear's dtype, or None.
+    Buffers (all in ``state_dict``): ``weight`` int8, ``weight_format`` (int32 scalar: the weight's layout tag),
+    ``weight_scale`` float32 ``[out_features]`` (stays float32 through ``module.to(dtype)``), ``bias``
+    ``[out_features]`` in the original Linear's dtype, or None. ``weight_format`` LAYOUT_PACKED (2, mode
+    "w8a16"): ``weight`` is the packed ``[out_features, in_features // 16, 16]`` of
+    arkernels/ops/int8_matmul_layout.py, the order the decode kernels stream; LAYOUT_PLAIN (1, mode "w8a8", whose
+    prefill runs the int8 tensor cores on K-major ``[N, K]`` tiles): ``weight`` is ``[out_features, in_features]``.
+    A checkpoint without the tag holds the plain layout (written before the tag existed); loading converts any
+    tagged or untagged weight to this module's own layout (:meth:`_load_from_state_dict`). Read the weight in
+    the plain layout with :meth:`plain_weight`.
 
     ``forward(x)``: ``x [..., in_features]`` float32/float16/bfloat16 -> ``[..., out_features]`` in x's dtype, the
     ``nn.Linear`` contract. The layer is inference-only (no gradients flow to the int8 weight). The kernel follows
@@ -69,7 +77,11 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear: {reason}; keep this layer in float (quantize() does so itself) or pad "
                              f"in_features to a multiple of {WEIGHT_ALIGN}")
         self.in_features, self.out_features, self.mode = in_features, out_features, _check_mode(mode)
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        fmt = LAYOUT_PACKED if mode == "w8a16" else LAYOUT_PLAIN
+        shape = (out_features, in_features // PACK_INNER, PACK_INNER) if fmt == LAYOUT_PACKED else (
+            out_features, in_features)
+        self.register_buffer("weight", torch.zeros(shape, dtype=torch.int8, device=device))
+        self.register_buffer("weight_format", torch.tensor(fmt, dtype=torch.int32, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
@@ -80,10 +92,36 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, mode=mode,
                 device=w.device, dtype=w.dtype)
-        m.weight, m.weight_scale = quantize_per_channel(w)
+        q, m.weight_scale = quantize_per_channel(w)
+        m.weight = pack_weight(q) if is_packed(m.weight) else q
         if linear.bias is not None:
             m.bias = linear.bias.detach().clone()
         return m
+
+    def plain_weight(self) -> torch.Tensor:
+        """The int8 weight as ``[out_features, in_features]`` (a copy when it is stored packed)."""
+        return unpack_weight(self.weight) if is_packed(self.weight) else self.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Converts the checkpoint's weight to this module's layout before the copy: a weight with no
+        ``weight_format`` (checkpoints older than the tag) is the plain ``[N, K]``; a tagged one must match its
+        tag's shape. ``state_dict`` is load_state_dict's own copy: rewriting its entries is local to this load."""
+        key, tag_key = prefix + "weight", prefix + "weight_format"
+        if key in state_dict:
+            w = state_dict[key]
+            tag = int(state_dict[tag_key]) if tag_key in state_dict else LAYOUT_PLAIN
+            if tag not in (LAYOUT_PLAIN, LAYOUT_PACKED) or (tag == LAYOUT_PACKED) != (w.dim() == 3):
+                error_msgs.append(f"{prefix}weight: layout tag {tag} does not describe a weight of shape "
+                                  f"{tuple(w.shape)} (1: plain [N, K], 2: packed [N, K // 16, 16])")
+                return
+            if is_packed(self.weight) and tag == LAYOUT_PLAIN and w.shape[1] % PACK_INNER == 0:
+                state_dict[key] = pack_weight(w)  # (another K: left as it is, the copy reports the size mismatch)
+            elif not is_packed(self.weight) and tag == LAYOUT_PACKED:
+                state_dict[key] = unpack_weight(w)
+            state_dict[tag_key] = self.weight_format.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def path(self, M: int) -> str:
         """The op ``forward`` runs for ``M`` rows: ``"w8a16"`` (weight-only; on CUDA its kernel again follows M:
@@ -95,7 +133,9 @@ class Int8Linear(nn.Module):
             return w8a16_matmul(x, self.weight, self.weight_scale, self.bias)
         lead = x.shape[:-1]
         xq, xs = quantize_per_token(x.reshape(-1, self.in_features))
-        out = int8_matmul(xq, self.weight, xs, self.weight_scale, self.bias, out_dtype=x.dtype)
+        # mode w8a8 stores the plain layout; a packed weight here (a layer whose mode was changed after it was
+        # built) is unpacked per call: right, one weight copy slower
+        out = int8_matmul(xq, self.plain_weight(), xs, self.weight_scale, self.bias, out_dtype=x.dtype)
         return out.view(*lead, self.out_features)
 
     def _apply(self, fn, *args, **kwargs):
@@ -109,7 +149,8 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, mode={self.mode}")
+                f"bias={self.bias is not None}, mode={self.mode}, "
+                f"weight={'packed' if is_packed(self.weight) else 'plain'}")
 
 
 @dataclasses.dataclass

@@ -21,6 +21,10 @@ First GPU run: Triton autotune sweeps, one per (kernel, M bucket, N, K, dtype); 
 are reused across buckets, so a bucket costs its benchmark sweep (~9 configs), not its compiles. The decode paths
 never sweep. ``--shapes 14336x4096 --ms 1 16 4096`` is the short form that covers both goals.
 
+``w8a16-packed``: the same op on the packed weight layout (arkernels/ops/int8_matmul_layout.py, what
+``Int8Linear(mode="w8a16")`` stores), checked to give the plain layout's bits at M <= 16 (one plan, the same
+sums) and the reference's values at any M; ``w8a16`` is the plain ``[N, K]`` weight.
+
 Fused vs two-launch split-K reduce (decode rows, M <= 16): ``w8a16-fused`` and ``w8a16-2launch`` call the Triton
 decode kernels directly with ``reduce="fused"`` (the last program of each tile adds the splits: one launch) and
 ``reduce="launch"`` (the previous design: partial sums, then a reduce kernel); both are checked to give the same
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_name, parser, print_table, timeit, write_results  # noqa: E402
 
 import arkernels  # noqa: E402
+from arkernels.ops.int8_matmul_layout import pack_weight  # noqa: E402
 from arkernels.reference.int8_matmul import int8_matmul_ref, w8a16_matmul_ref  # noqa: E402
 from arkernels.triton import int8_matmul_launch as tkl  # noqa: E402
 from arkernels.triton import int8_matmul_plan as tkp  # noqa: E402
@@ -74,13 +79,18 @@ def int8_weight_only_linear(x, w_int8, w_scale):
     return F.linear(x, w_int8.to(x.dtype)) * w_scale.to(x.dtype)
 
 
-def check(x, w_q, w_s, x_q, x_s, dtype, torch_wo):
+def check(x, w_q, w_s, w_p, x_q, x_s, dtype, torch_wo):
     """Every arkernels implementation and the plain-torch baseline against the float64 reference on a few rows."""
     rows = _check_rows(x.shape[0])
     xr, xqr, xsr = x[rows].cpu(), x_q[rows].cpu(), x_s[rows].cpu()
     wq, ws = w_q.cpu(), w_s.cpu()
     ref, terms = w8a16_matmul_ref(xr, wq, ws), w8a16_matmul_ref(xr.double().abs(), wq.double().abs(), ws)
-    _assert_close(arkernels.w8a16_matmul(x, w_q, w_s)[rows], ref, dtype, terms, "w8a16_matmul")
+    plain = arkernels.w8a16_matmul(x, w_q, w_s)
+    _assert_close(plain[rows], ref, dtype, terms, "w8a16_matmul")
+    packed = arkernels.w8a16_matmul(x, w_p, w_s)
+    _assert_close(packed[rows], ref, dtype, terms, "w8a16_matmul (packed)")
+    if x.shape[0] <= tkp.DECODE_MAX_M:
+        assert torch.equal(packed, plain), "w8a16: the packed and the plain layout differ at decode M"
     # the baseline multiplies by a scale rounded to x's dtype: one more rounding of the output's size
     _assert_close(torch_wo(x, w_q, w_s)[rows], ref, dtype, terms + ref.abs() * 4, "torch-int8-wo")
     got = arkernels.int8_matmul(x_q, w_q)[rows]
@@ -129,11 +139,12 @@ def bench_shape(M, N, K, dtype, device, torch_wo, copy_gbps):
 
     def make():
         w = (torch.randn(N, K, generator=gen) * 0.02).to(dtype).to(device)
-        return (w, *arkernels.quantize_per_channel(w))
+        w_q, w_s = arkernels.quantize_per_channel(w)
+        return w, w_q, w_s, pack_weight(w_q)
 
-    (w, w_q, w_s), pick = _rotating(make, N * K * (e + 1), device)
+    (w, w_q, w_s, w_p), pick = _rotating(make, N * K * (e + 2), device)
     x_q, x_s = arkernels.quantize_per_token(x)
-    check(x, w_q, w_s, x_q, x_s, dtype, torch_wo)
+    check(x, w_q, w_s, w_p, x_q, x_s, dtype, torch_wo)
 
     def w8a8_with_quant(ws):  # what Int8Linear(mode="w8a8") runs at M >= 17: per-token quantization, then the matmul
         xq, xs = arkernels.quantize_per_token(x)
@@ -142,6 +153,7 @@ def bench_shape(M, N, K, dtype, device, torch_wo, copy_gbps):
     impls = {  # name: (fn(weight set), minimum bytes moved)
         "F.linear": (lambda ws: F.linear(x, ws[0]), e * (M * K + N * K + M * N)),
         "w8a16": (lambda ws: arkernels.w8a16_matmul(x, ws[1], ws[2]), e * M * K + N * K + 4 * N + e * M * N),
+        "w8a16-packed": (lambda ws: arkernels.w8a16_matmul(x, ws[3], ws[2]), e * M * K + N * K + 4 * N + e * M * N),
         "torch-int8-wo": (lambda ws: torch_wo(x, ws[1], ws[2]), e * M * K + N * K + 4 * N + e * M * N),
         "w8a8": (lambda ws: arkernels.int8_matmul(x_q, ws[1], x_s, ws[2], out_dtype=dtype),
                  M * K + N * K + 4 * (M + N) + e * M * N),

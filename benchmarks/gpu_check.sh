@@ -96,7 +96,8 @@ for graphs in (False, True):
   step decode_syncs 90 $PY -c "$DECODE_SYNCS"
 
   export ARKERNELS_BENCH_OUT="$LOG/bench"
-  # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget)
+  # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget); its
+  # 14336x4096 (N x K) M = 1 row is the w8a16 GEMV case of issue 34 (rows w8a16 / w8a16-packed: plain / packed layout)
   # decode: the host-bound case first (tiny 4-layer bf16 Llama, batch 1 and 8, 16-token prompt, 48 new tokens, every
   # method: stock eager, stock static + compile, patched default (compiled) / host path, arkernels.generate
   # eager / graphs / compile; ratios vs stock eager and vs static + compile), then SmolLM2 / Llama-8B-shape at batch 1

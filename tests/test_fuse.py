@@ -102,6 +102,39 @@ def test_fuse_undo_restores_exactly():
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_fuse_int8_layouts(mode):
+    """The fused layer's weight is the parts' weights concatenated in the parts' own layout (w8a16: packed, read here
+    by the reference's own unpacking; the concatenation of whole 16-row groups is the packed concatenation), the
+    parts' tensors stay views of it while fused, and undo gives each part its own weight back. A packed part whose
+    out_features is not a multiple of 16 (not the last) would split a row group: that group is left alone."""
+    from arkernels.reference.int8_matmul import unpack_weight_ref
+
+    torch.manual_seed(1)
+    parent = nn.Module()
+    parts = [Int8Linear.from_linear(nn.Linear(48, n), mode) for n in (64, 32, 40)]
+    plain = [p.plain_weight().clone() for p in parts]
+    for name, p in zip(("q_proj", "k_proj", "v_proj"), parts):
+        setattr(parent, name, p)
+    with arkernels.fuse_projections(parent):
+        fused = parent.qkv_proj.weight
+        assert fused.shape[0] == 136 and torch.equal(parent.qkv_proj.weight_format, parts[0].weight_format)
+        got = unpack_weight_ref(fused) if mode == "w8a16" else fused
+        assert torch.equal(got, torch.cat(plain))
+        assert all(p.weight.data_ptr() == fused[a:b].data_ptr() for p, (a, b) in zip(parts, [(0, 64), (64, 96),
+                                                                                            (96, 136)]))
+    assert all(torch.equal(p.plain_weight(), w) for p, w in zip(parts, plain))
+    odd = nn.Module()
+    for name, n in zip(("q_proj", "k_proj", "v_proj"), (40, 32, 32)):
+        setattr(odd, name, Int8Linear.from_linear(nn.Linear(48, n), mode))
+    with arkernels.fuse_projections(odd) as handle:
+        if mode == "w8a16":
+            assert handle.skipped == {"qkv_proj": "packed int8 parts whose out_features is not a multiple of 16 "
+                                                  "(all but the last)"}
+        else:
+            assert handle.fused == ["qkv_proj"]
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_fuse_int8_identical(mode):
     # layer level, both row counts (decode M 4 and prefill M 32 >= W8A8_MIN_M): the int8 weight, fp32 scale and bias
     # of each channel are concatenated unchanged and the activations are quantized per row (the same for every

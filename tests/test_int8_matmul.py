@@ -15,8 +15,9 @@ import triton.language as tl
 
 import arkernels
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
+from arkernels.ops.int8_matmul_layout import pack_weight
 from arkernels.reference.int8_matmul import (dequantize_rowwise_ref, int8_matmul_ref, quantize_rowwise_ref,
-                                             sqnr_db, w8a16_matmul_ref)
+                                             sqnr_db, unpack_weight_ref, w8a16_matmul_ref)
 from arkernels.triton import int8_matmul as tk  # the jit kernels and their configs
 from arkernels.triton import int8_matmul_launch as tkl
 from arkernels.triton import int8_matmul_plan as tkp
@@ -213,6 +214,10 @@ def test_w8a16_matmul_grid(device, dtype):
             x, w, w_scale, bias = _w8a16_case(M, K, N, dtype, gen, with_bias=M % 2 == 1)
             d = lambda t: None if t is None else t.to(device)  # noqa: E731
             _check_w8a16(w8a16_matmul(d(x), d(w), d(w_scale), d(bias)), x, w, w_scale, bias)
+            if K % 16 == 0:  # the packed layout (what Int8Linear(mode="w8a16") stores): K a multiple of 16
+                wp = pack_weight(w)
+                assert torch.equal(unpack_weight_ref(wp), w)
+                _check_w8a16(w8a16_matmul(d(x), d(wp), d(w_scale), d(bias)), x, w, w_scale, bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -321,6 +326,34 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
     _check_w8a16(out.cpu(), x, w, w_scale, bias)
 
 
+# Packed weights through every w8a16 kernel: N = 130 ends in a 2-row group, K = 1040 in a 16-column chunk (the
+# general addressing); 64 x 1024 has only whole groups and chunks (WHOLE_PACK's constant strides).
+PACKED_CASES = [("gemv", 1, 1040, 130, GEMV_CFG), ("gemv", 4, 1024, 64, None), ("splitk", 9, 1040, 130, SPLITK_CFG),
+                ("splitk", 16, 1024, 64, None), ("tiled", 20, 1040, 130, MID_TILE), ("tiled", 33, 1024, 64, None)]
+
+
+@pytest.mark.parametrize("path,M,K,N,cfg", PACKED_CASES)
+def test_w8a16_packed_layout_triton(path, M, K, N, cfg):
+    """The kernels read the packed layout (arkernels/ops/int8_matmul_layout.py) to the same bits as the plain
+    weight (the same plan, the same sums; a wrong address in any group or chunk changes them), and the reference's
+    values; a tile that would straddle a row group or a K chunk is refused."""
+    gen = torch.Generator().manual_seed(M + K)
+    x, w, w_scale, bias = _w8a16_case(M, K, N, torch.bfloat16, gen)
+    d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
+    wp = pack_weight(w)
+    assert not torch.equal(wp.view(N, K), w)  # the layouts really differ here
+    kw = dict(config=cfg, path=path if cfg is not None or path != "tiled" else None)
+    plain = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), **kw)
+    packed = tkl.w8a16_matmul_triton(d(x), d(wp), d(w_scale), d(bias), **kw)
+    assert torch.equal(packed, plain)
+    _check_w8a16(packed.cpu(), x, w, w_scale, bias)
+    if cfg is not None:
+        bad = dict(cfg, BLOCK_N=8) if path != "gemv" else dict(cfg, BLOCK_K=1024, K_HALVES=1, K_PER_SPLIT=1024)
+        with pytest.raises(ValueError, match="a packed weight needs BLOCK_N a multiple of 16"):
+            tkl.w8a16_matmul_triton(d(x), d(wp), d(w_scale), d(bias), config=bad, path=path if path != "tiled"
+                                    else None)
+
+
 @pytest.mark.parametrize("path", ["gemv", "splitk"])
 def test_w8a16_decode_deterministic_and_default_config(path):
     """The same call twice gives the same bits (fixed split order: the ticket only decides which program adds),
@@ -376,31 +409,61 @@ def _plan(M, N, K, num_sms):
 @pytest.mark.parametrize("N,K", LLAMA_8B_NK + [(971, 34), (152064, 3584)])
 def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
     """The plan is a pure function of (shape, SM count): no device query (any would raise here), equal inputs give
-    equal plans. On 132 SMs (H100 / H200) the GEMV grids of the Llama-8B shapes are >= 0.95 busy over whole waves
-    of PROGRAMS_PER_SM x 132 (the old plan's 896 programs at 4096x14336 were 1.7 waves, 0.85); every plan is
-    within WAVE_SLACK of the best split count the workspace bound allows (brute force here, from K_PER_SPLIT
-    alone); splits start on K-tile boundaries; the workspace stays under 10% of the weight bytes."""
+    equal plans. GEMV: every program's tiles are all in flight at once (num_stages = N_TILES + 1, N_TILES >= 2
+    where the columns allow), its waves are counted with the residency of its own registers and shared memory,
+    and on 132 SMs (H100 / H200) the Llama-8B shapes keep >= LITTLE_BYTES of weight loads in flight per SM even
+    in their last, partial wave (so that wave still saturates HBM). Every plan is within WAVE_SLACK of the best
+    option (brute force here); splits start on K-tile boundaries; the workspace stays under 10% of the weight
+    bytes."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the plan queried a device"))
     for num_sms in (132, 114, 78):
         for M in (1, 4, 5, 8, 16):
             path, cfg, splits, programs = _plan(M, N, K, num_sms)
             assert (path, cfg, splits, programs) == _plan(M, N, K, num_sms)
             assert cfg["K_PER_SPLIT"] % cfg["BLOCK_K"] == 0 and cfg["BLOCK_M"] >= M
-            wave = tkp.PROGRAMS_PER_SM[path] * num_sms
-            eff = tkp.wave_efficiency(programs, wave)
             if N * K >= 4096 * 4096:
                 assert 2 * splits * M * N * 4 <= 0.1 * N * K, (M, path, cfg)
             if path == "gemv":
-                options = [triton.cdiv(triton.cdiv(N, cfg["BLOCK_N"]), t) * splits for t in (1, 2, 4, 8, 16)]
+                assert cfg["num_stages"] == cfg["N_TILES"] + 1 and cfg["N_TILES"] in tkp.GEMV_N_TILES
+                resident = {t: tkp.resident_programs(tkp.GEMV_REGISTERS, tkp.gemv_smem(t, cfg["BLOCK_N"],
+                                                                                      cfg["K_PER_SPLIT"]), 4)
+                            for t in tkp.GEMV_N_TILES}
+                wave = resident[cfg["N_TILES"]] * num_sms
+                eff = tkp.wave_efficiency(programs, wave)
+                options = [tkp.wave_efficiency(triton.cdiv(triton.cdiv(N, cfg["BLOCK_N"]), t) * splits,
+                                               resident[t] * num_sms) for t in tkp.GEMV_N_TILES]
+                assert eff >= max(options) - tkp.WAVE_SLACK, (M, N, K, cfg)
                 if (N, K) in LLAMA_8B_NK and num_sms == 132:
-                    assert eff >= 0.95, (M, N, K, cfg, programs)
+                    last = programs - (triton.cdiv(programs, wave) - 1) * wave
+                    tile = cfg["BLOCK_N"] * cfg["K_PER_SPLIT"]
+                    assert last / num_sms * cfg["N_TILES"] * tile >= tkp.LITTLE_BYTES, (M, N, K, cfg, programs)
             else:
+                wave = tkp.PROGRAMS_PER_SM[path] * num_sms
+                eff = tkp.wave_efficiency(programs, wave)
                 k_blocks = triton.cdiv(K, cfg["BLOCK_K"])
                 options = [triton.cdiv(N, 64) * triton.cdiv(K, triton.cdiv(k_blocks, s) * cfg["BLOCK_K"])
                            for s in range(1, max(1, min(k_blocks, K // (80 * M))) + 1)]
-            assert eff >= max(tkp.wave_efficiency(p, wave) for p in options) - tkp.WAVE_SLACK, (M, N, K, cfg)
-    assert _plan(1, 4096, 14336, 132)[3] == 3584  # 28 splits x 128 column tiles: 6.8 waves of 528, 0.97 busy
+                assert eff >= max(tkp.wave_efficiency(p, wave) for p in options) - tkp.WAVE_SLACK, (M, N, K, cfg)
+    assert _plan(1, 4096, 14336, 132)[3] == 1792  # 28 splits x 64 pairs of column tiles, 4 resident per SM
+    assert _plan(1, 4096, 14336, 132)[1]["N_TILES"] == 2  # 4 tiles: as many waves, but 2 programs (8 warps) per SM
     assert tkp.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
+
+
+def test_w8a16_resident_programs():
+    """Residency from registers and shared memory, as CUDA's occupancy rules count it on sm_90: 8 programs of 4 warps
+    at 64 registers (by registers: 64 x 128 = 8K of 64K; 24 KB of shared memory would allow 9), fewer as either
+    grows, the per-warp register rounding (65 registers cost 72 x 32 per warp) and the block / warp caps. The GEMV
+    plans' shared memory is what the offline compile allocates (tests below: test_w8a16_fused_kernels_...)."""
+    rp = tkp.resident_programs
+    assert rp(64, 24 * 1024, 4) == 8
+    assert rp(65, 24 * 1024, 4) == 7  # 72 x 32 = 2304 registers per warp: 28 warps, 7 programs
+    assert rp(128, 0, 4) == 4 and rp(255, 0, 4) == 2
+    assert rp(32, 0, 1) == 32 and rp(16, 0, 1) == 32  # the 32-block cap
+    assert rp(32, 0, 8) == 8  # the 64-warp cap
+    assert rp(32, 227 * 1024, 4) == 1 and rp(32, 228 * 1024, 4) == 0  # 1 KB reserved per block
+    assert rp(64, 50 * 1024, 4) == 4  # the GEMV's 2-tile plan: 4 x 51 KB of 228
+    assert rp(tkp.GEMV_REGISTERS, tkp.gemv_smem(2, 32, 512), 4) == 4
+    assert rp(tkp.GEMV_REGISTERS, tkp.gemv_smem(4, 32, 512), 4) == 2
 
 
 def test_w8a16_tickets_epochs_and_growth():
@@ -493,8 +556,8 @@ def test_w8a16_tickets_survive_an_aborted_launch(path, M, cfg):
 def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
     """Offline compile of a decode kernel for sm_90 (no GPU needed: triton's own ptxas), in a subprocess without
     TRITON_INTERPRET (under it the kernels are interpreted functions, which do not compile) -> (PTX, SASS,
-    resource-usage match). ``aligned``: the divisibility-by-16 facts Triton's launcher specializes an aligned
-    weight on."""
+    resource-usage match, dynamic shared memory bytes). ``aligned``: the divisibility-by-16 facts Triton's launcher
+    specializes an aligned weight on."""
     import json
     import os
     import re
@@ -509,7 +572,8 @@ def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
     done = subprocess.run([sys.executable, __file__, job], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
-    return got["ptx"], got["sass"], re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", got["res"])
+    return (got["ptx"], got["sass"], re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", got["res"]),
+            got["shared"])
 
 
 def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
@@ -540,20 +604,31 @@ def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
         f.flush()
         run = lambda *a: subprocess.run([os.path.join(bin_dir, "cuobjdump"), *a, f.name], capture_output=True,  # noqa
                                         text=True, check=True).stdout
-        print(json.dumps(dict(ptx=k.asm["ptx"], sass=run("-sass"), res=run("-res-usage"))))
+        print(json.dumps(dict(ptx=k.asm["ptx"], sass=run("-sass"), res=run("-res-usage"), shared=k.metadata.shared)))
 
 
 # 16-byte loads from global memory (PTX): cp.async of 0x10 bytes, or a 4 x 32-bit vector load
 WIDE_GLOBAL_LOAD = r"cp\.async\.\w+\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;]|ld\.global[.\w]*\.v4\."
 
 
-@pytest.mark.parametrize("path,M,N,K", [("gemv", 1, 4096, 14336), ("splitk", 8, 4096, 14336)])
-def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
+def _sass_lines(sass):
+    import re
+
+    return [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
+
+
+@pytest.mark.parametrize("path,M,N,K,packed", [("gemv", 1, 4096, 14336, False), ("gemv", 1, 4096, 14336, True),
+                                               ("gemv", 1, 14336, 4096, True), ("splitk", 8, 4096, 14336, False),
+                                               ("splitk", 8, 4096, 14336, True)])
+def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed):
     """The fused decode kernels compile offline for sm_90 with the planned config: no local memory (no spills,
-    STL/LDL), the ticket's atomics and the partials' L2 (.cg) loads present, the weight read by 16-byte vector
-    loads when aligned (GEMV: 8 ld.global.v4 per tile; split-K: cp.async of 16 bytes), and byte loads without the
-    divisibility facts (GEMV: 128 ld.global.b8; the silent 4x the op now warns about and Int8Linear refuses).
-    ~30-40 s of compiles per case on 2 cores."""
+    STL/LDL), the ticket's atomics and the partials' L2 (.cg) loads present, the weight read by 16-byte cp.async
+    when aligned, and (plain layout) byte loads without the divisibility facts (GEMV: ld.global.b8; the silent 4x
+    the op warns about and Int8Linear refuses; a packed weight is contiguous with K % 16 == 0 by construction).
+    GEMV: at most GEMV_REGISTERS registers and the shared memory gemv_smem counts (so resident_programs counts
+    what the hardware holds), and every weight load of the program (N_TILES tiles) is a cp.async issued before the
+    first wait on any of them (DEPBAR): all of the program's weight bytes in flight at once, no second DRAM round
+    trip. ~10-20 s of compiles per case on 2 cores."""
     import re
 
     cfg = tkp.w8a16_decode_config(path, M, N, K, 132)
@@ -564,23 +639,36 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K):
     splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
     block, unroll = tkp.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
     consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
-                  REDUCE_BLOCK=block, REDUCE_UNROLL=unroll)
+                  REDUCE_BLOCK=block, REDUCE_UNROLL=unroll, PACKED=packed,
+                  WHOLE_PACK=packed and N % 16 == 0 and K % 512 == 0)
+    if path == "gemv":  # as the launcher passes it
+        consts["N_EDGE"] = not packed or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
     kernel = "w8a16_gemv_kernel" if path == "gemv" else "w8a16_splitk_kernel"
-    ptx, sass, res = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
+    ptx, sass, res, shared = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
     assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
     assert not re.search(r"\b(?:STL|LDL)\b", sass)
     assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
     # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
     # trip, not one (masked loads were serialised on predicate registers: one load per addition)
-    ins = [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
+    ins = _sass_lines(sass)
     first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
     ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
     assert sum("LDG.E.STRONG.GPU" in x for x in ins[first:first + ahead]) >= min(unroll, 8), ins[first:first + ahead]
-    wide = len(re.findall(WIDE_GLOBAL_LOAD, ptx))
-    ptx_unaligned, _, _ = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)
-    wide_unaligned = len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
-    assert wide > wide_unaligned, (wide, wide_unaligned)
-    assert "ld.global.b8" not in ptx and "ld.global.b8" in ptx_unaligned  # aligned: no byte loads at all
+    assert "ld.global.b8" not in ptx  # aligned: no byte loads at all
+    if path == "gemv":
+        assert int(res[1]) <= tkp.GEMV_REGISTERS
+        assert shared == tkp.gemv_smem(cfg["N_TILES"], cfg["BLOCK_N"], cfg["K_PER_SPLIT"]), shared
+        copies = cfg["N_TILES"] * cfg["BLOCK_N"] * cfg["K_PER_SPLIT"] // (16 * 32 * cfg["num_warps"])  # per thread
+        wait = next(i for i, x in enumerate(ins) if "DEPBAR.LE" in x)
+        assert sum("LDGSTS.E.BYPASS.128" in x for x in ins[:wait]) == copies, ins[:wait]
+        x_loads = 16 * cfg["K_PER_SPLIT"] * 2 // (16 * 32 * cfg["num_warps"])  # the bf16 x slice, [16, K_PER_SPLIT]
+        assert sum("LDG.E.128" in x for x in ins) == x_loads  # no weight byte through registers
+    else:
+        assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > 0
+    if not packed:
+        ptx_unaligned = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)[0]
+        assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
+        assert "ld.global.b8" in ptx_unaligned
 
 
 class _FakeConfig:
@@ -809,7 +897,12 @@ def test_w8a16_and_quantize_bad_inputs(device):
     _raises(lambda: w8a16_matmul(x, w, s.half()), "w8a16_matmul", "w_scale must be torch.float32")
     _raises(lambda: w8a16_matmul(x, w, s[:7]), "w8a16_matmul", r"w_scale must have shape \[N=8\]")
     _raises(lambda: w8a16_matmul(x, w, s, s[:3]), "w8a16_matmul", "bias must have shape")
-    _raises(lambda: w8a16_matmul(x, i8(2, 8, 32), s), "w8a16_matmul", "w must be 2-D")
+    _raises(lambda: w8a16_matmul(x, i8(2, 8, 2, 16), s), "w8a16_matmul", "w must be 2-D")
+    # 3-D: the packed layout [N, K // 16, 16], contiguous, K from its shape
+    _raises(lambda: w8a16_matmul(x, i8(8, 4, 8), s), "w8a16_matmul", r"the packed layout \[N, K // 16, 16\]")
+    _raises(lambda: w8a16_matmul(x, i8(8, 16, 2).transpose(1, 2), s), "w8a16_matmul", "packed layout")
+    _raises(lambda: w8a16_matmul(x, i8(8, 3, 16), s), "w8a16_matmul", r"K mismatch.*\(8, 48\)")
+    assert w8a16_matmul(x, i8(8, 2, 16), s).shape == (3, 8)
     _raises(lambda: quantize_per_channel(torch.ones(2, 3, 4, device=device)), "quantize_per_channel", "w must be 2-D")
     _raises(lambda: quantize_per_token(i8(3, 32)), "quantize_rowwise", "x must be float32")
 
@@ -831,6 +924,8 @@ def test_int8_opcheck():
     torch.library.opcheck(ops.int8_matmul.default, (a, b, a_scale, b_scale, bias, torch.float16))
     x, w, w_scale, bias = _w8a16_case(5, 34, 24, torch.bfloat16, gen)
     torch.library.opcheck(ops.w8a16_matmul.default, (x, w, w_scale, bias))
+    x, w, w_scale, bias = _w8a16_case(5, 48, 24, torch.bfloat16, gen)
+    torch.library.opcheck(ops.w8a16_matmul.default, (x, pack_weight(w), w_scale, bias))
 
 
 def test_int8_compile_fullgraph():

@@ -16,8 +16,10 @@ from torch import nn
 
 import arkernels
 from arkernels.models import load_model, tiny_llama
+from arkernels.ops.int8_matmul import quantize_per_channel
+from arkernels.ops.int8_matmul_layout import LAYOUT_PACKED, LAYOUT_PLAIN
 from arkernels.quant import Int8Linear, QuantizeReport
-from arkernels.reference.int8_matmul import sqnr_db
+from arkernels.reference.int8_matmul import sqnr_db, unpack_weight_ref
 
 MODES = ["w8a16", "w8a8"]
 SQNR_MIN_DB = {"w8a16": 35.0, "w8a8": 20.0}
@@ -73,11 +75,61 @@ def test_int8_linear_path_follows_m(monkeypatch):
 def test_int8_linear_state_dict_round_trip(mode):
     q = Int8Linear.from_linear(_linear(True), mode=mode)
     sd = q.state_dict()
-    assert set(sd) == {"weight", "weight_scale", "bias"}
+    assert set(sd) == {"weight", "weight_format", "weight_scale", "bias"}
+    assert int(sd["weight_format"]) == (LAYOUT_PACKED if mode == "w8a16" else LAYOUT_PLAIN)
     fresh = Int8Linear(IN_FEATURES, OUT_FEATURES, bias=True, mode=mode)
     fresh.load_state_dict(sd)
     x = torch.randn(3, IN_FEATURES)
     assert torch.equal(fresh(x), q(x))
+
+
+def _old_format_state_dict(lin):
+    """What Int8Linear.state_dict() held before the layout tag: the plain int8 weight, its scale, the bias."""
+    w, scale = quantize_per_channel(lin.weight.detach())
+    return {"weight": w, "weight_scale": scale, "bias": lin.bias.detach().clone()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_int8_linear_loads_untagged_plain_checkpoints(mode):
+    """A checkpoint written before the layout tag (plain [N, K] weight, no weight_format) loads into either layout:
+    converted on load, the same outputs as a layer quantized now, and the module's own tag kept. A tagged weight
+    of the other layout converts too; a tag that contradicts its weight's shape is refused."""
+    lin = _linear(True)
+    old = _old_format_state_dict(lin)
+    fresh = Int8Linear(IN_FEATURES, OUT_FEATURES, bias=True, mode=mode)
+    fresh.load_state_dict(old)
+    now = Int8Linear.from_linear(lin, mode=mode)
+    assert torch.equal(fresh.weight, now.weight) and torch.equal(fresh.weight_format, now.weight_format)
+    assert torch.equal(fresh.plain_weight(), old["weight"])
+    if mode == "w8a16":
+        assert fresh.weight.shape == (OUT_FEATURES, IN_FEATURES // 16, 16)
+        assert torch.equal(unpack_weight_ref(fresh.weight), old["weight"])  # the layout as the reference reads it
+    x = torch.randn(3, IN_FEATURES)
+    assert torch.equal(fresh(x), now(x))
+    other = Int8Linear.from_linear(lin, mode="w8a8" if mode == "w8a16" else "w8a16")
+    crossed = Int8Linear(IN_FEATURES, OUT_FEATURES, bias=True, mode=mode)
+    crossed.load_state_dict(other.state_dict())
+    assert torch.equal(crossed.weight, now.weight) and torch.equal(crossed(x), now(x))
+    bad = dict(old, weight_format=torch.tensor(LAYOUT_PACKED, dtype=torch.int32))  # a 2-D weight tagged packed
+    with pytest.raises(RuntimeError, match="layout tag 2 does not describe a weight of shape"):
+        Int8Linear(IN_FEATURES, OUT_FEATURES, bias=True, mode=mode).load_state_dict(bad)
+
+
+def test_int8_linear_layouts_agree_with_the_reference():
+    """The packed (w8a16) and plain (w8a8) layers hold the same int8 values, and the w8a16 op on either layout
+    gives the reference's output (CPU path), within the op grid's tolerance; the packed weight's shape says its
+    layout."""
+    from arkernels.ops.int8_matmul import w8a16_matmul
+    from arkernels.reference.int8_matmul import w8a16_matmul_ref
+
+    lin = _linear(True)
+    packed, plain = Int8Linear.from_linear(lin, "w8a16"), Int8Linear.from_linear(lin, "w8a8")
+    assert torch.equal(unpack_weight_ref(packed.weight), plain.weight)
+    x = torch.randn(5, IN_FEATURES)
+    ref = w8a16_matmul_ref(x, plain.weight, plain.weight_scale, lin.bias.detach())
+    for w in (packed.weight, plain.weight):
+        got = w8a16_matmul(x, w, plain.weight_scale, lin.bias.detach())
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_linear_to_dtype_keeps_scale_fp32():
@@ -111,8 +163,9 @@ def test_quantize_tiny_llama(mode):
     assert report.layers_replaced == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert report.layers_skipped == ["lm_head"] and type(model.lm_head) is nn.Linear
     assert all(type(m) is not nn.Linear for n, m in model.named_modules() if n != "lm_head")
-    # each fp32 weight (4 bytes) becomes one int8 byte plus one fp32 scale per output row
-    assert report.bytes_before - report.bytes_after == 3 * weights - 4 * rows
+    # each fp32 weight (4 bytes) becomes one int8 byte plus one fp32 scale per output row, plus one int32 layout
+    # tag per layer
+    assert report.bytes_before - report.bytes_after == 3 * weights - 4 * rows - 4 * len(linears)
     assert sqnr_db(want, _logits(model, ids)) > SQNR_MIN_DB[mode] - 5  # through two layers and the head
 
 
@@ -163,6 +216,32 @@ def test_save_load_quantized_round_trip(tmp_path, mode):
     assert target.model.layers[0].mlp.up_proj.mode == mode
     assert type(target.model.layers[1].mlp.down_proj) is nn.Linear
     ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_logits(target, ids), _logits(model, ids))
+
+
+def test_load_quantized_reads_files_written_before_the_layout_tag(tmp_path):
+    """A file from before the layout tag (plain [N, K] int8 weights, no weight_format entries, same metadata) loads
+    with strict=True into a w8a16 model, which stores the packed layout: the same logits as the model it came from."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from arkernels.ops.int8_matmul_layout import unpack_weight
+
+    model = tiny_llama(0)
+    arkernels.quantize(model, mode="w8a16")
+    path = str(tmp_path / "new.safetensors")
+    arkernels.save_quantized(model, path)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    old = {k: (unpack_weight(v) if v.dim() == 3 else v).contiguous() for k, v in load_file(path).items()
+           if not k.endswith("weight_format")}
+    assert any(v.dtype == torch.int8 and v.dim() == 2 for v in old.values())
+    old_path = str(tmp_path / "old.safetensors")
+    save_file(old, old_path, metadata=meta)
+    target = arkernels.load_quantized(tiny_llama(1), old_path)
+    up = target.model.layers[0].mlp.up_proj
+    assert up.weight.dim() == 3 and int(up.weight_format) == LAYOUT_PACKED
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(4))
     assert torch.equal(_logits(target, ids), _logits(model, ids))
 
 

@@ -18,6 +18,7 @@ import torch
 from arkernels import _library  # noqa: F401  (loads the op library: the schemas)
 from arkernels.ops._checks import expect
 from arkernels.ops.int8_matmul_cpu import int8_matmul_cpu, quantize_rowwise_cpu, w8a16_matmul_cpu
+from arkernels.ops.int8_matmul_layout import PACK_INNER, is_packed, unpack_weight
 
 _ops = torch.ops.arkernels
 
@@ -90,13 +91,20 @@ def _check_int8_matmul(a, b, a_scale, b_scale, bias, out_dtype) -> torch.dtype:
 def _check_w8a16_matmul(x, w, w_scale, bias):
     op = "w8a16_matmul"
     _check_2d(op, "x", x)
-    _check_2d(op, "w", w)
+    if isinstance(w, torch.Tensor) and w.dim() == 3:  # the packed layout (int8_matmul_layout.py)
+        if w.shape[2] != PACK_INNER or not w.is_contiguous():
+            _fail(op, f"a 3-D w is the packed layout [N, K // {PACK_INNER}, {PACK_INNER}], contiguous (pack_weight); "
+                      f"got shape {tuple(w.shape)}, strides {tuple(w.stride())}")
+        w_k = w.shape[1] * PACK_INNER
+    else:
+        _check_2d(op, "w", w)
+        w_k = w.shape[1]
     if x.dtype not in FLOAT_DTYPES:
         _fail(op, f"x must be float16 or bfloat16 (float32 accepted), got {x.dtype}", TypeError)
     if w.dtype != torch.int8:
         _fail(op, f"w must be int8 [N, K], got {w.dtype}", TypeError)
-    if x.shape[1] != w.shape[1]:
-        _fail(op, f"K mismatch: x is [M, K] = {tuple(x.shape)} and w is [N, K] = {tuple(w.shape)}")
+    if x.shape[1] != w_k:
+        _fail(op, f"K mismatch: x is [M, K] = {tuple(x.shape)} and w is [N, K] = {(w.shape[0], w_k)}")
     _check_same_device(op, "x", x.device, w=w, w_scale=w_scale, bias=bias)
     _check_vector(op, "w_scale", w_scale, w.shape[0], "N", (torch.float32,))
     if bias is not None:
@@ -180,7 +188,7 @@ def w8a16_matmul(
 ) -> torch.Tensor:
     """Weight-only int8 matmul: ``x @ (w_int8 * w_scale[:, None]).T + bias``, weights dequantised in registers
     (never materialised in memory on CUDA). On CUDA the kernel follows the row count M = prod(x.shape[:-1]) (a
-    shape: no host sync): M <= 4 a GEMV (fp32 FMAs, split over K), 5..16 split-K tensor-core tiles, larger the
+    shape: no host sync): M <= 4 a tensor-core GEMV (split over K), 5..16 split-K tensor-core tiles, larger the
     autotuned tile kernel; the split-K partial sums are added in a fixed order (by the last program of each tile,
     in the same launch), so equal inputs give equal bits. A weight that is not K-contiguous with rows a multiple of
     16 bytes (16-byte aligned) runs on CUDA at byte-load speed (~4x slower) and warns once per view shape.
@@ -188,7 +196,9 @@ def w8a16_matmul(
     Args:
         x: ``[..., K]`` float16 or bfloat16 (float32 is accepted too: the CPU path serves fp32 models, the CUDA
             path then runs an fp32 dot, slower).
-        w_int8: int8 ``[N, K]``.
+        w_int8: int8 ``[N, K]``, or the packed ``[N, K // 16, 16]`` of
+            :func:`arkernels.ops.int8_matmul_layout.pack_weight` (the layout the decode kernels stream fastest:
+            what ``Int8Linear(mode="w8a16")`` stores).
         w_scale: float32 ``[N]``.
         bias: ``[N]`` float or None.
 
@@ -225,7 +235,8 @@ def _int8_matmul_cpu(a, b, a_scale, b_scale, bias, out_dtype):
 @torch.library.register_kernel("arkernels::w8a16_matmul", "cpu")
 def _w8a16_matmul_cpu(x, w, w_scale, bias):
     _check_w8a16_matmul(x, w, w_scale, bias)
-    return w8a16_matmul_cpu(x, w, w_scale, bias)
+    # packed: unpacked straight to fp32, the pass the plain path's own int8 -> fp32 conversion makes anyway
+    return w8a16_matmul_cpu(x, unpack_weight(w, torch.float32) if is_packed(w) else w, w_scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -66,3 +66,21 @@ def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
     s = signal.detach().cpu().to(torch.float64)
     noise = (s - approx.detach().cpu().to(torch.float64)).pow(2).sum()
     return float(10 * torch.log10(s.pow(2).sum() / noise.clamp_min(1e-300)))
+
+
+def unpack_weight_ref(wp: torch.Tensor, rows_per_group: int = 16, chunk: int = 512) -> torch.Tensor:
+    """The packed weight ``[N, K // 16, 16]`` (arkernels/ops/int8_matmul_layout.py) -> int8 ``[N, K]``, element by
+    element from the layout's definition: row groups of ``rows_per_group`` rows (the last may be shorter), each
+    holding its K chunks of ``chunk`` columns (the last may be shorter) as row-major ``[rows, width]`` blocks."""
+    N, K = wp.shape[0], wp.shape[1] * wp.shape[2]
+    flat = wp.cpu().reshape(-1)
+    w = torch.empty(N, K, dtype=torch.int8)
+    offset = 0
+    for g0 in range(0, N, rows_per_group):
+        rows = min(rows_per_group, N - g0)
+        for c0 in range(0, K, chunk):
+            width = min(chunk, K - c0)
+            for r in range(rows):
+                w[g0 + r, c0:c0 + width] = flat[offset:offset + width]
+                offset += width
+    return w.to(wp.device)

@@ -17,29 +17,33 @@ BLOCK_M is not taller than the bucket (a 256-row tile at M = 128 computes half z
 cores: BLOCK_M % 64 == 0 and num_warps % 4 == 0 so Hopper emits int8 wgmma rather than mma.sync.
 
 W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once and nothing else matters.
-- M <= 4: ``w8a16_gemv_kernel``. A program owns one BLOCK_K slice of K (its split) and keeps the activation
-  rows of that slice in registers (``[16, 512]`` bf16 as two dot operands: 32 registers per thread, rows past M
-  zero and never read) while it streams N_TILES weight tiles of ``[512, 32]`` past them through the tensor cores:
-  x is read once per N_TILES tiles, not once per tile. The K reduction on the tensor cores matters: the sm_90
-  SASS of an fp32 FMA + shuffle-reduction version of this loop had 9.7 instructions per weight at M = 1 and 21.7
-  at M = 4, past the ~7.7 an SM can issue per weight byte at 4.3 TB/s (128 lanes/clk / 16.5 B/clk).
+- M <= 4: ``w8a16_gemv_kernel``. A program owns one K_HALVES x BLOCK_K slice of K (its split) and keeps the
+  activation rows of that slice in registers (``[16, 512]`` as two dot operands, rows past M zero and never read)
+  while it streams N_TILES (2 or 4) weight tiles of ``[512, 32]`` past them through the tensor cores: x is read
+  once per N_TILES tiles. The N-tile loop is software-pipelined with num_stages = N_TILES + 1, so every tile's
+  weight is a cp.async (straight to shared memory, no registers held) issued in the prologue, before the first
+  wait: all of a program's weight bytes are in flight at once. The K reduction runs on the tensor cores (an FMA +
+  shuffle version is issue-bound: docs/kernels.md).
+- Weight layouts: the plain ``[N, K]`` (any strides), or the packed ``[N, K // 16, 16]`` of
+  arkernels/ops/int8_matmul_layout.py (PACKED: 16-row groups of 512-column chunks, each program's tile contiguous
+  per row group; :func:`_packed_w_ptrs`), which every w8a16 kernel reads; WHOLE_PACK makes the in-group strides
+  constants when no group or chunk is partial.
 - 5 <= M <= 16: ``w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT.
 - Grids (:func:`w8a16_decode_config`): a pure function of (path, M, N, K, SM count), never autotuned (the bits do
-  not depend on which config a sweep picked; decode never sweeps), planned for whole waves of PROGRAMS_PER_SM
-  programs per SM (4 GEMV, 2 split-K): among the N_TILES (GEMV) or split counts (split-K) the shape allows, the
-  fewest programs within WAVE_SLACK of the best wave efficiency. M = 1 at 4096x14336 on 132 SMs: 3584 programs,
-  6.8 waves of 528, 0.97 busy (the previous 896 programs were 1.7 waves, 0.85). Split-K keeps its workspace under
-  10% of the weight bytes (K = 4096 at M = 16: 3 splits).
+  not depend on which config a sweep picked; decode never sweeps), planned in whole waves of the programs an SM
+  holds at once (GEMV: :func:`resident_programs` of its registers and shared memory; split-K: PROGRAMS_PER_SM):
+  among the N_TILES (GEMV) or split counts (split-K) the shape allows, the fewest programs within WAVE_SLACK of
+  the best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3
+  splits). The per-shape figures: docs/kernels.md.
 - Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
   workspace; each program then takes a ticket for its output tile (:func:`_is_last_split`: an int64 atomic tagged
   with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
-  programs adds the partials in split order (0, 1, ...; up to 16 splits' loads in flight at once), then applies
+  programs adds the partials in split order (0, 1, ...; blocks of up to 16 splits' loads in flight), then applies
   scale and bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes
   first. ``reduce="launch"`` keeps the previous two-launch path (``splitk_reduce_kernel``, the same order, the
   same bits) as the benchmark's baseline. With one split the matmul kernel applies the epilogue itself and no
-  workspace or ticket exists. Offline sm_90 compile (triton 3.8, ``triton.compile`` of an ``ASTSource``, then
-  ``cuobjdump``; tests/test_int8_matmul.py): GEMV fused 64 registers, 24 KB shared, split-K fused 69 registers,
-  36 KB, no local memory; 13 of the GEMV reduce's 16 partial loads issue before its first addition.
+  workspace or ticket exists. Registers, shared memory and instruction order of the offline sm_90 compile
+  (tests/test_int8_matmul.py checks them): docs/kernels.md.
 - Alignment: Triton specializes pointers and integer arguments divisible by 16 and strides equal to 1; an
   aligned, K-contiguous weight with rows a multiple of 16 bytes gets 16-byte loads with no hint written here,
   anything else byte loads (~4x slower). :func:`weight_unaligned_reason` names the cases; the op warns on CUDA and
@@ -63,8 +67,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from arkernels.ops import int8_matmul_layout as layout
+
 QMAX: tl.constexpr = tl.constexpr(127.0)  # symmetric: the quantizers produce [-127, 127] (constexpr: a kernel global)
 LARGE_M = 1 << 30  # the M class "larger than 64"
+PACK_ROWS: tl.constexpr = tl.constexpr(layout.PACK_ROWS)  # the packed weight layout's row group and K chunk
+PACK_K: tl.constexpr = tl.constexpr(layout.PACK_K)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,11 +278,17 @@ def w8a16_matmul_kernel(
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (which gets bf16 arithmetic wrong): an exact fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; BLOCK_K divides PACK_K)
+    WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
 ):
     rm, rn, rk, x_ptrs, w_ptrs = _tile_pointers(x_ptr, w_ptr, M, N, stride_xm, stride_xk, stride_wn, stride_wk,
                                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    n0 = tl.min(rn, axis=0)  # the tile's first row (packed only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if PACKED:
+            w_ptrs = _packed_w_ptrs(w_ptr, tl.where(rn < N, tl.arange(0, BLOCK_N), 0), n0, k * BLOCK_K, rk, N, K,
+                                    WHOLE_PACK)
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -362,11 +376,15 @@ def _is_last_split(ticket_ptr, epoch):
 
 
 @triton.jit
-def _load_partial(p_ptrs, s, SPLIT_K, M, N):
-    """Split ``s``'s partial sums at ``p_ptrs`` (offsets into ``part [SPLIT_K, M, N]``); past the last split, the
-    last split's (a valid address, discarded by the caller)."""
-    s = tl.minimum(s, SPLIT_K - 1)
-    return tl.load(p_ptrs + tl.cast(s, tl.int64) * M * N, cache_modifier=".cg")
+def _add_partials(acc, p_ptrs, s0, M, N, COUNT: tl.constexpr):
+    """``acc`` plus splits ``s0, s0 + 1, ..., s0 + COUNT - 1`` of ``part [SPLIT_K, M, N]`` at ``p_ptrs``, added in
+    that order; the COUNT loads are independent of the sums (one basic block, no predicates): all issued first."""
+    q = p_ptrs + tl.cast(s0, tl.int64) * M * N
+    step = tl.cast(M * N, tl.int64)
+    for u in tl.static_range(COUNT):
+        acc = acc + tl.load(q, cache_modifier=".cg")
+        q += step
+    return acc
 
 
 @triton.jit
@@ -376,9 +394,11 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
     1, ... of part[s]) * w_scale + bias``, the splits added one after another in split order, so the bits do not
     depend on which split finished first (and equal the two-launch reduce's). UNROLL splits per loop trip, fully
     unrolled into one basic block: their loads do not depend on the sums, so they are all issued before the first
-    addition (one L2 round trip per UNROLL splits: 2 for the 28 splits of K = 14336); ``.cg``: the other programs'
-    partials are read from L2, never from a line this SM's L1 might hold. BLOCK x UNROLL / threads <= 32 loads in
-    flight per thread (:func:`reduce_shape`), under the GEMV's own register use."""
+    addition; the rest in blocks of UNROLL / 2, UNROLL / 4, ..., 1 behind uniform branches (28 splits, UNROLL 16:
+    16 + 8 + 4, three L2 round trips). No per-split predicate: ptxas has 7 predicate registers, and 16 predicated
+    additions made it issue the loads 4 at a time (offline sm_90 SASS). ``.cg``: the other programs' partials are
+    read from L2, never from a line this SM's L1 might hold. BLOCK x UNROLL / threads <= 32 loads in flight per
+    thread (:func:`reduce_shape`), under the GEMV's own register use."""
     SPLIT_K = tl.num_programs(1)
     for r0 in range(0, M * COLS, BLOCK):
         idx = r0 + tl.arange(0, BLOCK)
@@ -390,11 +410,36 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
         # masked ones on the few predicate registers (offline SASS: one load per addition, not UNROLL at once)
         p_ptrs = part_ptr + tl.where(mask, rows * N + cols, 0)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s0 in range(0, SPLIT_K, UNROLL):
-            for u in tl.static_range(UNROLL):
-                # no + 0.0 past the last split (a -0.0 sum stays -0.0, as in the two-launch reduce)
-                acc = tl.where(s0 + u < SPLIT_K, acc + _load_partial(p_ptrs, s0 + u, SPLIT_K, M, N), acc)
+        s0 = SPLIT_K * 0
+        for _ in range(SPLIT_K // UNROLL):
+            acc = _add_partials(acc, p_ptrs, s0, M, N, UNROLL)
+            s0 += UNROLL
+        for h in tl.static_range(1, 5):  # UNROLL <= 16: the remainder (< UNROLL splits) in power-of-two blocks
+            if (UNROLL >> h) > 0:
+                if SPLIT_K - s0 >= (UNROLL >> h):
+                    acc = _add_partials(acc, p_ptrs, s0, M, N, UNROLL >> h)
+                    s0 += UNROLL >> h
         _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on, HAS_BIAS)
+
+
+@triton.jit
+def _packed_w_ptrs(w_ptr, jl, n0, k, rk, N, K, WHOLE: tl.constexpr):
+    """Pointers ``[BLOCK_K, len(jl)]`` into a packed weight (arkernels/ops/int8_matmul_layout.py) at rows ``n0 + jl``
+    (``jl``: rows of the tile that starts at row ``n0``, a multiple of PACK_ROWS; all valid) and columns ``k + rk``
+    (one K tile inside one PACK_K chunk: BLOCK_K divides PACK_K). int64 only in the tile's base ``n0 * K``; the rest
+    is < BLOCK_N x K. Every term of a row's offset is a multiple of 16 (K is one), so the loads along K are 16-byte
+    vectors; the row terms depend on ``jl`` alone, so a loop over tiles with the same ``jl`` can hoist them.
+    WHOLE: every row group and K chunk is full (N % PACK_ROWS == K % PACK_K == 0), so the in-group strides are
+    constants, not min() of the shape (docs/kernels.md: the SASS either way)."""
+    k = tl.cast(k, tl.int32)  # a tensor also when the caller's loop variable is a Python int (the interpreter)
+    cs = k - k % PACK_K
+    g = jl - jl % PACK_ROWS  # the row's group, from the tile's first row
+    if WHOLE:
+        row_off = g * K + (jl - g) * PACK_K + (cs * PACK_ROWS + (k - cs))
+    else:
+        kw = tl.minimum(K - cs, PACK_K)
+        row_off = g * K + cs * tl.minimum(N - n0 - g, PACK_ROWS) + (jl - g) * kw + (k - cs)
+    return (w_ptr + n0.to(tl.int64) * K) + tl.multiple_of(row_off, 16)[None, :] + rk[:, None]
 
 
 @triton.jit
@@ -410,9 +455,14 @@ def _gemv_load(x_ptr, w_ptr, rm, rk, M, K, stride_xm, stride_xk, stride_wk, EVEN
 
 
 @triton.jit
-def _gemv_step(acc, x, w_k, ln, rk, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """``acc [16, BLOCK_N] += x [16, BLOCK_K] @ w[ln, rk].T`` for one weight tile ``[BLOCK_K, BLOCK_N]``."""
-    w_ptrs = w_k + ln[None, :].to(tl.int64) * stride_wn
+def _gemv_step(acc, x, w_k, w_ptr, ln, n0, k, rk, N, K, stride_wn, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+               PACKED: tl.constexpr, WHOLE_PACK: tl.constexpr):
+    """``acc [16, BLOCK_N] += x [16, BLOCK_K] @ w[ln, k + rk].T`` for one weight tile ``[BLOCK_K, BLOCK_N]`` (``w_k``:
+    the plain layout's K-lane pointers; packed: from ``w_ptr``, rows ``ln`` of the tile at ``n0``)."""
+    if PACKED:
+        w_ptrs = _packed_w_ptrs(w_ptr, ln, n0, k, tl.arange(0, rk.shape[0]), N, K, WHOLE_PACK)
+    else:
+        w_ptrs = w_k + ln[None, :].to(tl.int64) * stride_wn
     if EVEN_K:
         w = tl.load(w_ptrs)
     else:
@@ -437,6 +487,9 @@ def w8a16_gemv_kernel(
     DOT_FP32: tl.constexpr,  # fp32 x, or the interpreter (bf16 arithmetic is wrong there): the dot in fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
     K_HALVES: tl.constexpr,  # 1 or 2 x slices of BLOCK_K per program: 2 halves the split workspace
+    PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; K_HALVES x BLOCK_K <= PACK_K)
+    WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
+    N_EDGE: tl.constexpr = True,  # some tile has columns past N (False: N_TILES x BLOCK_N divides N, no clamp)
 ):
     """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, K_HALVES * BLOCK_K))``: program (i, s) holds the x slice of
     split s in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of it, one
@@ -452,13 +505,19 @@ def w8a16_gemv_kernel(
     if DOT_FP32:
         x0 = x0.to(tl.float32)
         x1 = x1.to(tl.float32)
-    for t in range(N_TILES):
-        rn = (pid_n * N_TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = pid_k * (K_HALVES * BLOCK_K)
+    for t in range(N_TILES):  # software-pipelined (num_stages): every tile's weight is a cp.async in flight at once
+        n0 = (pid_n * N_TILES + t) * BLOCK_N
+        rn = n0 + tl.arange(0, BLOCK_N)
         ln = tl.where(rn < N, rn, 0)  # past-the-edge columns read column 0 (valid), masked at the store
+        if PACKED:  # tile-local rows (past N: the tile's first), the same every tile when N is whole tiles
+            ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0) if N_EDGE else tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _gemv_step(acc, x0, w_k0, ln, rk0, K, stride_wn, EVEN_K, DOT_FP32)
+        acc = _gemv_step(acc, x0, w_k0, w_ptr, ln, n0, k0, rk0, N, K, stride_wn, EVEN_K, DOT_FP32, PACKED,
+                         WHOLE_PACK)
         if K_HALVES == 2:
-            acc = _gemv_step(acc, x1, w_k1, ln, rk1, K, stride_wn, EVEN_K, DOT_FP32)
+            acc = _gemv_step(acc, x1, w_k1, w_ptr, ln, n0, k0 + BLOCK_K, rk1, N, K, stride_wn, EVEN_K, DOT_FP32,
+                             PACKED, WHOLE_PACK)
         _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                      HAS_BIAS, SPLIT)
     if SPLIT and FUSED:
@@ -477,6 +536,8 @@ def w8a16_splitk_kernel(
     REDUCE_BLOCK: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the interpreter (bf16 arithmetic is wrong there): an fp32 dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+    PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; BLOCK_K divides PACK_K)
+    WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(K, K_PER_SPLIT))``: program (i, s) multiplies the (at most 16) rows of x by
     N tile i over K range s on the tensor cores. Rows past M are masked (zeros), not clamped: no duplicate reads."""
@@ -492,6 +553,8 @@ def w8a16_splitk_kernel(
         ln[None, :] * stride_wn + rk[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k0, tl.minimum(k0 + K_PER_SPLIT, K), BLOCK_K):
+        if PACKED:
+            w_ptrs = _packed_w_ptrs(w_ptr, ln, pid_n * BLOCK_N, k, rk, N, K, WHOLE_PACK)
         if EVEN_K:
             x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
             w = tl.load(w_ptrs)

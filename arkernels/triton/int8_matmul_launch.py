@@ -11,6 +11,7 @@ import os
 import torch
 import triton
 
+from arkernels.ops.int8_matmul_layout import PACK_K, PACK_ROWS, is_packed
 from arkernels.triton.int8_matmul import (ALL_CONFIGS, FP32_LARGER_M, FP32_SMALL_M, INTERPRET_CONFIGS,
                                           int8_matmul_kernel, quantize_rowwise_kernel, splitk_reduce_kernel,
                                           w8a16_gemv_kernel, w8a16_matmul_kernel, w8a16_splitk_kernel)
@@ -127,8 +128,27 @@ _w8a16_matmul_tuned = triton.autotune(configs=ALL_CONFIGS + FP32_SMALL_M + FP32_
                                       prune_configs_by={"early_config_prune": _prune_by_class})(w8a16_matmul_kernel)
 
 
+def _weight_strides(w) -> tuple[int, int]:
+    """(stride_wn, stride_wk) the kernels take: the plain weight's own; packed (contiguous by construction),
+    K and 1 (the kernels address it through the layout: these only feed dead code)."""
+    return (w.shape[1] * w.shape[2], 1) if is_packed(w) else (w.stride(0), w.stride(1))
+
+
+def _pack_flags(w, N: int, K: int) -> dict:
+    packed = is_packed(w)
+    return dict(PACKED=packed, WHOLE_PACK=packed and N % PACK_ROWS == 0 and K % PACK_K == 0)
+
+
+def _check_packed_tiles(w, block_n: int, k_tile: int) -> None:
+    """A packed weight's tiles must start on row groups and stay inside one K chunk (the layout's contract)."""
+    if is_packed(w) and (block_n % PACK_ROWS or PACK_K % k_tile):
+        raise ValueError(f"w8a16_matmul: a packed weight needs BLOCK_N a multiple of {PACK_ROWS} and K tiles that "
+                         f"divide {PACK_K}; got BLOCK_N {block_n}, K tile {k_tile}")
+
+
 def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused"):
-    """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]``, w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
+    """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]`` or packed ``[N, K // 16, 16]``
+    (arkernels/ops/int8_matmul_layout.py), w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
     -> ``[M, N]`` in x's dtype. The kernel follows M (:func:`w8a16_path`); ``path`` forces one of "gemv",
     "splitk", "tiled". ``config``: a decode kernel's sizes (:func:`w8a16_decode_config`'s keys) with
     ``path="gemv"`` / ``"splitk"``; without a path, the tiled kernel's tile sizes as for
@@ -151,8 +171,10 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
         _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce)
         return out
     args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
-            w.stride(0), w.stride(1), out.stride(0), out.stride(1))
-    flags = dict(HAS_BIAS=bias is not None, DOT_FP32=dot_fp32)
+            *_weight_strides(w), out.stride(0), out.stride(1))
+    flags = dict(HAS_BIAS=bias is not None, DOT_FP32=dot_fp32, **_pack_flags(w, N, K))
+    if config is not None:
+        _check_packed_tiles(w, config["BLOCK_N"], config["BLOCK_K"])
     _launch(_w8a16_matmul_tuned, w8a16_matmul_kernel, M, N, K, args, flags, config)
     return out
 
@@ -214,12 +236,16 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
     tickets, epoch = _tickets(x.device, grid[0]) if fused else (part, 0)  # never read without FUSED
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
-    args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1), w.stride(0),
-            w.stride(1), out.stride(0), out.stride(1))
+    _check_packed_tiles(w, cfg["BLOCK_N"], k_per_split if path == "gemv" else cfg["BLOCK_K"])
+    args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1),
+            *_weight_strides(w), out.stride(0), out.stride(1))
     block, unroll = reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], split_k, launch.get("num_warps", 4))
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
-                 DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1)
+                 DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
+                 **_pack_flags(w, N, K))
     if path == "gemv":
+        # only the packed addressing reads it: the plain weight keeps one specialization
+        flags["N_EDGE"] = not flags["PACKED"] or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
         w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)
     else:
         w8a16_splitk_kernel[grid](*args, k_per_split, **flags, **cfg, **launch)

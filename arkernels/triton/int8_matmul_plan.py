@@ -14,11 +14,18 @@ from arkernels.triton.int8_matmul import CONFIGS_BY_CLASS, FP32_DOT_CONFIGS_BY_C
 TUNE_MAX_M = 8192  # the last power-of-two tuning bucket of M; anything larger shares LARGE_M
 GEMV_MAX_M = 4  # x rows held in registers across N tiles (GEMV) up to here; more rows: split-K's K loop
 DECODE_MAX_M = 16  # the decode paths' limit: one 16-row tile (mma's smallest M), the weight read once
-# Programs per SM that a wave is planned with (enough that every SM keeps ~23 KB of loads in flight). Below the
-# occupancy limit: the offline sm_90 compile (triton 3.8) gives 24 KB / 36 KB of shared memory per GEMV / split-K
-# program, so 8 / 6 fit an SM; by that count the M = 1 4096x14336 plan is 3.4 waves. Which unit the hardware's
-# tail actually follows is for a GPU measurement to decide (one constant per path here).
-PROGRAMS_PER_SM = {"gemv": 4, "splitk": 2}
+# Programs per SM that a split-K wave is planned with (the GEMV's count is resident_programs' of its own plan).
+PROGRAMS_PER_SM = {"splitk": 2}
+# sm_90 per-SM limits that decide how many programs are resident at once (CUDA occupancy rules): 64K registers,
+# allocated per warp in units of 256; 228 KB of shared memory, 1 KB of it reserved per block; 32 blocks; 64 warps.
+SM90_LIMITS = dict(registers=65536, register_unit=256, smem=228 * 1024, smem_per_block=1024, blocks=32, warps=64)
+# The GEMV's budget per thread: the offline sm_90 compiles of its plans stay at or under it (a test checks), so the
+# residency the plan counts from it is never more than the hardware's.
+GEMV_REGISTERS = 64
+GEMV_N_TILES = (2, 4)  # weight tiles per program, all in flight at once: num_stages = N_TILES + 1 (triton keeps
+# num_stages - 1 tiles in flight; one tile is a folded loop, no pipeline, so no cp.async at all)
+LITTLE_BYTES = 23 * 1024  # loads in flight per SM that saturate HBM (~4.3 TB/s x ~0.7 us / 132 SMs: Little's law)
+GEMV_SMEM_EXTRA = 2048  # the epilogue's scratch, beside the weight tiles and the x slice (offline sm_90 compile)
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
 REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
 
@@ -61,10 +68,11 @@ def weight_unaligned_reason(w: torch.Tensor) -> str | None:
     """Why the int8 weight ``w [N, K]`` misses the kernels' 16-byte vector loads along K, or None. Triton
     specializes pointers and integer arguments on divisibility by 16 and strides equal to 1: an aligned,
     K-contiguous weight whose rows are a multiple of 16 bytes gets those hints (and 16-byte loads) with nothing
-    more; any other view compiles to byte loads, about 4x slower for a memory-bound decode."""
-    if w.shape[0] > 1 and w.stride(1) != 1:
+    more; any other view compiles to byte loads, about 4x slower for a memory-bound decode. A packed weight
+    (``[N, K // 16, 16]``) is contiguous by its checks: only its start can be off."""
+    if w.dim() == 2 and w.shape[0] > 1 and w.stride(1) != 1:
         return f"not K-contiguous (strides {tuple(w.stride())})"
-    if w.stride(0) % 16 or w.shape[1] % 16:
+    if w.dim() == 2 and (w.stride(0) % 16 or w.shape[1] % 16):
         return f"rows of {w.shape[1]} bytes at a stride of {w.stride(0)}: not multiples of 16"
     if w.data_ptr() % 16:
         return f"its data starts {w.data_ptr() % 16} bytes past a 16-byte boundary"
@@ -90,6 +98,24 @@ def reduce_shape(M: int, cols: int, split_k: int, num_warps: int = 4) -> tuple[i
     return block, unroll
 
 
+def resident_programs(registers: int, smem: int, num_warps: int, limits: dict = SM90_LIMITS) -> int:
+    """Programs of ``num_warps`` warps, ``registers`` per thread and ``smem`` bytes of shared memory each that an SM
+    holds at once: the least of what its registers (per warp, rounded up to the allocation unit), its shared memory
+    (plus the per-block reservation), its block and its warp limits allow. 64 registers, 4 warps, 24 KB: 8."""
+    unit = limits["register_unit"]
+    per_warp = -(-registers * 32 // unit) * unit
+    by_regs = (limits["registers"] // per_warp) // num_warps
+    by_smem = limits["smem"] // (smem + limits["smem_per_block"])
+    return max(0, min(by_regs, by_smem, limits["blocks"], limits["warps"] // num_warps))
+
+
+def gemv_smem(n_tiles: int, block_n: int, k_per_split: int, block_m: int = 16, x_bytes: int = 2) -> int:
+    """Shared memory of a GEMV program as triton lays it out (offline sm_90 compile; a test compares): num_stages - 1
+    = N_TILES buffers of one ``[K_PER_SPLIT, BLOCK_N]`` int8 tile, the x slice ``[BLOCK_M, K_PER_SPLIT]`` on its way
+    to the dot's register layout, GEMV_SMEM_EXTRA. 2 tiles of 16 KB: 51200 B."""
+    return n_tiles * block_n * k_per_split + block_m * k_per_split * x_bytes + GEMV_SMEM_EXTRA
+
+
 def wave_efficiency(programs: int, wave: int) -> float:
     """Busy fraction of the program slots over the waves a grid occupies: ``programs / (waves * wave)``; 1.0 when
     the grid is a whole number of waves (896 programs on a wave of 528: 0.85, the second wave 70% idle)."""
@@ -108,14 +134,13 @@ def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict
     """Tile sizes and split of a decode kernel, a pure function of (path, M, N, K, SM count): no autotuning and
     no device query, so the bits do not depend on a sweep and the plan is testable without a GPU.
 
-    gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512);
-    N_TILES (weight tiles per program, sharing its x slice) is the power of two up to 16 whose grid fills whole
-    waves of PROGRAMS_PER_SM x SMs best (within WAVE_SLACK, then the fewest programs). BLOCK_M 16 (the dot's
-    smallest; rows past M are never read). 32 x 256 rather than 16 x 512 per dot: 274 instead of 539 sm_90 loop
-    instructions per 8 KB of weights (offline SASS, triton 3.6; split-K: 272). Llama-8B on 132 SMs (waves of 528):
-    4096x14336 (N x K) -> 28 splits x 128 programs = 3584 (6.8 waves, 0.97 busy; the old N_TILES 4 gave 896 =
-    1.7 waves, 0.85), 14336x4096 -> 8 x 448 = 3584, 4096x4096 -> 8 x 64 = 512 (0.97). The workspace is 1.6%
-    (M = 1) to 6.2% (M = 4) of the weight bytes.
+    gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512)
+    (one chunk of the packed layout per split); N_TILES (weight tiles per program, sharing its x slice, all of
+    them in flight at once on a num_stages = N_TILES + 1 cp.async pipeline) from GEMV_N_TILES, each counted with
+    the waves of its own residency (:func:`resident_programs` from GEMV_REGISTERS and :func:`gemv_smem`): among
+    those within WAVE_SLACK of the best wave efficiency, the most resident programs, then the fewest programs.
+    BLOCK_M 16 (the dot's smallest; rows past M are never read). The figures per shape are in docs/kernels.md. The
+    workspace is 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
     splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
     cdiv(N, 64) x SPLIT_K fills whole waves of 2 x SMs best, unless the workspace would pass 10% of the weight
     bytes (K = 4096 at M = 16: 3 splits, 192 programs).
@@ -126,12 +151,19 @@ def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict
         block_n = max(16, min(32, triton.next_power_of_2(N)))
         n_blocks = triton.cdiv(N, block_n)
         split_k = max(1, triton.cdiv(K, halves * block_k))  # K = 0: one split of nothing
-        wave = PROGRAMS_PER_SM["gemv"] * num_sms
-        candidates = [(triton.cdiv(n_blocks, t) * split_k, t) for t in (1, 2, 4, 8, 16)
-                      if t == 1 or t < 2 * n_blocks]  # no tile group wider than twice the columns
-        n_tiles = _fewest_programs_near_best([(p, t) for p, t in candidates], wave)
+        plans = []
+        for t in GEMV_N_TILES:
+            if t > 1 and t >= 2 * n_blocks and plans:
+                break  # no tile group wider than twice the columns
+            resident = resident_programs(GEMV_REGISTERS, gemv_smem(t, block_n, halves * block_k), 4)
+            programs = triton.cdiv(n_blocks, t) * split_k
+            plans.append((wave_efficiency(programs, resident * num_sms), resident, -programs, t))
+        best = max(p[0] for p in plans)
+        # near the best: the most resident programs (warps to hide the dot's latencies: 2 programs of 4 warps leave
+        # 2 warps per scheduler), then the fewest programs
+        n_tiles = max(p[1:] for p in plans if p[0] >= best - WAVE_SLACK)[-1]
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
-                    K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=2)
+                    K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=n_tiles + 1)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = 64
     k_blocks = max(1, triton.cdiv(K, block_k))
