@@ -70,7 +70,8 @@ TORCH_LIBRARY(arkernels, m) {
   // a int8 [M, K], b int8 [N, K] -> int32 [M, N] exact without scales; with a_scale fp32 [M], b_scale fp32 [N],
   // bias [N]?: acc * a_scale[m] * b_scale[n] + bias in fp32, cast to out_dtype (default bf16).
   m.def("int8_matmul(Tensor a, Tensor b, Tensor? a_scale, Tensor? b_scale, Tensor? bias, ScalarType? out_dtype) -> Tensor");
-  // x fp16|bf16 [M, K], w int8 [N, K], w_scale fp32 [N], bias [N]? -> [M, N] in x's dtype; weights dequantised in registers.
+  // x fp16|bf16 [M, K], w int8 [N, K] (plain) or [N, K / 16, 16] (packed: tile order, ops/int8_matmul_layout.py),
+  // w_scale fp32 [N], bias [N]? -> [M, N] in x's dtype; weights dequantised in registers.
   m.def("w8a16_matmul(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 

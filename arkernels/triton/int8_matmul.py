@@ -36,8 +36,8 @@ W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once
   the best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3
   splits). The per-shape figures: docs/kernels.md.
 - Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
-  workspace; each program then takes a ticket for its output tile (:func:`_is_last_split`: an int64 atomic tagged
-  with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
+  workspace; each program then takes a ticket for its output tile (``tickets.last_program``: an int64 atomic
+  tagged with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
   programs adds the partials in split order (0, 1, ...; blocks of up to 16 splits' loads in flight), then applies
   scale and bias (:func:`_reduce_splits`): one launch instead of two, and the same bits whichever split finishes
   first. ``reduce="launch"`` keeps the previous two-launch path (``splitk_reduce_kernel``, the same order, the
@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from arkernels.ops import int8_matmul_layout as layout
+from arkernels.triton.tickets import last_program
 
 QMAX: tl.constexpr = tl.constexpr(127.0)  # symmetric: the quantizers produce [-127, 127] (constexpr: a kernel global)
 LARGE_M = 1 << 30  # the M class "larger than 64"
@@ -338,44 +339,6 @@ def _epilogue_store(acc, rows, cols, mask, N, w_scale_ptr, bias_ptr, out_ptr, st
 
 
 @triton.jit
-def _is_last_split(ticket_ptr, epoch):
-    """Take this program's ticket for its output tile; True for the program that arrives last of the
-    ``num_programs(1)`` splits, which then owns the reduction. The ticket is left reset for the next launch.
-
-    A ticket is an int64 ``(tag << 32) | count``: ``count`` programs of the launch whose epoch is ``tag`` have
-    arrived. The host passes every launch a new epoch (1, 2, ..., EPOCH_MAX, then 1 again), and a program that
-    finds another tag (the reset value 0, or what an aborted launch left: some of its programs never arrived, so
-    its last program never reset the ticket) claims the ticket for its own epoch with a compare-and-swap that
-    discards the stale count. Stale state therefore never shifts a later launch's count, and no launch has to
-    succeed for the next one to be right (a plain counter reset by the kernel itself stays poisoned forever after
-    one aborted launch). The last program still resets the ticket to 0: a CUDA graph replays a captured launch
-    with its captured epoch, so the next replay must find a count of 0, not the count it left. What a reset cannot
-    cover: an aborted replay followed by a replay of the same captured launch with no other launch on the ticket
-    between them (any other w8a16 decode call of the stream in between re-tags it).
-
-    Cost: one atomic round trip (an add) for every program that finds its own tag; the first of a launch adds a
-    compare-and-swap (two on contention). Ordering: the barrier puts every thread's partial-sum stores before the
-    release of the single-thread atomic (the threadfence-reduction idiom); its acquire orders the last program's
-    loads of the other splits' partials after their releases.
-    """
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    mine = old + 1
-    claimed = (old >> 32) == epoch
-    seen = mine
-    while not claimed:  # first arrival of this epoch (or racing another first arrival): claim the tag
-        want = tl.where((seen >> 32) == epoch, seen + 1, (epoch.to(tl.int64) << 32) + 1)
-        got = tl.atomic_cas(ticket_ptr, seen, want, sem="acq_rel", scope="gpu")
-        claimed = got == seen
-        mine = want
-        seen = got
-    last = (mine & 0xFFFFFFFF) == tl.num_programs(1)
-    if last:
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def _add_partials(acc, p_ptrs, s0, M, N, COUNT: tl.constexpr):
     """``acc`` plus splits ``s0, s0 + 1, ..., s0 + COUNT - 1`` of ``part [SPLIT_K, M, N]`` at ``p_ptrs``, added in
     that order; the COUNT loads are independent of the sums (one basic block, no predicates): all issued first."""
@@ -477,7 +440,7 @@ def _gemv_step(acc, x, w_k, w_ptr, ln, n0, k, rk, N, K, stride_wn, EVEN_K: tl.co
 @triton.jit(do_not_specialize=["epoch"])  # a new value every launch: never a new specialization
 def w8a16_gemv_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,  # as w8a16_matmul_kernel; part fp32 [SPLIT_K, M, N]
-    ticket_ptr, epoch,  # int64 [>= grid dim 0] tickets, this launch's epoch (FUSED only: see _is_last_split)
+    ticket_ptr, epoch,  # int64 [>= grid dim 0] tickets, this launch's epoch (FUSED only: see tickets.last_program)
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: K > K_HALVES * BLOCK_K, partial sums to part_ptr
@@ -521,7 +484,7 @@ def w8a16_gemv_kernel(
         _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                      HAS_BIAS, SPLIT)
     if SPLIT and FUSED:
-        if _is_last_split(ticket_ptr + pid_n, epoch):
+        if last_program(ticket_ptr + pid_n, epoch):
             _reduce_splits(part_ptr, pid_n * (N_TILES * BLOCK_N), M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om,
                            stride_on, HAS_BIAS, N_TILES * BLOCK_N, REDUCE_BLOCK, REDUCE_UNROLL)
 
@@ -570,7 +533,7 @@ def w8a16_splitk_kernel(
     _finish_tile(acc, rm, rn, M, N, pid_k, part_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                  HAS_BIAS, SPLIT)
     if SPLIT and FUSED:
-        if _is_last_split(ticket_ptr + pid_n, epoch):
+        if last_program(ticket_ptr + pid_n, epoch):
             _reduce_splits(part_ptr, pid_n * BLOCK_N, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_om, stride_on,
                            HAS_BIAS, BLOCK_N, REDUCE_BLOCK, REDUCE_UNROLL)
 

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from arkernels.ops.int8_matmul_layout import PACK_K, PACK_ROWS, is_packed
+from arkernels.triton.tickets import EPOCH_MAX
 from arkernels.triton.int8_matmul import (ALL_CONFIGS, FP32_LARGER_M, FP32_SMALL_M, INTERPRET_CONFIGS,
                                           int8_matmul_kernel, quantize_rowwise_kernel, splitk_reduce_kernel,
                                           w8a16_gemv_kernel, w8a16_matmul_kernel, w8a16_splitk_kernel)
@@ -21,7 +22,6 @@ from arkernels.triton.int8_matmul_plan import (SMEM_LIMIT, configs_for, m_class,
 ONE_PASS_MAX_K = 16384  # rows up to this length stay in registers: one read of x instead of two
 REDUCE_BLOCK_N = 1024  # the two-launch path's reduce kernel: columns per program
 REDUCES = ("fused", "launch")  # the split-K reduction: by the last program of each tile, or a second launch
-EPOCH_MAX = (1 << 31) - 1  # ticket epochs cycle in [1, EPOCH_MAX]: an int32 kernel argument, a 64-bit ticket tag
 
 
 def interpreting() -> bool:

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from arkernels import token_state_layout as _layout
+from arkernels.triton.tickets import last_program
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read it
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
@@ -328,28 +329,6 @@ def _row_stats(cmax_ptr, carg_ptr, csum_ptr, row, NCHUNK, T, NCP: tl.constexpr):
 # sample: stats (+ the row's cutoff, by its last program) -> compaction (+ the draw, by its last program)
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _last_program(ticket_ptr, epoch):
-    """True for the last of the row's ``num_programs(1)`` to take its ticket (left at 0); int8_matmul's split-K
-    protocol (``_is_last_split``): an int64 ``(epoch << 32) | count``, another tag (0, an aborted launch's) claimed by
-    compare-and-swap; the barrier puts all threads' stores before the single-thread acquire-release atomic."""
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    mine = old + 1
-    claimed = (old >> 32) == epoch
-    seen = mine
-    while not claimed:
-        want = tl.where((seen >> 32) == epoch, seen + 1, (epoch.to(tl.int64) << 32) + 1)
-        got = tl.atomic_cas(ticket_ptr, seen, want, sem="acq_rel", scope="gpu")
-        claimed = got == seen
-        mine = want
-        seen = got
-    last = (mine & 0xFFFFFFFF) == tl.num_programs(1)
-    if last:
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def _needs_z(T, k, p, V):
     """Whether a row reads its full mass Z: top-p without top-k (with top-k, the draw sums the mass of the top-k
     candidates itself); the stats pass skips the per-element exp for the other rows."""
@@ -363,7 +342,7 @@ def sampling_stats_kernel(
     cmax_ptr, carg_ptr, csum_ptr,  # [batch, NCHUNK] fp32, int32, fp32: per-chunk max, argmax, sum exp((x - max) / T)
     hist_ptr,  # [batch, S, NB] int32: per-program suffix counts (S > 1 only)
     rhist_ptr,  # [batch, NB] int32: the row histogram, summed by atomics; all 0 between launches (S > 1 only)
-    ticket_ptr, epoch,  # int64 [batch] tickets, this launch's epoch (S > 1 only: see _last_program)
+    ticket_ptr, epoch,  # int64 [batch] tickets, this launch's epoch (S > 1 only: see tickets.last_program)
     cut_ptr, off_ptr, ncand_ptr,  # [batch] int32 cutoff bucket; [batch, SP] int32 program offsets; [batch] int32
     passes_ptr,  # [batch] int32 (DEBUG only): full-row passes
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
@@ -417,7 +396,7 @@ def sampling_stats_kernel(
         # the occupied buckets only (integers: exact in any order)
         tl.store(hist_ptr + (row * S + s) * NB + b, tl.cumsum(hist, axis=0, reverse=True))
         tl.atomic_add(rhist_ptr + row * NB + b, hist, mask=hist > 0, sem="relaxed", scope="gpu")
-        last = _last_program(ticket_ptr + row, epoch)
+        last = last_program(ticket_ptr + row, epoch)
     if last:
         if S > 1:
             hist = tl.load(rhist_ptr + row * NB + b, cache_modifier=".cg")
@@ -504,7 +483,7 @@ def sampling_compact_kernel(
     ncand_ptr,  # [batch] int32: candidate count; 0: greedy / no finite logit; -1: full-row fallback; -2: raced here
     cval_ptr, cidx_ptr,  # [batch, CAP] fp32, int32: candidates (logit, column) in column order
     rbest_ptr, rcol_ptr,  # [batch, S] fp32, int32: each program's race winner (score, column) when ncand is -2
-    ticket_ptr, epoch,  # int64 [batch] tickets, this launch's epoch (S > 1 only: see _last_program)
+    ticket_ptr, epoch,  # int64 [batch] tickets, this launch's epoch (S > 1 only: see tickets.last_program)
     ids_ptr, valid_ptr,  # [batch] int64, bool
     passes_ptr,
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
@@ -554,7 +533,7 @@ def sampling_compact_kernel(
             tl.store(passes_ptr + row, tl.load(passes_ptr + row) + 1)
     done = s == 0  # one program per row: it is the last
     if S > 1:
-        done = _last_program(ticket_ptr + row, epoch)
+        done = last_program(ticket_ptr + row, epoch)
     if done:
         _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, cmax_ptr, carg_ptr,
               csum_ptr, cval_ptr, cidx_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from arkernels.triton.int8_matmul_launch import EPOCH_MAX
+from arkernels.triton.tickets import EPOCH_MAX
 from arkernels.triton.sampling import (DRAW_BLOCK, LAUNCH, MAX_PASSES, MAX_SPLITS, NB, PIVOTS, SEARCH_BLOCK,
                                        STATS_BLOCK, TILE_CHUNKS, sampling_compact_kernel, sampling_probs_kernel,
                                        sampling_rules_kernel, sampling_stats_kernel)
@@ -46,7 +46,7 @@ class _Workspace:
     """What the programs of a row share across one launch, on one (device, stream), for batches with several
     programs per row: int64 tickets (per row: one for the stats launch, one for the compaction launch) and the
     int32 row histograms, all 0 between launches (each row's last program resets its own), and the epoch of the next
-    call (the tickets' tag: see ``_last_program``). Per stream: launches on one stream run one after another. Grown
+    call (the tickets' tag: see ``tickets.last_program``). Per stream: launches on one stream run one after another. Grown
     (new zeroed tensors) for a larger batch; a CUDA graph may hold the old addresses, so they are kept. Graphs
     captured on one stream must not be replayed concurrently on two streams; created during a capture, the zero
     fill becomes a node of that graph (harmless: the launches find the reset values anyway). What a reset cannot
