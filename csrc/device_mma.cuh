@@ -8,7 +8,8 @@
 //   cp_async_16_or_zero(dst, src, read)  the same with n = read ? 16 : 0, as the ignore-src predicate: no src-size
 //                                 arithmetic in SASS (the src-size form costs ~5 more instructions per copy on sm_90)
 //   cp_async_commit() / cp_async_wait<N>() / cp_async_wait_all()   commit_group / wait_group N / wait_all
-//   bf16_f16_pow2(bits) / bf16x2_to_f16x2(w, 2^e)  bf16 operands into fp16 MMAs times a power of two (below)
+//   bf16_f16_pow2(bits) / bf16x2_to_f16x2(w, 2^e) / warp_bf16_to_f16<R, C, LD>(rows)   bf16 operands into fp16
+//                                 MMAs times a power of two (below)
 // Fragment layouts (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"), g = lane/4, t = lane%4,
 // the lower 16 bits of a register hold the lower-indexed element:
 //   a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..2t+1]   a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
@@ -189,6 +190,33 @@ __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float up) {
   memcpy(&ua, &a, 2);
   memcpy(&uc, &c, 2);
   return uint32_t(ua) | uint32_t(uc) << 16;
+}
+
+// A warp's R x C block of bf16 in shared memory (rows LD elements apart, 16-byte aligned; C % 8 == 0) -> fp16 in
+// place, times 2^e from the block's largest |x| (bf16_f16_pow2); returns 2^-e, for the scale that takes it back
+// (exact: a power of two). Every lane of the warp calls it; it ends with a __syncwarp (the block is then the warp's
+// to read, as ldmatrix operands).
+template <int R, int C, int LD>
+__device__ __forceinline__ float warp_bf16_to_f16(uint16_t* rows) {
+  constexpr int kChunks = C / 8;  // 16-byte chunks per row
+  const int lane = threadIdx.x % 32;
+  int mx = 0;  // the largest |x| of the lane's chunks, as bf16 bits without the sign
+  for (int i = lane; i < R * kChunks; i += 32) {
+    const uint4 w = *reinterpret_cast<const uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
+    for (const uint32_t x : {w.x, w.y, w.z, w.w}) mx = max(mx, int(max(x & 0x7fffu, (x >> 16) & 0x7fffu)));
+  }
+  for (int d = 1; d < 32; d *= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  const int e = bf16_f16_pow2(uint32_t(mx));
+  const float up = pow2f(e);
+  for (int i = lane; i < R * kChunks; i += 32) {
+    uint4* const at = reinterpret_cast<uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
+    const uint4 w = *at;
+    *at = make_uint4(bf16x2_to_f16x2(w.x, up), bf16x2_to_f16x2(w.y, up), bf16x2_to_f16x2(w.z, up),
+                     bf16x2_to_f16x2(w.w, up));
+  }
+  __syncwarp();
+  // FAULT(prefill_q_pow2_fold)
+  return pow2f(-e);
 }
 
 }  // namespace dev

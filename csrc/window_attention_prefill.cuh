@@ -9,12 +9,11 @@
 // halves sharing each K/V fragment; D = 256 BM = 64, 16 rows per warp. Q tile in shared memory (ldmatrix per k-step);
 // K/V tiles of BN keys (64, or 32 at D = 96 and 128: prefill_bn_max) in a 2- or 3-stage cp.async ring of rows of
 // D + 8 elements (the padding of a K row carries its valid flag). S, P and O stay in registers; tiles outside every
-// row's visible range are skipped. fp8 caches: the ring holds the tiles as stored and each tile is converted once per
-// CTA into a 16-bit tile that the warps read. Arithmetic per CTA and key tile: 4 x BM x BN x D FLOPs against
-// 2 x BN x D x 2 B of K + V staged (fp8: 2 x BN x D). Shared memory per CTA: BM x (D + 8) x 2 (Q)
-// + stages x 2 x BN x (D + 8) x 2 (ring); fp8: (BM + 2 BN) x (D + 8) x 2 + stages x BN x (2 D + 1).
-// Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
-// counts of every instantiation (CI fails on any spill).
+// row's visible range are skipped; scores enter exp2 through one FFMA, most tiles need no per-score work (compile-time
+// variants for masked and softcapped tiles), the O rescale is skipped where no row max moved. fp8 caches: the ring
+// holds the tiles as stored and each is converted once per CTA into an fp16 tile (bf16 queries: scaled into fp16 by a
+// power of two per warp). Shared memory per CTA: prefill_smem. `python scripts/sass_report.py` prints registers,
+// occupancy, instruction counts and the key loop's SASS per tile of every instantiation (CI fails on any spill).
 #pragma once
 
 #include <cstring>
@@ -58,13 +57,9 @@ struct PrefillPlan {
   size_t smem = 0;                   // dynamic shared memory, bytes
 };
 
-// Tile width and ring depth for head_dim d and the caches' layout (fp8 or 16-bit) under a per-block shared-memory
-// limit: the widest key tile that fits (64, then 32, from prefill_bn_max(d) down; 32-key tiles are compiled for D >=
-// 96 only: D = 64 and 80 always fit 64), and at that width the ring depth, 3 or 2, that gives the most CTAs per SM, 3
-// on a tie. At most 2 CTAs of 4 warps fit an SM by registers (128 threads x up to 256 registers), and 2 CTAs are 8
-// warps per SM, 2 per scheduler, one's MMAs covering the other's softmax and barriers (FlashAttention-2 runs 2 CTAs of
-// 4 warps too); with 1 CTA the third stage keeps two tiles in flight while one is consumed. sm_80 (164 KB per SM):
-// 16-bit D = 80 and 128 take 2 stages for 2 CTAs (66 KB, 68 KB instead of 88 KB, 85 KB).
+// Tile width and ring depth for head_dim d and the caches' layout under a per-block shared-memory limit: the widest
+// key tile that fits (from prefill_bn_max(d) down; 32-key tiles are compiled for D >= 96 only), and at that width the
+// ring depth, 3 or 2, giving the most CTAs per SM (at most 2 by registers), 3 on a tie (docs/kernels.md "Prefill").
 inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, bool fp8, int64_t max_q_len,
                                 const DeviceProps& props) {
   (void)hq;
@@ -124,11 +119,9 @@ __device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, i
   }
 }
 
-// The prefill kernel's steps, per packed query tile, in the order it runs them: prefill_block (the tile's rows, the
-// keys they see, where those live), prefill_load_q and prefill_load_tile (the Q tile and the K/V ring's cp.async
-// copies), then per key tile prefill_fp8_convert (fp8 caches: the stage into 16-bit tiles), prefill_qk (S = Q K^T),
-// prefill_scale_mask, prefill_online_softmax (S -> P, running max and sum, O rescaled) and prefill_pv (O += P V), and
-// prefill_write_out (O / l and the lse).
+// The prefill kernel's steps, per packed query tile: prefill_block, prefill_load_q and prefill_load_tile (cp.async),
+// fp8: warp_bf16_to_f16 (bf16 queries); per key tile prefill_fp8_convert (fp8), prefill_qk (S = Q K^T), prefill_scores,
+// prefill_online_softmax (S -> P) and prefill_pv (O += P V); then prefill_write_out (O / l and the lse).
 
 // This lane's row r (0: g, 1: g + 8) of m16 half mt, as a row of the query tile: warp * WM + mt * 16 + g + 8 r.
 template <int D>
@@ -289,18 +282,16 @@ __device__ __forceinline__ void prefill_load_tile(const AttnParams& p, const Pre
   }
 }
 
-// fp8 caches: ring stage it % stages (ring: its e4m3 K rows, then V rows) -> the 16-bit K and V tiles cv_s [2 BN][LD]
-// the warps read, once per CTA (each thread 8 bytes -> one 16-byte chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt
-// each), and the keys' valid flags (flag_s) into the K rows' padding. e4m3 -> fp16 / bf16 is exact, so the warps then
-// run the 16-bit path on the same values. Ends with a barrier: the stage may be refilled from there on.
+// fp8 caches: ring stage it % stages (its e4m3 K rows, then V rows) -> the fp16 K and V tiles cv_s [2 BN][LD] the warps
+// read, once per CTA (8 bytes -> one 16-byte chunk per thread and pass, 4 cvt), and the keys' valid flags (flag_s) into
+// the K rows' padding; e4m3 -> fp16 is exact. Ends with a barrier: the stage may be refilled from there on.
 template <typename T, int D, int BN>
 __device__ __forceinline__ void prefill_fp8_convert(const uint8_t* ring, const uint8_t* flag_s, T* cv_s, int it,
                                                     int stages) {
   constexpr int NT = prefill_threads(D), LD = D + 8, kC = D / 8;  // kC: 8-byte chunks per stored row
   static_assert(2 * BN * kC % NT == 0, "whole passes over the tile");
   const int tid = threadIdx.x;
-  // A compile-time trip count, 2 passes unrolled: ptxas kept 4 passes' addresses live across the key loop otherwise
-  // (fp8 D = 128 spilled 8-12 bytes at 255 registers).
+  // A compile-time trip count, 2 passes unrolled: ptxas kept 4 passes' addresses live across the loop otherwise.
 #pragma unroll 2
   // FAULT(prefill_fp8_convert_rows)
   for (int i = 0; i < 2 * BN * kC / NT; ++i) {
@@ -334,8 +325,8 @@ __device__ __forceinline__ void prefill_qk(float (&s)[MT][NS][4], const T* q_war
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
-  // k-steps not unrolled: each one's Q and K fragments are loaded in it, and unrolled ptxas hoisted them.
-#pragma unroll 1
+  // k-steps unrolled (rolled before issue 34: at 251 registers ptxas hoisted the unrolled loads and spilled).
+#pragma unroll
   for (int kk = 0; kk < KD; ++kk) {
     uint32_t a[MT][4];
 #pragma unroll
@@ -357,20 +348,12 @@ __device__ __forceinline__ void prefill_qk(float (&s)[MT][NS][4], const T* q_war
   }
 }
 
-// The scores of a key tile reach the softmax as the operand of one FFMA before exp2: p = 2^(s * c2 - m), m the row's
-// running max in those units (log2 of e^(scaled score)). The common tile -- every key's block id valid, inside every
-// row's range, no softcap -- takes nothing here: the score scale (times log2 e, k_scale, fp8's Q scale) is c2, and
-// the max of the raw scores times c2 (> 0) is the max of the scaled ones. The other tiles take one of three
-// compile-time variants, picked once per tile (warp-uniform branch):
-// - masked (a tile crossing some row's range, or with a key whose block id is out of range): masked scores -inf
-//   (2^-inf = 0: no select at the exponent), the others times `mul` (1, or the scale where it cannot be folded into
-//   c2: a scale <= 0 or NaN, where the max does not commute with it; c2 is 1 then and every tile takes this variant);
-// - softcap, masked or not: softcap log2(e) tanh(s * mul) with mul = the scale / softcap, and c2 = 1.
-// A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row (mt, r) sees it iff lo_c <= c <=
-// hi_c, its range made relative to the lane's first key once per masked tile: c is a compile-time constant, 2
-// compares with immediates per score, and 4 registers per m16 half instead of a key index per score (the 32-row
-// layout spilled with those). The rows' ranges are read on masked tiles only (a few per query tile), not kept in
-// registers across the loop; rows past the sequence see nothing.
+// Scores enter the softmax as the operand of one FFMA before exp2: p = 2^(s c2 - m). An unmasked tile without softcap
+// takes nothing here (c2 is the scale: the max of s times c2 > 0 is the max of the scaled scores); the others take a
+// compile-time variant (docs/kernels.md "Prefill"): masked (-inf where a row's range or a key's valid flag excludes
+// it, the rest times mul: 1, or the scale where c2 cannot hold it, <= 0 or NaN) and softcap (softcap log2(e)
+// tanh(s mul), c2 = 1), masked or not. A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row
+// (mt, r) sees it iff lo_c <= c <= hi_c (c a compile-time constant: 2 compares with immediates per score).
 template <bool kMasked, bool kCapped, typename T, int D, int BN, int MT, int NS>
 __device__ __forceinline__ void prefill_score_variant(const AttnParams& p, float (&s)[MT][NS][4], const T* ks,
                                                       const void* q_s, int j0, float mul) {
@@ -427,8 +410,7 @@ __device__ __forceinline__ bool prefill_tile_valid(const T* ks) {
   return dev::warp_all(ok);
 }
 
-// Key tile j0's scores into the exponent's operand (above): the variant for this tile, or none. fold: the scale is
-// c2 (not applied here); otherwise mul is.
+// Key tile j0's variant, or none. fold: the scale is c2 (not applied here); otherwise mul is.
 template <typename T, int D, int BN, int MT, int NS>
 __device__ __forceinline__ void prefill_scores(const AttnParams& p, const PrefillBlock& blk, float (&s)[MT][NS][4],
                                                const T* ks, const void* q_s, int j0, bool fold, float mul) {
@@ -448,11 +430,10 @@ __device__ __forceinline__ void prefill_scores(const AttnParams& p, const Prefil
   }
 }
 
-// Online softmax in log2 units: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half; the row's 4 lanes are a
-// quad. The running max m (of s * c2) and this lane's share of the sum l updated, S -> P = 2^(s * c2 - m) (one FFMA
-// and one exp2 per score). O and l are rescaled by alpha = 2^(m_old - m_new) only where some row of the warp moved its
-// max (a vote per row pair): alpha is exactly 1 for the others, so the skip changes no bit. A row that has seen no
-// key keeps m = -inf and alpha 1; its exponent uses 0 for the max, so 2^(-inf - 0) = 0 and no NaN.
+// Online softmax in log2 units: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half (a quad per row). m (of
+// s c2) and this lane's share of l updated, S -> P = 2^(s c2 - m); O and l rescaled by 2^(m_old - m_new) only where
+// some row of the warp moved its max (a vote per row pair; alpha is exactly 1 for the others: no bit changes). A row
+// with no key yet keeps m = -inf and takes 0 for it in the exponent (2^-inf = 0, no NaN).
 template <int MT, int NS, int ND>
 __device__ __forceinline__ void prefill_online_softmax(float (&s)[MT][NS][4], float (&o)[MT][ND][4],
                                                        float (&m)[MT][2], float (&l)[MT][2], float c2) {
@@ -567,38 +548,9 @@ __device__ __forceinline__ void prefill_write_out(const AttnParams& p, const Pre
     }
 }
 
-// bf16 queries over fp8 caches (the MMAs run in fp16): this warp's WM rows of the Q tile q_s, in place, times 2^e,
-// one e per warp from its rows' largest |q| (dev::bf16_f16_pow2: the scaled values are finite and exact down to 2^-29
-// of the largest); returns 2^-e, which the score scale takes (exact: a power of two). Only this warp reads its rows
-// (the ldmatrix of q_warp), so a __syncwarp orders the conversion.
-template <int D>
-__device__ __forceinline__ float prefill_q_to_fp16(uint16_t* q_s) {
-  constexpr int WM = prefill_warp_rows(D), LD = D + 8, kChunks = D / 8;
-  const int lane = threadIdx.x % 32;
-  uint16_t* const rows = q_s + threadIdx.x / 32 * WM * LD;
-  int mx = 0;  // the largest |q| of the lane's chunks, as bf16 bits without the sign
-  for (int i = lane; i < WM * kChunks; i += 32) {
-    const uint4 w = *reinterpret_cast<const uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
-    for (const uint32_t x : {w.x, w.y, w.z, w.w}) mx = max(mx, int(max(x & 0x7fffu, (x >> 16) & 0x7fffu)));
-  }
-  for (int d = 1; d < 32; d *= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-  const int e = dev::bf16_f16_pow2(uint32_t(mx));
-  const float up = dev::pow2f(e);
-  for (int i = lane; i < WM * kChunks; i += 32) {
-    uint4* const at = reinterpret_cast<uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
-    const uint4 w = *at;
-    *at = make_uint4(dev::bf16x2_to_f16x2(w.x, up), dev::bf16x2_to_f16x2(w.y, up), dev::bf16x2_to_f16x2(w.z, up),
-                     dev::bf16x2_to_f16x2(w.w, up));
-  }
-  __syncwarp();
-  // FAULT(prefill_q_pow2_fold)
-  return dev::pow2f(-e);
-}
-
 // KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted once per CTA and
-// tile into fp16 (MmaT) whatever T: one cvt per e4m3 pair; bf16 queries are scaled into fp16 by prefill_q_to_fp16, P
-// is packed to fp16, the output stays T; key = stored * k_scale folded into the score scale, value = stored * v_scale
-// into the output).
+// tile into fp16 (MmaT) whatever T, one cvt per pair; bf16 queries go through warp_bf16_to_f16, P is fp16, the
+// output T; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
 template <typename T, typename KV, int D, int BN>
 __global__ void __launch_bounds__(prefill_threads(D), 1)
     window_attention_prefill_kernel(const AttnParams p, int stages) {
@@ -641,7 +593,7 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       if (i < blk.ntiles) prefill_load_tile<KV, D, BN>(p, blk, kv_s, flag_s, stages, i);
       dev::cp_async_commit();
     }
-    float q_down = 1.f;  // 2^-e of the warp's Q scale (prefill_q_to_fp16)
+    float q_down = 1.f;  // 2^-e of the warp's Q scale (dev::warp_bf16_to_f16)
     if constexpr (kQToFp16) {
       if (blk.ntiles > 0) {  // CTA-uniform
         if (stages == 3) {
@@ -650,7 +602,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
           dev::cp_async_wait<1>();
         }
         __syncthreads();  // the Q tile landed for every thread's copies (its tile groups may still be in flight)
-        q_down = prefill_q_to_fp16<D>(reinterpret_cast<uint16_t*>(q_s));
+        // this warp's rows, which only it reads (ldmatrix of q_warp)
+        q_down = dev::warp_bf16_to_f16<WM, D, LD>(reinterpret_cast<uint16_t*>(q_s) + warp * WM * LD);
       }
     }
 

@@ -323,8 +323,9 @@ def combine_order(ops: list[str]) -> str:
 # The prefill kernel's key loop (window_attention_prefill.cuh), per warp and key tile in steady state (the next tile's
 # cp.async issued), as dynamic SASS: the loop body is a DAG of forward branches once its inner loops (the rolled
 # QK^T k-steps; fp8: the conversion passes) are counted as their instructions times their trips, and each variant is a
-# path through it. Unmasked: the shortest path (no score variant, no O rescale); + rescale: the shortest through the
-# O rescale of every row (FMUL >= 4 MT ND); masked: the longest path without tanh (a masked tile that rescales).
+# path through it that runs every inner loop (a path around a loop is its remainder code, not a tile). Unmasked: the
+# shortest path (no score variant, no O rescale); + rescale: the shortest through the O rescale of every row (FMUL >=
+# 4 MT ND); masked: the longest path without tanh (a masked tile that rescales).
 _BRANCH = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _PREFILL_ARGS = re.compile(r"window_attention_prefill_kernelI(\w+?)(h|S\d*_)Li(\d+)ELi(\d+)E")
 
@@ -373,29 +374,29 @@ def tile_paths(insns: list[tuple], shape: dict) -> dict | None:
             inner[t] = (i, total // per)
     threshold = 4 * shape["mt"] * shape["nd"]  # the O rescale's FMUL
     def walk(better):
-        # best[i][(ldgsts seen, FMUL capped at threshold)] = (SASS, HMMA) from head to instruction i
+        # best[i][(ldgsts seen, FMUL capped at threshold, inner loops run)] = (SASS, HMMA) from head to instruction i
         best = [dict() for _ in range(n + 1)]
-        best[head][(False, 0)] = (0, 0)
+        best[head][(False, 0, 0)] = (0, 0)
         done = {}
         def push(j, state, val):
             if head <= j <= tail and (state not in best[j] or better(val[0], best[j][state][0])):
                 best[j][state] = val
         for i in range(head, tail + 1):
-            for (seen, fmul), (cost, hmma) in list(best[i].items()):
+            for (seen, fmul, loops), (cost, hmma) in list(best[i].items()):
                 if i in inner:
                     end, trips = inner[i]
                     ops = [insns[k][2] for k in range(i, end + 1)]
                     st = (seen or any(op.startswith("LDGSTS") for op in ops),
-                          min(threshold, fmul + trips * sum(op.startswith("FMUL") for op in ops)))
+                          min(threshold, fmul + trips * sum(op.startswith("FMUL") for op in ops)), loops + 1)
                     push(end + 1, st, (cost + trips * len(ops), hmma + trips * sum(op.startswith("HMMA") for op in ops)))
                     continue
                 op, pred = insns[i][2], insns[i][1]
                 if op.startswith("MUFU.TANH") or op == "EXIT":
                     continue
-                st = (seen or op.startswith("LDGSTS"), min(threshold, fmul + op.startswith("FMUL")))
+                st = (seen or op.startswith("LDGSTS"), min(threshold, fmul + op.startswith("FMUL")), loops)
                 val = (cost + 1, hmma + op.startswith("HMMA"))
                 if i == tail:
-                    if st not in done or better(val[0], done[st][0]):
+                    if loops == len(inner) and (st not in done or better(val[0], done[st][0])):
                         done[st] = val
                     continue
                 if i in branches:
@@ -409,9 +410,9 @@ def tile_paths(insns: list[tuple], shape: dict) -> dict | None:
         return done
     low = walk(lambda a, b: a < b)
     high = walk(lambda a, b: a > b)
-    seen_low = [v for (seen, _), v in low.items() if seen]
-    rescaled = [v for (seen, fmul), v in low.items() if seen and fmul >= threshold]
-    masked = [v for (seen, fmul), v in high.items() if seen and fmul >= threshold]
+    seen_low = [v for (seen, _, _), v in low.items() if seen]
+    rescaled = [v for (seen, fmul, _), v in low.items() if seen and fmul >= threshold]
+    masked = [v for (seen, fmul, _), v in high.items() if seen and fmul >= threshold]
     if not seen_low or not rescaled or not masked:
         return None
     unmasked = min(seen_low)

@@ -438,8 +438,8 @@ FAULTS += [
     Fault("prefill: bf16 -> fp16 Q scale 2^-24 too low (small queries flushed)", "device_mma.cuh",
           "bf16_f16_pow2", "const int e = 142 - ex;", "const int e = 118 - ex;", build=KERNEL_BUILD,
           run=_kernel_run(_Q16, tests=_LAYOUT_TESTS)),
-    Fault("prefill: the Q scale's 2^-e not folded into the score scale", _PF,
-          "prefill_q_pow2_fold", "return dev::pow2f(-e);", "return 1.f;", build=KERNEL_BUILD,
+    Fault("prefill: the Q scale's 2^-e not folded into the score scale", "device_mma.cuh",
+          "prefill_q_pow2_fold", "return pow2f(-e);", "return 1.f;", build=KERNEL_BUILD,
           run=_kernel_run(_Q16, tests=_LAYOUT_TESTS)),
 ]
 

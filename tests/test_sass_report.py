@@ -365,3 +365,14 @@ def test_parse_sass_prefill_tile_figures():
     text = f"arch = sm_90\n\n\tFunction : {PREFILL}\n{body}\n"
     got = sr.parse_sass(text)[("sm_90", PREFILL)]["tile"]
     assert got == {"unmasked": 3 + 256 + 5, "rescale": 264 + 128, "masked": 264 + 2 + 128, "hmma": 129}
+
+
+def test_tile_paths_runs_every_inner_loop():
+    """A branch around the k-step loop (a compiler's remainder code) is not a tile: the path must run the loop."""
+    ops = [(0x00, None, "MOV", " R0, R1"), (0x10, "@P0", "BRA", " 0x40"), (0x20, None, "HMMA.16816.F32", " R8"),
+           (0x30, "@P1", "BRA", " 0x20"), (0x40, None, "LDGSTS", " [R2]"), *[(0x50 + 0x10 * k, None, "FMUL", " R9")
+                                                                           for k in range(4)],
+           (0x90, "@P5", "BRA", " 0x10"), (0xa0, None, "EXIT", "")]
+    shape = dict(d=16, bn=8, fp8=False, mt=1, ns=1, nd=1, kd=2, threads=128)
+    # guard + 2 trips x 2 + copy + 4 FMUL + back edge, never the 6 of the path around the loop
+    assert sr.tile_paths(ops, shape) == {"unmasked": 11, "rescale": 11, "masked": 11, "hmma": 2}
