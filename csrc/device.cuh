@@ -10,6 +10,7 @@
 //   dev::ld_global_cg, atomic_add, atomic_max, threadfence  the same for data blocks exchange within one launch
 //   AK_TRACK_SCRATCH(name, ptr, bytes)                      names a launch's own scratch buffer for the emulator's
 //                                                          traffic meter (nothing on the GPU)
+//   dev::warp_all / dev::warp_any                           warp votes (__all_sync / __any_sync)
 //   DeviceProps + cuda_device_props()                       what launch planning may ask of a device
 // Fast-math intrinsics (__expf, __logf, __int_as_float) and fp16/bf16 conversions are the CUDA headers' own on the
 // GPU; the emulator supplies host versions.
@@ -82,6 +83,27 @@ __device__ __forceinline__ void atomic_max(T* p, T v) {
   atomicMax(p, v);
 }
 __device__ __forceinline__ void threadfence() { __threadfence(); }
+
+// Warp votes over all 32 lanes (every lane must call; the result is the same in every lane): one VOTE on the GPU; the
+// emulator forms them from xor shuffles, which check the mask and the lanes' convergence as a vote would.
+__device__ __forceinline__ bool warp_all(bool v) {
+#if defined(ARKERNELS_SIMT)
+  int x = v;
+  for (int d = 1; d < 32; d *= 2) x &= __shfl_xor_sync(0xffffffffu, x, d);
+  return x != 0;
+#else
+  return __all_sync(0xffffffffu, v);
+#endif
+}
+__device__ __forceinline__ bool warp_any(bool v) {
+#if defined(ARKERNELS_SIMT)
+  int x = v;
+  for (int d = 1; d < 32; d *= 2) x |= __shfl_xor_sync(0xffffffffu, x, d);
+  return x != 0;
+#else
+  return __any_sync(0xffffffffu, v);
+#endif
+}
 
 }  // namespace dev
 }  // namespace arkernels

@@ -8,6 +8,8 @@
 //   cp_async_16_or_zero(dst, src, read)  the same with n = read ? 16 : 0, as the ignore-src predicate: no src-size
 //                                 arithmetic in SASS (the src-size form costs ~5 more instructions per copy on sm_90)
 //   cp_async_commit() / cp_async_wait<N>() / cp_async_wait_all()   commit_group / wait_group N / wait_all
+//   bf16_f16_pow2(bits) / bf16x2_to_f16x2(w, 2^e) / warp_bf16_to_f16<R, C, LD>(rows)   bf16 operands into fp16
+//                                 MMAs times a power of two (below)
 // Fragment layouts (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"), g = lane/4, t = lane%4,
 // the lower 16 bits of a register hold the lower-indexed element:
 //   a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..2t+1]   a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
@@ -18,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(ARKERNELS_SIMT)
 #include "simt/simt.h"
@@ -157,6 +160,64 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 #endif
+
+// bf16 operands of fp16 MMAs (fp8 caches under bf16 queries: e4m3 -> f16x2 is one cvt per pair, into bf16 four).
+// The bf16 values go in times 2^e, e chosen from the largest magnitude's biased exponent `ex` (bits 7..14 of the bf16:
+// |x| < 2^(ex - 126)) so that it lands in fp16's top binade, [2^15, 2^16): the largest bf16 significand, 1.9921875,
+// times 2^15 is 65280 < 65504, so every scaled value is finite, and every value down to 2^-29 of the largest keeps all
+// its 8 significant bits (fp16: 11, subnormal below 2^-14). Clamped to [-112, 64]: 2^e and 2^-e stay normal floats
+// (a zero or subnormal maximum takes 2^64; inf / NaN stay inf / NaN). bf16_f16_pow2 returns e, bf16x2_to_f16x2 converts
+// one register (two bf16, low element first) times up = 2^e, round to nearest (exact but below fp16's normal range).
+__device__ __forceinline__ int bf16_f16_pow2(uint32_t max_abs_bits) {
+  const int ex = static_cast<int>(max_abs_bits >> 7);
+  // FAULT(bf16_f16_pow2)
+  const int e = 142 - ex;
+  return e < -112 ? -112 : (e > 64 ? 64 : e);
+}
+__device__ __forceinline__ float pow2f(int e) {  // 2^e for e in [-126, 127]
+  const uint32_t bits = uint32_t(127 + e) << 23;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float up) {
+  const uint32_t lo_bits = w << 16, hi_bits = w & 0xffff0000u;
+  float lo, hi;
+  memcpy(&lo, &lo_bits, 4);
+  memcpy(&hi, &hi_bits, 4);
+  const __half a = __float2half_rn(lo * up), c = __float2half_rn(hi * up);
+  uint16_t ua, uc;
+  memcpy(&ua, &a, 2);
+  memcpy(&uc, &c, 2);
+  return uint32_t(ua) | uint32_t(uc) << 16;
+}
+
+// A warp's R x C block of bf16 in shared memory (rows LD elements apart, 16-byte aligned; C % 8 == 0) -> fp16 in
+// place, times 2^e from the block's largest |x| (bf16_f16_pow2); returns 2^-e, for the scale that takes it back
+// (exact: a power of two). Every lane of the warp calls it; it ends with a __syncwarp (the block is then the warp's
+// to read, as ldmatrix operands).
+template <int R, int C, int LD>
+__device__ __forceinline__ float warp_bf16_to_f16(uint16_t* rows) {
+  constexpr int kChunks = C / 8;  // 16-byte chunks per row
+  const int lane = threadIdx.x % 32;
+  int mx = 0;  // the largest |x| of the lane's chunks, as bf16 bits without the sign
+  for (int i = lane; i < R * kChunks; i += 32) {
+    const uint4 w = *reinterpret_cast<const uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
+    for (const uint32_t x : {w.x, w.y, w.z, w.w}) mx = max(mx, int(max(x & 0x7fffu, (x >> 16) & 0x7fffu)));
+  }
+  for (int d = 1; d < 32; d *= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  const int e = bf16_f16_pow2(uint32_t(mx));
+  const float up = pow2f(e);
+  for (int i = lane; i < R * kChunks; i += 32) {
+    uint4* const at = reinterpret_cast<uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
+    const uint4 w = *at;
+    *at = make_uint4(bf16x2_to_f16x2(w.x, up), bf16x2_to_f16x2(w.y, up), bf16x2_to_f16x2(w.z, up),
+                     bf16x2_to_f16x2(w.w, up));
+  }
+  __syncwarp();
+  // FAULT(prefill_q_pow2_fold)
+  return pow2f(-e);
+}
 
 }  // namespace dev
 }  // namespace arkernels

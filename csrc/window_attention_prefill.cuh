@@ -9,12 +9,11 @@
 // halves sharing each K/V fragment; D = 256 BM = 64, 16 rows per warp. Q tile in shared memory (ldmatrix per k-step);
 // K/V tiles of BN keys (64, or 32 at D = 96 and 128: prefill_bn_max) in a 2- or 3-stage cp.async ring of rows of
 // D + 8 elements (the padding of a K row carries its valid flag). S, P and O stay in registers; tiles outside every
-// row's visible range are skipped. fp8 caches: the ring holds the tiles as stored and each tile is converted once per
-// CTA into a 16-bit tile that the warps read. Arithmetic per CTA and key tile: 4 x BM x BN x D FLOPs against
-// 2 x BN x D x 2 B of K + V staged (fp8: 2 x BN x D). Shared memory per CTA: BM x (D + 8) x 2 (Q)
-// + stages x 2 x BN x (D + 8) x 2 (ring); fp8: (BM + 2 BN) x (D + 8) x 2 + stages x BN x (2 D + 1).
-// Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
-// counts of every instantiation (CI fails on any spill).
+// row's visible range are skipped; scores enter exp2 through one FFMA, most tiles need no per-score work (compile-time
+// variants for masked and softcapped tiles), the O rescale is skipped where no row max moved. fp8 caches: the ring
+// holds the tiles as stored and each is converted once per CTA into an fp16 tile (bf16 queries: scaled into fp16 by a
+// power of two per warp). Shared memory per CTA: prefill_smem. `python scripts/sass_report.py` prints registers,
+// occupancy, instruction counts and the key loop's SASS per tile of every instantiation (CI fails on any spill).
 #pragma once
 
 #include <cstring>
@@ -58,13 +57,9 @@ struct PrefillPlan {
   size_t smem = 0;                   // dynamic shared memory, bytes
 };
 
-// Tile width and ring depth for head_dim d and the caches' layout (fp8 or 16-bit) under a per-block shared-memory
-// limit: the widest key tile that fits (64, then 32, from prefill_bn_max(d) down; 32-key tiles are compiled for D >=
-// 96 only: D = 64 and 80 always fit 64), and at that width the ring depth, 3 or 2, that gives the most CTAs per SM, 3
-// on a tie. At most 2 CTAs of 4 warps fit an SM by registers (128 threads x up to 256 registers), and 2 CTAs are 8
-// warps per SM, 2 per scheduler, one's MMAs covering the other's softmax and barriers (FlashAttention-2 runs 2 CTAs of
-// 4 warps too); with 1 CTA the third stage keeps two tiles in flight while one is consumed. sm_80 (164 KB per SM):
-// 16-bit D = 80 and 128 take 2 stages for 2 CTAs (66 KB, 68 KB instead of 88 KB, 85 KB).
+// Tile width and ring depth for head_dim d and the caches' layout under a per-block shared-memory limit: the widest
+// key tile that fits (from prefill_bn_max(d) down; 32-key tiles are compiled for D >= 96 only), and at that width the
+// ring depth, 3 or 2, giving the most CTAs per SM (at most 2 by registers), 3 on a tie (docs/kernels.md "Prefill").
 inline PrefillPlan plan_prefill(int64_t batch, int64_t hq, int64_t d, bool fp8, int64_t max_q_len,
                                 const DeviceProps& props) {
   (void)hq;
@@ -124,11 +119,9 @@ __device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, i
   }
 }
 
-// The prefill kernel's steps, per packed query tile, in the order it runs them: prefill_block (the tile's rows, the
-// keys they see, where those live), prefill_load_q and prefill_load_tile (the Q tile and the K/V ring's cp.async
-// copies), then per key tile prefill_fp8_convert (fp8 caches: the stage into 16-bit tiles), prefill_qk (S = Q K^T),
-// prefill_scale_mask, prefill_online_softmax (S -> P, running max and sum, O rescaled) and prefill_pv (O += P V), and
-// prefill_write_out (O / l and the lse).
+// The prefill kernel's steps, per packed query tile: prefill_block, prefill_load_q and prefill_load_tile (cp.async),
+// fp8: warp_bf16_to_f16 (bf16 queries); per key tile prefill_fp8_convert (fp8), prefill_qk (S = Q K^T), prefill_scores,
+// prefill_online_softmax (S -> P) and prefill_pv (O += P V); then prefill_write_out (O / l and the lse).
 
 // This lane's row r (0: g, 1: g + 8) of m16 half mt, as a row of the query tile: warp * WM + mt * 16 + g + 8 r.
 template <int D>
@@ -212,7 +205,9 @@ __device__ __forceinline__ PrefillBlock prefill_block(const AttnParams& p, int64
 }
 
 // The Q tile [BM][LD] (packed row r: PrefillBlock::split_row; rows past the sequence: zeros), by cp.async where the
-// query rows are 16-byte aligned (in the ring's first commit group).
+// query rows are 16-byte aligned (commit group 0), and in each row's padding (element D, 2 ints) the keys it sees,
+// [first, last] ([1, 0]: none, past the sequence), which the masked tiles read (prefill_score_variant): no per-row
+// window / chunk arithmetic per tile, and none of the registers it took across the key loop.
 template <typename T, int D>
 __device__ __forceinline__ void prefill_load_q(const AttnParams& p, const PrefillBlock& blk, T* q_s) {
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
@@ -226,6 +221,11 @@ __device__ __forceinline__ void prefill_load_q(const AttnParams& p, const Prefil
     T* dst = q_s + r * LD + c * 8;
     const bool live = tok < blk.q_len;
     const T* src = live ? qg + (blk.first + tok) * p.s.q0 + (blk.kvh * blk.group + hig) * p.s.q1 + c * 8 : qg;
+    if (c == 0) {
+      // FAULT(prefill_row_range)
+      const int2 range = live ? make_int2(blk.first_key(p, tok), blk.last_key(tok)) : make_int2(1, 0);
+      *reinterpret_cast<int2*>(q_s + r * LD + D) = range;
+    }
     if (p.q_vec) {
       dev::cp_async_16(dst, src, live ? 16 : 0);
     } else {
@@ -282,19 +282,21 @@ __device__ __forceinline__ void prefill_load_tile(const AttnParams& p, const Pre
   }
 }
 
-// fp8 caches: ring stage it % stages (ring: its e4m3 K rows, then V rows) -> the 16-bit K and V tiles cv_s [2 BN][LD]
-// the warps read, once per CTA (each thread 8 bytes -> one 16-byte chunk per step: 2 * BN * D / 8 / NT steps, 4 cvt
-// each), and the keys' valid flags (flag_s) into the K rows' padding. e4m3 -> fp16 / bf16 is exact, so the warps then
-// run the 16-bit path on the same values. Ends with a barrier: the stage may be refilled from there on.
+// fp8 caches: ring stage it % stages (its e4m3 K rows, then V rows) -> the fp16 K and V tiles cv_s [2 BN][LD] the warps
+// read, once per CTA (8 bytes -> one 16-byte chunk per thread and pass, 4 cvt), and the keys' valid flags (flag_s) into
+// the K rows' padding; e4m3 -> fp16 is exact. Ends with a barrier: the stage may be refilled from there on.
 template <typename T, int D, int BN>
 __device__ __forceinline__ void prefill_fp8_convert(const uint8_t* ring, const uint8_t* flag_s, T* cv_s, int it,
                                                     int stages) {
-  constexpr int NT = prefill_threads(D), LD = D + 8, SLD = D;
+  constexpr int NT = prefill_threads(D), LD = D + 8, kC = D / 8;  // kC: 8-byte chunks per stored row
+  static_assert(2 * BN * kC % NT == 0, "whole passes over the tile");
   const int tid = threadIdx.x;
+  // A compile-time trip count, 2 passes unrolled: ptxas kept 4 passes' addresses live across the loop otherwise.
+#pragma unroll 2
   // FAULT(prefill_fp8_convert_rows)
-  for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {
-    const int row = idx / (D / 8), c = idx % (D / 8);
-    const uint2 w = *reinterpret_cast<const uint2*>(ring + row * SLD + c * 8);
+  for (int i = 0; i < 2 * BN * kC / NT; ++i) {
+    const int idx = tid + i * NT, row = idx / kC, c = idx % kC;
+    const uint2 w = *reinterpret_cast<const uint2*>(ring + idx * 8);  // stored rows are unpadded: row * D + c * 8
     const uint4 h = make_uint4(fp8x2_to<T>(uint16_t(w.x)), fp8x2_to<T>(uint16_t(w.x >> 16)),
                                fp8x2_to<T>(uint16_t(w.y)), fp8x2_to<T>(uint16_t(w.y >> 16)));
     // FAULT(prefill_fp8_convert_store)
@@ -323,8 +325,8 @@ __device__ __forceinline__ void prefill_qk(float (&s)[MT][NS][4], const T* q_war
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
-  // k-steps not unrolled: each one's Q and K fragments are loaded in it, and unrolled ptxas hoisted them.
-#pragma unroll 1
+  // k-steps unrolled (rolled before issue 34: at 251 registers ptxas hoisted the unrolled loads and spilled).
+#pragma unroll
   for (int kk = 0; kk < KD; ++kk) {
     uint32_t a[MT][4];
 #pragma unroll
@@ -346,74 +348,95 @@ __device__ __forceinline__ void prefill_qk(float (&s)[MT][NS][4], const T* q_war
   }
 }
 
-// Scale, softcap, masks of the scores of key tile j0 .. j0 + BN - 1 (valid flags always, from the K rows' padding;
-// ranges only on tiles crossing some row's boundary). softcap is uniform over the launch: one branch per tile picks
-// the variant with or without tanh, so the scores of a launch without softcap carry no tanh and no per-score select.
-// A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row (mt, r) sees it iff lo_c <= c <=
-// hi_c, its range made relative to the lane's first key once per tile (tiles inside every row's range: [0, BN),
-// no test). c is a compile-time constant: 2 compares with immediates per score, and 4 registers per m16 half
-// instead of a key index per score (the 32-row layout spilled with those).
-// The rows' ranges are formed here, on straddling tiles only (a few per query tile), not kept in registers
-// across the loop (4 per m16 half: the 32-row layout spilled with them); rows past the sequence see nothing.
-template <typename T, int D, int BN, int MT, int NS>
-__device__ __forceinline__ void prefill_scale_mask(const AttnParams& p, const PrefillBlock& blk, float (&s)[MT][NS][4],
-                                                   const T* ks, int j0, float score_mul) {
+// Scores enter the softmax as the operand of one FFMA before exp2: p = 2^(s c2 - m). An unmasked tile without softcap
+// takes nothing here (c2 is the scale: the max of s times c2 > 0 is the max of the scaled scores); the others take a
+// compile-time variant (docs/kernels.md "Prefill"): masked (-inf where a row's range or a key's valid flag excludes
+// it, the rest times mul: 1, or the scale where c2 cannot hold it, <= 0 or NaN) and softcap (softcap log2(e)
+// tanh(s mul), c2 = 1), masked or not. A lane's score e of n-tile n is key j0 + 2 t4 + c, c = n * 8 + (e & 1): row
+// (mt, r) sees it iff lo_c <= c <= hi_c (c a compile-time constant: 2 compares with immediates per score).
+template <bool kMasked, bool kCapped, typename T, int D, int BN, int MT, int NS>
+__device__ __forceinline__ void prefill_score_variant(const AttnParams& p, float (&s)[MT][NS][4], const T* ks,
+                                                      const void* q_s, int j0, float mul) {
   constexpr int LD = D + 8;
   const int tid = threadIdx.x, t4 = tid % 32 % 4;
-  const bool ranged = j0 < blk.lo_all || j0 + BN - 1 > blk.hi_all;
   int lo_c[MT][2], hi_c[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      lo_c[mt][r] = 0;
-      hi_c[mt][r] = BN;
-    }
-  if (ranged) {
+  if constexpr (kMasked) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        int tok, hig;
+        // The row's [first, last] key from its Q row's padding (prefill_load_q).
         // FAULT(prefill_row_mask)
-        blk.split_row(prefill_lane_row<D>(mt, r), tok, hig);
-        const bool live = tok < blk.q_len;
-        lo_c[mt][r] = (live ? blk.first_key(p, tok) : 1) - (j0 + 2 * t4);
-        hi_c[mt][r] = (live ? blk.last_key(tok) : 0) - (j0 + 2 * t4);
+        const int row = prefill_lane_row<D>(mt, r);
+        const int2 range = *reinterpret_cast<const int2*>(static_cast<const uint16_t*>(q_s) + row * LD + D);
+        lo_c[mt][r] = range.x - (j0 + 2 * t4);
+        hi_c[mt][r] = range.y - (j0 + 2 * t4);
       }
   }
-  auto scale_and_mask = [&](auto capped) {
 #pragma unroll
-    for (int n = 0; n < NS; ++n) {
-      // Key row k's valid flag: the K row's padding (element D).
-      uint16_t flag[2];
+  for (int n = 0; n < NS; ++n) {
+    uint16_t flag[2] = {1, 1};
+    if constexpr (kMasked) {  // key row k's valid flag: the K row's padding (element D)
       memcpy(&flag[0], ks + (n * 8 + 2 * t4) * LD + D, 2);
       memcpy(&flag[1], ks + (n * 8 + 2 * t4 + 1) * LD + D, 2);
+    }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 4; ++e) {
+        float v = s[mt][n][e] * mul;
+        if constexpr (kCapped) v = (p.softcap * kLog2e) * tanhf(v);
+        if constexpr (kMasked) {
           const int c = n * 8 + (e & 1);
           const bool vis = flag[e & 1] != 0 && c >= lo_c[mt][e / 2] && c <= hi_c[mt][e / 2];
-          float v = s[mt][n][e] * score_mul;
-          if constexpr (decltype(capped)::value) v = p.softcap * tanhf(v);
-          s[mt][n][e] = vis ? v : neg_inf();
+          v = vis ? v : neg_inf();
         }
-    }
-  };
-  // FAULT(prefill_softcap)
-  if (p.softcap > 0.f) {
-    scale_and_mask(std::true_type{});
-  } else {
-    scale_and_mask(std::false_type{});
+        s[mt][n][e] = v;
+      }
   }
 }
 
-// Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half; the row's 4 lanes are a quad. The running
-// max m and this lane's share of the sum l updated, O rescaled by e^(m_old - m_new), S -> P = e^(S - m).
+// Every key of the K tile ks has a valid block id (the flags in the K rows' padding), as one vote of the warp.
+template <typename T, int D, int BN>
+__device__ __forceinline__ bool prefill_tile_valid(const T* ks) {
+  const int lane = threadIdx.x % 32;
+  bool ok = true;
+#pragma unroll
+  for (int k = lane; k < BN; k += 32) {
+    uint16_t flag;
+    memcpy(&flag, ks + k * (D + 8) + D, 2);
+    ok = ok && flag != 0;
+  }
+  return dev::warp_all(ok);
+}
+
+// Key tile j0's variant, or none. fold: the scale is c2 (not applied here); otherwise mul is.
+template <typename T, int D, int BN, int MT, int NS>
+__device__ __forceinline__ void prefill_scores(const AttnParams& p, const PrefillBlock& blk, float (&s)[MT][NS][4],
+                                               const T* ks, const void* q_s, int j0, bool fold, float mul) {
+  // FAULT(prefill_unmasked_pick)
+  const bool ranged = j0 < blk.lo_all || j0 + BN - 1 > blk.hi_all;
+  // FAULT(prefill_tile_vote)
+  const bool masked = ranged || !prefill_tile_valid<T, D, BN>(ks);
+  // FAULT(prefill_softcap)
+  if (p.softcap > 0.f) {
+    if (masked) {
+      prefill_score_variant<true, true, T, D, BN>(p, s, ks, q_s, j0, mul);
+    } else {
+      prefill_score_variant<false, true, T, D, BN>(p, s, ks, q_s, j0, mul);
+    }
+  } else if (masked || !fold) {
+    prefill_score_variant<true, false, T, D, BN>(p, s, ks, q_s, j0, fold ? 1.f : mul);
+  }
+}
+
+// Online softmax in log2 units: rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m16 half (a quad per row). m (of
+// s c2) and this lane's share of l updated, S -> P = 2^(s c2 - m); O and l rescaled by 2^(m_old - m_new) only where
+// some row of the warp moved its max (a vote per row pair; alpha is exactly 1 for the others: no bit changes). A row
+// with no key yet keeps m = -inf and takes 0 for it in the exponent (2^-inf = 0, no NaN).
 template <int MT, int NS, int ND>
 __device__ __forceinline__ void prefill_online_softmax(float (&s)[MT][NS][4], float (&o)[MT][ND][4],
-                                                       float (&m)[MT][2], float (&l)[MT][2]) {
+                                                       float (&m)[MT][2], float (&l)[MT][2], float c2) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -423,25 +446,32 @@ __device__ __forceinline__ void prefill_online_softmax(float (&s)[MT][NS][4], fl
       for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[mt][r], mx);
-      const float alpha = m[mt][r] == neg_inf() ? 0.f : __expf(m[mt][r] - m_new);
+      // FAULT(prefill_row_max)
+      const float m_new = fmaxf(m[mt][r], mx * c2);
+      const bool moved = m_new != m[mt][r];  // m_new > m_old >= -inf: m_new is finite here
+      // FAULT(prefill_rescale_vote)
+      if (dev::warp_any(moved)) {
+        const float alpha = moved ? exp2f(m[mt][r] - m_new) : 1.f;
+        l[mt][r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+          o[mt][n][2 * r] *= alpha;
+          o[mt][n][2 * r + 1] *= alpha;
+        }
+      }
+      m[mt][r] = m_new;
+      const float neg_m = m_new == neg_inf() ? 0.f : -m_new;
       float sum = 0.f;
 #pragma unroll
       for (int n = 0; n < NS; ++n) {
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const float pr = s[mt][n][e] == neg_inf() ? 0.f : __expf(s[mt][n][e] - m_new);
+          const float pr = exp2f(fmaf(s[mt][n][e], c2, neg_m));
           s[mt][n][e] = pr;
           sum += pr;  // fp32, as FlashAttention: lse exact to fp32
         }
       }
-      l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share; the quad's shares are added at the end
-      m[mt][r] = m_new;
-#pragma unroll
-      for (int n = 0; n < ND; ++n) {
-        o[mt][n][2 * r] *= alpha;
-        o[mt][n][2 * r + 1] *= alpha;
-      }
+      l[mt][r] += sum;  // this lane's share; the quad's shares are added at the end
     }
 }
 
@@ -478,8 +508,8 @@ __device__ __forceinline__ void prefill_pv(float (&o)[MT][ND][4], const float (&
   }
 }
 
-// This lane's rows of the query tile: O / l (times out_scale, fp8's v_scale) and the lse, with the attention sink
-// (one more term in the denominator, no value); zeros and -inf for a row with no visible key.
+// This lane's rows of the query tile: O / l (times out_scale, fp8's v_scale) and the lse (m is in log2 units), with the
+// attention sink (one more term in the denominator, no value); zeros and -inf for a row with no visible key.
 template <typename T, int D, int MT, int ND>
 __device__ __forceinline__ void prefill_write_out(const AttnParams& p, const PrefillBlock& blk,
                                                   const float (&o)[MT][ND][4], const float (&m)[MT][2],
@@ -502,10 +532,11 @@ __device__ __forceinline__ void prefill_write_out(const AttnParams& p, const Pre
         const int h = kvh * group + static_cast<int>(hig);
         const int64_t oh = (blk.first + int64_t(tok)) * p.hq + h;
         // FAULT(prefill_lse)
-        float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();
+        float lse2 = lr > 0.f ? m[mt][r] + log2f(lr) : neg_inf();  // log2 units, as m
         float w = 1.f;  // the attention sink: one more term in the denominator, no value (once per row, here)
         // FAULT(prefill_sink)
-        if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;
+        if (p.sinks) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h) * kLog2e, w);
+        const float lse = lse2 / kLog2e;  // natural log (-inf stays -inf)
         const float inv = lr > 0.f ? out_scale * w / lr : 0.f;
         T* const out = static_cast<T*>(p.out) + oh * D;
 #pragma unroll
@@ -517,13 +548,16 @@ __device__ __forceinline__ void prefill_write_out(const AttnParams& p, const Pre
     }
 }
 
-// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T once per
-// CTA and tile; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
+// KV: the caches' element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted once per CTA and
+// tile into fp16 (MmaT) whatever T, one cvt per pair; bf16 queries go through warp_bf16_to_f16, P is fp16, the
+// output T; key = stored * k_scale folded into the score scale, value = stored * v_scale into the output).
 template <typename T, typename KV, int D, int BN>
 __global__ void __launch_bounds__(prefill_threads(D), 1)
     window_attention_prefill_kernel(const AttnParams p, int stages) {
   constexpr bool kFp8 = sizeof(KV) == 1;
   static_assert(kFp8 || std::is_same_v<KV, T>, "16-bit caches have the query's dtype");
+  using MmaT = std::conditional_t<kFp8, __half, T>;  // the MMA operands' type
+  constexpr bool kQToFp16 = !std::is_same_v<MmaT, T>;
   constexpr int BM = prefill_rows(D), NT = prefill_threads(D), LD = D + 8;
   constexpr int WM = prefill_warp_rows(D), MT = WM / 16;  // packed rows per warp, its m16 halves
   constexpr int SLD = kFp8 ? D : LD;  // row stride of the ring's tiles, cache elements (fp8: unpadded)
@@ -533,8 +567,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   static_assert(!kFp8 || BN <= NT, "one thread per key copies the fp8 valid flags");
   AK_DYNAMIC_SHARED(T, smem);
   T* const q_s = smem;  // [BM][LD]
-  // fp8: the 16-bit K and V tiles [2 * BN][LD] the warps read (K rows, then V rows).
-  T* const cv_s = smem + BM * LD;
+  // fp8: the fp16 K and V tiles [2 * BN][LD] the warps read (K rows, then V rows).
+  MmaT* const cv_s = reinterpret_cast<MmaT*>(smem + BM * LD);
   // Ring stage s: K at kv_s + s * 2 * BN * SLD, V after it; fp8: then flag_s [stages][BN] (1: block id in range).
   KV* const kv_s = reinterpret_cast<KV*>(smem + prefill_tile_rows(D, BN, kFp8) * LD);
   uint8_t* const flag_s = reinterpret_cast<uint8_t*>(kv_s + stages * 2 * BN * SLD);
@@ -554,9 +588,23 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     const PrefillBlock blk = prefill_block<BM, BN>(p, b, R0, kvh, bs, table);
     __syncthreads();  // the previous query tile's last reads of the ring and of q_s are done
     prefill_load_q<T, D>(p, blk, q_s);
+    dev::cp_async_commit();  // group 0: the Q tile alone (the waits below count the tile groups after it)
     for (int i = 0; i < stages - 1; ++i) {
       if (i < blk.ntiles) prefill_load_tile<KV, D, BN>(p, blk, kv_s, flag_s, stages, i);
-      dev::cp_async_commit();  // group 0 carries the Q tile too
+      dev::cp_async_commit();
+    }
+    float q_down = 1.f;  // 2^-e of the warp's Q scale (dev::warp_bf16_to_f16)
+    if constexpr (kQToFp16) {
+      if (blk.ntiles > 0) {  // CTA-uniform
+        if (stages == 3) {
+          dev::cp_async_wait<2>();
+        } else {
+          dev::cp_async_wait<1>();
+        }
+        __syncthreads();  // the Q tile landed for every thread's copies (its tile groups may still be in flight)
+        // this warp's rows, which only it reads (ldmatrix of q_warp)
+        q_down = dev::warp_bf16_to_f16<WM, D, LD>(reinterpret_cast<uint16_t*>(q_s) + warp * WM * LD);
+      }
     }
 
     // Per-lane rows g and g + 8 of each m16 half mt of this warp: packed row R0 + prefill_lane_row<D>(mt, r).
@@ -573,11 +621,12 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
     // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale.
     // FAULT(prefill_qk_scale)
     const float qk_scale = kFp8 ? p.scale * dev::ld_global(p.k_scale) : p.scale;
-    // softcap: softcap * tanh(s * qk_scale / softcap), the division folded into the scale once per query tile.
+    // The exponent's scale (prefill_scores): qk_scale log2(e), or with softcap, softcap log2(e) tanh(s qk_scale /
+    // softcap) with the division folded in once per query tile; either times the warp's 2^-e of the Q scale.
     // FAULT(prefill_score_mul)
-    const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;
+    const float score_mul = (p.softcap > 0.f ? qk_scale / p.softcap : qk_scale * kLog2e) * q_down;
     // ldmatrix.x4 row address of m16 half mt's A fragment (rows lane % 16, columns (lane / 16) * 8 of each k-step).
-    const T* const q_warp = q_s + (warp * WM + lane % 16) * LD + (lane / 16) * 8;
+    const MmaT* const q_warp = reinterpret_cast<const MmaT*>(q_s) + (warp * WM + lane % 16) * LD + (lane / 16) * 8;
 
 #pragma unroll 1
     for (int it = 0; it < blk.ntiles; ++it) {
@@ -591,20 +640,22 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       }
       __syncthreads();  // tile `it` (and at it == 0 the Q tile) landed for every thread's copies
       const KV* const ring = kv_s + (it % stages) * 2 * BN * SLD;
-      const T* ks;  // the K tile the warps read, [BN][LD]; the V tile follows it
+      const MmaT* ks;  // the K tile the warps read, [BN][LD]; the V tile follows it
       if constexpr (kFp8) {
-        prefill_fp8_convert<T, D, BN>(ring, flag_s, cv_s, it, stages);
+        prefill_fp8_convert<MmaT, D, BN>(ring, flag_s, cv_s, it, stages);
         ks = cv_s;
       } else {
         ks = ring;
       }
-      const T* const vs = ks + BN * LD;
+      const MmaT* const vs = ks + BN * LD;
       const int j0 = blk.tile_first + it * BN;
       float s[MT][NS][4];
-      prefill_qk<T, D>(s, q_warp, ks);
-      prefill_scale_mask<T, D, BN>(p, blk, s, ks, j0, score_mul);
-      prefill_online_softmax(s, o, m, l);
-      prefill_pv<T, D>(o, s, vs);
+      prefill_qk<MmaT, D>(s, q_warp, ks);
+      // The scale is the FFMA's (c2), not applied per score; formed per tile (registers: 251 with them kept).
+      const bool fold = !(p.softcap > 0.f) && score_mul > 0.f;
+      prefill_scores<MmaT, D, BN>(p, blk, s, ks, q_s, j0, fold, score_mul);
+      prefill_online_softmax(s, o, m, l, fold ? score_mul : 1.f);
+      prefill_pv<MmaT, D>(o, s, vs);
       // 16-bit caches: the warps read the ring stage itself, refilled by the next iteration's cp.async. fp8: they
       // read cv_s; the stage was free after the conversion's barrier, and the next conversion writes cv_s only after
       // the next iteration's first barrier, which every warp reaches after these reads.

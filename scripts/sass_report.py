@@ -14,6 +14,8 @@ the SASS instructions that show the design:
   STL/LDL local memory stores/loads: register spills or local arrays. Any of them, or a nonzero frame, fails.
   TAIL    decode kernels: the split-KV combine issues its partial loads before it uses any (combine_order): "ok" or
           "BAD" (fails), "-" for other kernels.
+Then, per prefill kernel, the key loop's dynamic SASS per warp and key tile (tile_paths): the unmasked tile, the same
+with the O rescale, and a masked tile.
 Exit status: 0 clean, 1 some kernel uses local memory or a decode combine waits before issuing its loads (listed),
 2 the tools or the cubins are missing.
 
@@ -318,6 +320,105 @@ def combine_order(ops: list[str]) -> str:
     return "ok" if first_copy < first_use and first_copy < first_wait else "BAD"
 
 
+# The prefill kernel's key loop (window_attention_prefill.cuh), per warp and key tile in steady state (the next tile's
+# cp.async issued), as dynamic SASS: the loop body is a DAG of forward branches once its inner loops (the rolled
+# QK^T k-steps; fp8: the conversion passes) are counted as their instructions times their trips, and each variant is a
+# path through it that runs every inner loop (a path around a loop is its remainder code, not a tile). Unmasked: the
+# shortest path (no score variant, no O rescale); + rescale: the shortest through the O rescale of every row (FMUL >=
+# 4 MT ND); masked: the longest path without tanh (a masked tile that rescales).
+_BRANCH = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_PREFILL_ARGS = re.compile(r"window_attention_prefill_kernelI(\w+?)(h|S\d*_)Li(\d+)ELi(\d+)E")
+
+
+def prefill_shape(mangled: str) -> dict | None:
+    """D, BN, fp8 and the warp's tiling (MT m16 halves, NS n8 tiles of S, ND of O, KD k-steps) of a prefill kernel."""
+    m = _PREFILL_ARGS.search(mangled)
+    if not m:
+        return None
+    d, bn = int(m.group(3)), int(m.group(4))
+    mt = 2 if d <= 128 else 1
+    return dict(d=d, bn=bn, fp8=m.group(2) == "h", mt=mt, ns=bn // 8, nd=d // 8, kd=d // 16, threads=128)
+
+
+def tile_paths(insns: list[tuple], shape: dict) -> dict | None:
+    """insns: (pc, predicate or None, opcode, operands) of one kernel. Returns {'unmasked', 'rescale', 'masked',
+    'hmma'} (dynamic SASS per warp per key tile; hmma: on the unmasked path, to check against the tiling), or None
+    when the key loop or an inner loop's trip count is not found."""
+    n = len(insns)
+    def target(i):
+        hexes = re.findall(r"0x([0-9a-f]+)", insns[i][3])
+        return next((j for j, x in enumerate(insns) if x[0] == int(hexes[-1], 16)), None) if hexes else None
+    branches = {i: target(i) for i in range(n) if insns[i][2].startswith("BRA")}
+    back = [(t, i) for i, t in branches.items() if t is not None and t <= i]
+    def has(lo, hi, prefix):
+        return any(insns[k][2].startswith(prefix) for k in range(lo, hi + 1))
+    keys = [(t, i) for t, i in back if has(t, i, "HMMA") and has(t, i, "LDGSTS")]
+    if not keys:
+        return None
+    head, tail = min(keys, key=lambda ti: ti[1] - ti[0])
+    # inner loops (outermost ones inside the key loop) and their trips: the k-steps make MT NS KD HMMA per tile, the fp8
+    # conversion 2 BN (D / 8) / threads 16-byte stores
+    inner = {}
+    for t, i in sorted(back):
+        if head < t and i < tail and not any(a <= t and i <= b for a, (b, _) in inner.items()):
+            body = [insns[k][2] for k in range(t, i + 1)]
+            if any(op.startswith("HMMA") for op in body):
+                total, per = shape["mt"] * shape["ns"] * shape["kd"], sum(op.startswith("HMMA") for op in body)
+            elif shape["fp8"] and any(op.startswith("STS.128") for op in body):
+                total = 2 * shape["bn"] * (shape["d"] // 8) // shape["threads"]
+                per = sum(op.startswith("STS.128") for op in body)
+            else:
+                return None
+            if total % per:
+                return None
+            inner[t] = (i, total // per)
+    threshold = 4 * shape["mt"] * shape["nd"]  # the O rescale's FMUL
+    def walk(better):
+        # best[i][(ldgsts seen, FMUL capped at threshold, inner loops run)] = (SASS, HMMA) from head to instruction i
+        best = [dict() for _ in range(n + 1)]
+        best[head][(False, 0, 0)] = (0, 0)
+        done = {}
+        def push(j, state, val):
+            if head <= j <= tail and (state not in best[j] or better(val[0], best[j][state][0])):
+                best[j][state] = val
+        for i in range(head, tail + 1):
+            for (seen, fmul, loops), (cost, hmma) in list(best[i].items()):
+                if i in inner:
+                    end, trips = inner[i]
+                    ops = [insns[k][2] for k in range(i, end + 1)]
+                    st = (seen or any(op.startswith("LDGSTS") for op in ops),
+                          min(threshold, fmul + trips * sum(op.startswith("FMUL") for op in ops)), loops + 1)
+                    push(end + 1, st, (cost + trips * len(ops), hmma + trips * sum(op.startswith("HMMA") for op in ops)))
+                    continue
+                op, pred = insns[i][2], insns[i][1]
+                if op.startswith("MUFU.TANH") or op == "EXIT":
+                    continue
+                st = (seen or op.startswith("LDGSTS"), min(threshold, fmul + op.startswith("FMUL")), loops)
+                val = (cost + 1, hmma + op.startswith("HMMA"))
+                if i == tail:
+                    if loops == len(inner) and (st not in done or better(val[0], done[st][0])):
+                        done[st] = val
+                    continue
+                if i in branches:
+                    t = branches[i]
+                    if t is not None and i < t <= tail:
+                        push(t, st, val)
+                    if (pred and "PT" not in pred) or "UP" in insns[i][3] or ".DIV" in op:
+                        push(i + 1, st, val)
+                    continue
+                push(i + 1, st, val)
+        return done
+    low = walk(lambda a, b: a < b)
+    high = walk(lambda a, b: a > b)
+    seen_low = [v for (seen, _, _), v in low.items() if seen]
+    rescaled = [v for (seen, fmul, _), v in low.items() if seen and fmul >= threshold]
+    masked = [v for (seen, fmul, _), v in high.items() if seen and fmul >= threshold]
+    if not seen_low or not rescaled or not masked:
+        return None
+    unmasked = min(seen_low)
+    return {"unmasked": unmasked[0], "rescale": min(rescaled)[0], "masked": max(masked)[0], "hmma": unmasked[1]}
+
+
 def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
     """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total),
     'stl_bytes' / 'ldl_bytes': the bytes the STL / LDL instructions move, each counted once (as ptxas -v counts
@@ -330,6 +431,8 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
             if m:
                 counts = out.setdefault((arch, m.group(1)), dict.fromkeys(SASS_KEYS, 0))
                 ops = counts.setdefault("ops", []) if "window_attention_decode_kernel" in m.group(1) else None
+                shape = prefill_shape(m.group(1))
+                insns = counts.setdefault("insns_full", []) if shape else None
                 continue
             if counts is None:
                 continue
@@ -339,14 +442,21 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
                 counts["insns"] += 1
                 if ops is not None:
                     ops.append(op)
+                full = _BRANCH.match(line) if insns is not None else None
+                if full:
+                    insns.append((int(full.group(1), 16), (full.group(2) or "").strip() or None, full.group(3),
+                                  full.group(4)))
                 for k, pred in INSN_CLASSES.items():
                     if pred(op):
                         counts[k] += 1
                         if k in ("STL", "LDL"):
                             counts[k.lower() + "_bytes"] += access_bytes(op)
-    for counts in out.values():
+    for (arch, fn), counts in out.items():
         ops = counts.pop("ops", None)
         counts["tail"] = combine_order(ops) if ops is not None else "-"
+        insns = counts.pop("insns_full", None)
+        if insns is not None:
+            counts["tile"] = tile_paths(insns, prefill_shape(fn)) or "?"
     return out
 
 
@@ -411,6 +521,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
             "threads": threads, "threads_from": threads_from if threads else "unknown",
             **{k.lower(): counts.get(k, 0) for k in SASS_KEYS},
             "tail": counts.get("tail", "-"),
+            "tile": counts.get("tile", "-"),
         }
         spec = GPU_SPECS.get(arch.rstrip("a"))
         if spec and threads:
@@ -460,6 +571,25 @@ def format_table(arch: str, rows: list[dict]) -> str:
     lines.append(" ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w, _) in enumerate(cols)))
     for r in rows:
         lines.append(" ".join(f(r).ljust(w) if i == 0 else f(r).rjust(w) for i, (_, w, f) in enumerate(cols)))
+    return "\n".join(lines)
+
+
+def format_tiles(arch: str, rows: list[dict]) -> str:
+    """The prefill kernels' key-tile issue (tile_paths): dynamic SASS per warp per key tile in steady state."""
+    pre = [r for r in rows if r["tile"] != "-"]
+    if not pre:
+        return ""
+    width = max(len(r["kernel"]) for r in pre)
+    lines = [f"-- {arch} prefill key tile, SASS per warp (steady state: next tile's cp.async issued): unmasked = no "
+             "score variant, no O rescale; +rescale = every row's max moved; masked = the longest path without tanh",
+             f"{'kernel'.ljust(width)} unmasked +rescale masked HMMA"]
+    for r in pre:
+        t = r["tile"]
+        if t == "?":
+            lines.append(f"{r['kernel'].ljust(width)} ? (key loop or an inner loop's trip count not recognised)")
+        else:
+            lines.append(f"{r['kernel'].ljust(width)} {t['unmasked']:8d} {t['rescale']:8d} {t['masked']:6d} "
+                         f"{t['hmma']:4d}")
     return "\n".join(lines)
 
 
@@ -516,6 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sass_report: {so} (cuobjdump: {cuobjdump})")
     for a in archs:
         print(format_table(a, [r for r in rows if r["arch"] == a]))
+    for a in archs:
+        tiles = format_tiles(a, [r for r in rows if r["arch"] == a])
+        if tiles:
+            print(tiles)
     bad = [r for r in rows if r["local_memory"]]
     unknown = [r for r in rows if r["threads"] is None]
     for r in rows:

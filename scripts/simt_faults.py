@@ -144,7 +144,7 @@ _CHUNK = ("chunked_decode and 16-0 or chunked_decode and 13-5 or chunked_prefill
           "or chunked_decode_traffic and False-0")
 _SINK_HERE = "const bool sink_here = p.sinks != nullptr && p.num_splits == 1;"
 _COMBINE_SINK = "    if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);\n"
-_PF_SINK = "if (p.sinks) lse = add_sink_log2(lse * kLog2e, dev::ld_global(p.sinks + h) * kLog2e, w) / kLog2e;"
+_PF_SINK = "if (p.sinks) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h) * kLog2e, w);"
 
 
 def _sinks_fault(what: str, file: str, site: str, find: str, replace: str, select: str) -> Fault:
@@ -349,7 +349,7 @@ _LAYOUT = "fp8_equals_16bit and (dtype1-128-sm_90-bn32 or dtype0-256-sm_89) or s
 _LAYOUT_TSAN = "fp8_equals_16bit and (dtype0-128-sm_90-bn32 or dtype0-256-sm_89)"
 _PF_CVT_SYNC = ("  __syncthreads();  // the 16-bit tiles are complete; ring stage it % stages may be "
                 "refilled from here on\n")
-_PF_SOFTCAP = "  if (p.softcap > 0.f) {\n    scale_and_mask(std::true_type{});"
+_PF_SOFTCAP = "  if (p.softcap > 0.f) {\n    if (masked) {"
 
 
 def _layout_fault(what: str, site: str, find: str, replace: str, tsan: bool = False) -> Fault:
@@ -364,14 +364,14 @@ FAULTS += [
     _layout_fault("softcap variant always taken",
                   "prefill_softcap", _PF_SOFTCAP, _PF_SOFTCAP.replace("p.softcap > 0.f", "true")),
     _layout_fault("softcap's 1 / softcap not folded into the score scale",
-                  "prefill_score_mul", "const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale;",
-                  "const float score_mul = qk_scale;"),
+                  "prefill_score_mul", "(p.softcap > 0.f ? qk_scale / p.softcap : qk_scale * kLog2e)",
+                  "(p.softcap > 0.f ? qk_scale : qk_scale * kLog2e)"),
     _layout_fault("fp8 conversion skipped (the warps read the Q tile or poison)",
                   "prefill_fp8_convert_store",
                   "    *reinterpret_cast<uint4*>(cv_s + row * LD + c * 8) = h;\n", ""),
     _layout_fault("fp8 conversion of the K rows only (V left unconverted)",
-                  "prefill_fp8_convert_rows", "for (int idx = tid; idx < 2 * BN * (D / 8); idx += NT) {",
-                  "for (int idx = tid; idx < BN * (D / 8); idx += NT) {"),
+                  "prefill_fp8_convert_rows", "for (int i = 0; i < 2 * BN * kC / NT; ++i) {",
+                  "for (int i = 0; i < BN * kC / NT; ++i) {"),
     _layout_fault("fp8 valid flags not carried into the 16-bit tile",
                   "prefill_fp8_flag_copy", "    memcpy(cv_s + tid * LD + D, &flag, 2);\n", ""),
     _layout_fault("fp8 valid flags of ring stage 0 on every tile",
@@ -397,12 +397,55 @@ FAULTS += [
                   "prefill_q_frags", "dev::ldmatrix_x4(a[mt], q_warp + mt * kQHalf + kk * 16);",
                   "dev::ldmatrix_x4(a[mt], q_warp + kk * 16);"),
     _halves_fault("second m16 half masked with the first half's row ranges",
-                  "prefill_row_mask", "split_row(prefill_lane_row<D>(mt, r), tok, hig);",
-                  "split_row(prefill_lane_row<D>(0, r), tok, hig);"),
+                  "prefill_row_mask", "const int row = prefill_lane_row<D>(mt, r);",
+                  "const int row = prefill_lane_row<D>(0, r);"),
     _halves_fault("second m16 half's lse from the first half's row max",
-                  "prefill_lse", "float lse = lr > 0.f ? m[mt][r] + __logf(lr) : neg_inf();",
-                  "float lse = lr > 0.f ? m[0][r] + __logf(lr) : neg_inf();"),
+                  "prefill_lse", "float lse2 = lr > 0.f ? m[mt][r] + log2f(lr) : neg_inf();",
+                  "float lse2 = lr > 0.f ? m[0][r] + log2f(lr) : neg_inf();"),
 ]
+
+# ---- prefill instruction diet (issue 34, item 5): the compile-time unmasked tile variant (picked per tile from the
+# tile's position against every row's range and a warp vote over the keys' valid flags), the rows' key ranges kept in
+# their Q rows' padding, scores scaled inside the exponent's FFMA, the O rescale skipped by a vote where no row max
+# moved; caught by the prefill slice above (causal, windows, chunked caches, invalid block ids).
+FAULTS += [
+    _prefill_fault("unmasked variant on tiles crossing a row's range (no range test)",
+                   "prefill_unmasked_pick", "const bool ranged = j0 < blk.lo_all || j0 + BN - 1 > blk.hi_all;",
+                   "const bool ranged = false;"),
+    # the prefill slice's invalid blocks lie on tiles that cross a row's range anyway; the layout test's block ids out
+    # of range from table column 18 on fill whole tiles inside every row's range
+    Fault("prefill: unmasked variant on tiles holding a key of an invalid block id (no flag vote)", _PF,
+          "prefill_tile_vote", "const bool masked = ranged || !prefill_tile_valid<T, D, BN>(ks);",
+          "const bool masked = ranged;", build=KERNEL_BUILD,
+          run=_kernel_run("fp8_equals_16bit and 128-sm_90-bn32", tests=_LAYOUT_TESTS)),
+    _prefill_fault("O rescale skipped unless every row of the warp moved its max (all instead of any)",
+                   "prefill_rescale_vote", "if (dev::warp_any(moved)) {", "if (dev::warp_all(moved)) {"),
+    _prefill_fault("O rescale decided by lane 0's rows only",
+                   "prefill_rescale_vote", "if (dev::warp_any(moved)) {",
+                   "if (__shfl_sync(0xffffffffu, int(moved), 0)) {"),
+    _prefill_fault("row max kept in raw score units (not times the exponent's scale)",
+                   "prefill_row_max", "fmaxf(m[mt][r], mx * c2);", "fmaxf(m[mt][r], mx);"),
+    _prefill_fault("a row's last visible key one past its bound (Q-padding key range)",
+                   "prefill_row_range", "make_int2(blk.first_key(p, tok), blk.last_key(tok))",
+                   "make_int2(blk.first_key(p, tok), blk.last_key(tok) + 1)"),
+]
+
+# ---- fp8 caches under bf16 queries (issue 34, item 6): fp16 MMAs on a Q tile scaled by a power of two per warp;
+# caught by the bf16 cases of tests/test_window_attention_prefill_layout.py (the exact relation to fp16 queries, and
+# queries past fp16's range both ways).
+_Q16 = "fp8_equals_16bit and dtype1-128-sm_90-bn32 or out_of_fp16"
+FAULTS += [
+    Fault("prefill: bf16 -> fp16 Q scale one binade too high (the largest |q| past 65504)", "device_mma.cuh",
+          "bf16_f16_pow2", "const int e = 142 - ex;", "const int e = 143 - ex;", build=KERNEL_BUILD,
+          run=_kernel_run(_Q16, tests=_LAYOUT_TESTS)),
+    Fault("prefill: bf16 -> fp16 Q scale 2^-24 too low (small queries flushed)", "device_mma.cuh",
+          "bf16_f16_pow2", "const int e = 142 - ex;", "const int e = 118 - ex;", build=KERNEL_BUILD,
+          run=_kernel_run(_Q16, tests=_LAYOUT_TESTS)),
+    Fault("prefill: the Q scale's 2^-e not folded into the score scale", "device_mma.cuh",
+          "prefill_q_pow2_fold", "return pow2f(-e);", "return 1.f;", build=KERNEL_BUILD,
+          run=_kernel_run(_Q16, tests=_LAYOUT_TESTS)),
+]
+
 
 def _sh(cmd: str, timeout: int) -> tuple[int, str, float]:
     t0 = time.time()

@@ -319,3 +319,60 @@ def test_combine_order():
     # fewer lse loads than splits' worth before the copies (loads issued inside the copy loop)
     assert sr.combine_order(head + lse[:4] + ["LDGSTS.E.BYPASS.128"] + lse[4:] + ["STS", "DEPBAR.LE"]) == "BAD"
     assert sr.combine_order(head + lse + ["STS", "DEPBAR.LE"]) == "BAD"  # no cp.async at all
+
+
+
+def _synthetic_key_loop(n_fmul=4, with_rescale=True):
+    """A prefill-like key loop: a guarded cp.async, a rolled k-step loop (1 HMMA a trip), a masked block, a softcap
+    block (tanh), an O rescale block (n_fmul FMUL, skippable or not), one more HMMA, the back edge."""
+    ops = ["MOV R0, R1", "@P0 BRA kloop", "LDGSTS [R2], [R4.64]", "NOP", "kloop:HMMA.16816.F32 R8, R12, R14, R8",
+           "@P1 BRA kloop", "@P2 BRA nomask", "ISETP.GE.AND P3, PT, R1, R2, PT", "FSEL R9, R9, -INF , P3",
+           "nomask:@P3 BRA nocap", "MUFU.TANH R9, R9", "FMUL R9, R9, R3",
+           "nocap:@P4 BRA " + ("pv" if with_rescale else "resc"), "resc:FMUL R20, R20, R5",
+           *["FMUL R21, R21, R5"] * (n_fmul - 1), "pv:HMMA.16816.F32 R24, R12, R14, R24", "@P5 BRA top", "EXIT"]
+    ops[1] = "top:" + ops[1]
+    labels = {text.split(":", 1)[0]: i * 0x10 for i, text in enumerate(ops) if ":" in text.split(" ", 1)[0]}
+    insns = []
+    for i, text in enumerate(ops):
+        text = text.split(":", 1)[1] if ":" in text.split(" ", 1)[0] else text
+        pred, rest = (text.split(" ", 1) if text.startswith("@") else (None, text))
+        op, _, args = rest.partition(" ")
+        if op == "BRA":
+            args = f"{labels[args]:#x}"
+        insns.append((i * 0x10, pred, op, " " + args))
+    return insns
+
+
+def test_tile_paths_on_a_synthetic_key_loop():
+    shape = dict(d=16, bn=8, fp8=False, mt=1, ns=1, nd=1, kd=2, threads=128)
+    # unmasked: guard (falls into the copy), copy, NOP, 2 k-step trips x 2, 3 taken branches, HMMA, back edge;
+    # + the 4 FMUL of the rescale; masked: + ISETP, FSEL, the rescale, never the tanh
+    assert sr.tile_paths(_synthetic_key_loop(), shape) == {"unmasked": 12, "rescale": 16, "masked": 18, "hmma": 3}
+    # the rescale block made unskippable: every path has it
+    assert sr.tile_paths(_synthetic_key_loop(with_rescale=False), shape)["unmasked"] == 16
+    # a rescale block short of 4 MT ND FMUL: no rescaled path, no figure rather than a wrong one
+    assert sr.tile_paths(_synthetic_key_loop(n_fmul=3), shape) is None
+    # no loop holding both cp.async and HMMA: no key loop
+    assert sr.tile_paths([x for x in _synthetic_key_loop() if x[2] != "LDGSTS"], shape) is None
+
+
+def test_parse_sass_prefill_tile_figures():
+    """parse_sass hands a prefill kernel's instructions, predicates and branch targets to tile_paths, with the tiling
+    of its template arguments (<__half, __half, 128, 64>: MT 2, NS 8, KD 8: 128 k-step trips of the 1-HMMA loop;
+    the rescale is 4 x 2 x 16 = 128 FMUL)."""
+    body = "\n".join(f"        /*{pc:04x}*/                   {(pred + ' ') if pred else ''}{op}{args} ;"
+                     for pc, pred, op, args in _synthetic_key_loop(n_fmul=128))
+    text = f"arch = sm_90\n\n\tFunction : {PREFILL}\n{body}\n"
+    got = sr.parse_sass(text)[("sm_90", PREFILL)]["tile"]
+    assert got == {"unmasked": 3 + 256 + 5, "rescale": 264 + 128, "masked": 264 + 2 + 128, "hmma": 129}
+
+
+def test_tile_paths_runs_every_inner_loop():
+    """A branch around the k-step loop (a compiler's remainder code) is not a tile: the path must run the loop."""
+    ops = [(0x00, None, "MOV", " R0, R1"), (0x10, "@P0", "BRA", " 0x40"), (0x20, None, "HMMA.16816.F32", " R8"),
+           (0x30, "@P1", "BRA", " 0x20"), (0x40, None, "LDGSTS", " [R2]"), *[(0x50 + 0x10 * k, None, "FMUL", " R9")
+                                                                           for k in range(4)],
+           (0x90, "@P5", "BRA", " 0x10"), (0xa0, None, "EXIT", "")]
+    shape = dict(d=16, bn=8, fp8=False, mt=1, ns=1, nd=1, kd=2, threads=128)
+    # guard + 2 trips x 2 + copy + 4 FMUL + back edge, never the 6 of the path around the loop
+    assert sr.tile_paths(ops, shape) == {"unmasked": 11, "rescale": 11, "masked": 11, "hmma": 2}

@@ -1,12 +1,14 @@
-"""The prefill kernel's tile machinery (csrc/window_attention_prefill.cuh) in the SIMT emulator: the softcap variants
-chosen once per key tile, and fp8 caches converted to 16 bits once per CTA into shared memory.
+"""The prefill kernel's tile machinery (csrc/window_attention_prefill.cuh) in the SIMT emulator: the score variants
+chosen once per key tile (softcap, masked or not), and fp8 caches converted to fp16 once per CTA into shared memory.
 
 Tolerances as in tests/test_window_attention.py (``_check``: fp16/bf16 at most 2x PyTorch's own low-precision error
-against the fp64 reference, + 1e-5). The fp8 path is held to more than a tolerance: e4m3 -> fp16 / bf16 is exact and
-the warps then run the 16-bit path on the converted tiles, with k_scale folded into the score scale and v_scale into
-the output; with power-of-two scales both folds are exact too, so fp8 prefill must equal, bit for bit, 16-bit prefill
-over the dequantized cache with the same key-tile width (any lost, stale or misplaced conversion, flag or barrier
-shows).
+against the fp64 reference, + 1e-5). The fp8 path is held to more than a tolerance: e4m3 -> fp16 is exact and the
+warps then run the 16-bit path on the converted tiles, with k_scale folded into the score scale and v_scale into
+the output; with power-of-two scales both folds are exact too, so fp8 prefill with fp16 queries must equal, bit for
+bit, 16-bit prefill over the dequantized cache with the same key-tile width (any lost, stale or misplaced
+conversion, flag or barrier shows). bf16 queries run the same fp16 MMAs, their Q tile scaled into fp16 by a power of
+two per warp whose inverse the score scale takes: exact too, so they must give the lse of fp16 queries of the same
+values bit for bit, and outputs that round the same fp32 values (bf16 instead of fp16).
 """
 import pytest
 import torch
@@ -78,24 +80,69 @@ def test_window_attention_prefill_fp8_equals_16bit_bitwise(device, monkeypatch, 
     bad[0, 19::2] = k.shape[0] + 3
     k8, v8, kd, vd = _fp8(k, v, dtype)
     query = (torch.randn(cu[-1], hq, head_dim, generator=gen) * 2).to(dtype)
+    bf16 = dtype == torch.bfloat16
+    if bf16:  # values below fp16's normal range zeroed: query.half() is then exact, the yardstick's queries
+        query = torch.where(query.abs() < 2 ** -14, torch.zeros_like(query), query)
     args = dict(window=window, softcap=softcap, return_lse=True, check=False,
                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
     lens_t = torch.tensor(lens, dtype=torch.int32)
+    scales = dict(k_scale=torch.tensor([K_SCALE]), v_scale=torch.tensor([V_SCALE]))
     with arkernels.simt.emulate(gpu):
         _poison_allocator((query.shape, dtype), (query.shape[:2], torch.float32), device=device)
         if limits:
             monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(limits[0]))
-        out8, lse8 = window_attention(query, k8, v8, bad, lens_t, k_scale=torch.tensor([K_SCALE]),
-                                      v_scale=torch.tensor([V_SCALE]), **args)
+        out8, lse8 = window_attention(query, k8, v8, bad, lens_t, **scales, **args)
         smem8 = [launch["smem"] for launch in arkernels.simt.launches()]
-        if limits:
-            monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(limits[1]))
-        out16, lse16 = window_attention(query, kd, vd, bad, lens_t, **args)
+        if bf16:  # the yardstick: the fp8 kernel on fp16 queries of the same values
+            out16, lse16 = window_attention(query.half(), k8, v8, bad, lens_t, **scales, **args)
+        else:  # the 16-bit kernel over the dequantized cache
+            if limits:
+                monkeypatch.setenv("ARKERNELS_MAX_SMEM_PER_BLOCK", str(limits[1]))
+            out16, lse16 = window_attention(query, kd, vd, bad, lens_t, **args)
         smem16 = [launch["smem"] for launch in arkernels.simt.launches()]
-    assert smem8 == [_prefill_smem(head_dim, bn, st8, fp8=True)] and smem16 == [_prefill_smem(head_dim, bn, st16)]
+    assert smem8 == [_prefill_smem(head_dim, bn, st8, fp8=True)]
+    assert smem16 == ([_prefill_smem(head_dim, bn, st8, fp8=True)] if bf16 else [_prefill_smem(head_dim, bn, st16)])
     assert torch.equal(lse8, lse16)
-    assert torch.equal(out8, out16), f"{int((out8 != out16).sum())} output elements differ"
+    if bf16:
+        _assert_same_fp32(out8, out16)
+    else:
+        assert torch.equal(out8, out16), f"{int((out8 != out16).sum())} output elements differ"
     _check(out8, lse8, query, kd, vd, table[:, :18].contiguous(), lens, cu, window, head_dim ** -0.5, softcap)
+
+
+def _assert_same_fp32(out_bf16, out_fp16):
+    """Both outputs round one fp32 value x per element (bf16: 8 significant bits, fp16: 11 down to 2^-14): each lies
+    within half its own ulp of x, so they differ by at most the two half ulps of x's binade (taken from the fp16 one)."""
+    hi, lo = out_bf16.double(), out_fp16.double()
+    e = torch.frexp(lo).exponent.double()  # lo = m 2^e, m in [0.5, 1); 0: x is below fp16's half subnormal
+    e = torch.where(lo == 0, torch.full_like(e, -24.0), e)
+    tol = 2.0 ** (e - 9) + 2.0 ** (torch.clamp(e, min=-13) - 12)
+    bad = ((hi - lo).abs() > tol).nonzero()
+    assert bad.numel() == 0, (f"{bad.shape[0]} outputs are not the fp16 run's values in bf16 (first at "
+                              f"{bad[0].tolist()}: {hi[tuple(bad[0])]} vs {lo[tuple(bad[0])]})")
+
+
+# bf16 queries over fp8 caches, past fp16's range both ways (x 2^20: |q| up to ~2^22 where fp16 stops at 65504;
+# x 2^-30: below fp16's subnormals), the score scale divided by the same factor so the softmax is the one of unit
+# queries: each warp's power of two brings its rows into fp16 and the score scale takes it back, exactly.
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("log2_mag", [20, -30])
+def test_window_attention_prefill_fp8_bf16_queries_out_of_fp16_range(device, head_dim, log2_mag):
+    """Against the fp64 reference (a query tile whose fp16 image overflowed to inf or flushed to zero gives NaN or
+    a uniform softmax, far past the tolerance); softcap on one magnitude, a window on the other."""
+    softcap, window = (2.0, 0) if log2_mag > 0 else (0.0, 20)
+    gen = torch.Generator().manual_seed(900 + head_dim + log2_mag)
+    lens, q_lens = [150, 40], [90, 40]
+    cu = _cu(q_lens)
+    query, k, v, kd, vd, table, scales = _prefill_inputs(lens, cu, 8, 2, head_dim, torch.bfloat16, True, gen,
+                                                         q_scale=2.0 ** log2_mag)
+    scale = head_dim ** -0.5 * 2.0 ** -log2_mag
+    _poison_allocator((query.shape, torch.bfloat16), (query.shape[:2], torch.float32), device=device)
+    out, lse = window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), scale=scale,
+                                softcap=softcap, window=window, return_lse=True,
+                                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), **scales)
+    _check(out, lse, query, kd, vd, table, lens, cu, window, scale, softcap)
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
