@@ -11,8 +11,9 @@
 // CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last).
 // fp8 caches are staged as stored and converted in the MMA operand registers.
 // Multi-query decode (cu_seqlens_q given, 1 <= max_q_len <= kDecodeMaxQueries: speculative verification): the same
-// kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the k + 1
-// query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks = ceil(max_q_len * group / 16).
+// kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the
+// k + 1 query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks =
+// ceil(max_q_len * group / 16).
 // A CTA's key loop covers the union of its rows' visible ranges and each row masks the keys outside its own range
 // (decode_row_range); decode (one query per sequence) is the case q_len = 1.
 // Shared memory per CTA: stages x 2 x 64 x (D + 8) x 2 B (K, V ring) + the query tile and the per-tile key offsets.
@@ -22,15 +23,19 @@
 
 namespace arkernels {
 
-constexpr int kDecodeTileKeys = 64;
+constexpr int kDecodeTileKeys = 64;                 // keys per pipeline stage: 16 per warp
 // Multi-query decode takes calls with cu_seqlens_q when 1 <= max_q_len <= kDecodeMaxQueries and max_q_len x group <=
 // kDecodeMaxPackedRows (at most 4 head chunks: each chunk stages the sequence's K/V tiles again, an L2 read, where the
 // prefill kernel's 64- or 128-row tile stages them once; the rule's reasoning: docs/kernels.md, "Decode").
+// Head dims up to kDecodeMaxQueryHeadDim: at D = 256 the multi-query instantiation spilled (sm_90, 254 registers and
+// more; docs/kernels.md), so those calls stay on prefill and that instantiation is never compiled.
 constexpr int kDecodeMaxQueries = 8;
 constexpr int kDecodeMaxPackedRows = 64;
-__host__ __device__ constexpr bool use_multiquery_decode(int64_t max_q_len, int64_t group) {
-  return max_q_len >= 1 && max_q_len <= kDecodeMaxQueries && max_q_len * group <= kDecodeMaxPackedRows;
-}                 // keys per pipeline stage: 16 per warp
+constexpr int kDecodeMaxQueryHeadDim = 128;
+__host__ __device__ constexpr bool use_multiquery_decode(int64_t max_q_len, int64_t group, int64_t d) {
+  return max_q_len >= 1 && max_q_len <= kDecodeMaxQueries && max_q_len * group <= kDecodeMaxPackedRows &&
+         d <= kDecodeMaxQueryHeadDim;
+}
 constexpr int kDecodeRows = 16;                     // query heads per CTA: the M of mma.m16n8k16
 constexpr int kDecodeWarps = kAttnThreads / 32;     // 4; warp w owns keys [16w, 16w + 16) of every tile
 constexpr int kDecodeMaxStages = 4;
@@ -170,10 +175,17 @@ struct DecodeRow {
   int head;    // its query head
   int64_t oh;  // its (row, head) index into out / lse / the partials: (q0 + t) * hq + head
 };
+// kMulti: the multi-query instantiation of the kernel; without it q_len is 1 and R = h, no division.
+template <bool kMulti>
 __device__ __forceinline__ DecodeRow decode_row(const AttnParams& p, const DecodeRows& rows, int r) {
-  const int m = rows.m0 + r, t = m / p.group;
-  const int head = rows.kvh * p.group + (m - t * p.group);
-  return {t, head, (rows.q0 + t) * p.hq + head};
+  if constexpr (!kMulti) {
+    const int head = rows.kvh * p.group + rows.m0 + r;
+    return {0, head, rows.q0 * p.hq + head};
+  } else {
+    const int m = rows.m0 + r, t = m / p.group;
+    const int head = rows.kvh * p.group + (m - t * p.group);
+    return {t, head, (rows.q0 + t) * p.hq + head};
+  }
 }
 
 // Split-KV completion counters that no failed launch can poison. A launch with epoch e (window_attention_launch.h:
@@ -214,7 +226,7 @@ __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long
 // then the last-arrival flag.
 constexpr size_t kCombineHeader =
     ((kMaxSplits * kDecodeRows + 2 * kDecodeRows + 1) * 4 + kDecodeRows * 8 + 15) / 16 * 16;
-template <typename T, int D>
+template <typename T, int D, bool kMulti>
 __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, const DecodeRows& rows,
                                                 unsigned char* smem, size_t smem_bytes) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -230,7 +242,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
   if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
   if (tid < hc) {
-    const DecodeRow row = decode_row(p, rows, tid);
+    const DecodeRow row = decode_row<kMulti>(p, rows, tid);
     oh_s[tid] = row.oh;
     head_s[tid] = row.head;
   }
@@ -256,7 +268,8 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     for (int idx = tid; idx < n; idx += kAttnThreads) {
       const int s = idx / row4, c = idx - s * row4, r = c / (D / 4);
       // FAULT(mq_combine_rows)
-      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh_s[r]) * D + 4 * (c - r * (D / 4)), 16);
+      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh_s[r]) * D + 4 * (c - r * (D / 4)),
+                       16);
     }
     dev::cp_async_commit();
   };
@@ -370,7 +383,7 @@ struct DecodeCta {
 // idx / (D / 8), columns 8 (idx % (D / 8)) .. + 7; zeros for the padding rows. The kernel issues them first: they
 // depend on nothing it loads, so they are in flight with seq_len's (the chain before the first K/V copy is seq_len ->
 // block table -> cp.async, the query off it).
-template <typename T, int D, int QPer>
+template <typename T, int D, bool kMulti, int QPer>
 __device__ __forceinline__ void decode_load_q(const AttnParams& p, const DecodeRows& rows, uint4 (&qv)[QPer]) {
   constexpr int kQChunks = kDecodeRows * D / 8;
   const int tid = threadIdx.x;
@@ -380,7 +393,7 @@ __device__ __forceinline__ void decode_load_q(const AttnParams& p, const DecodeR
     qv[k] = make_uint4(0, 0, 0, 0);
     if (idx < kQChunks && r < rows.hc) {
       // FAULT(mq_row_head)
-      const DecodeRow row = decode_row(p, rows, r);
+      const DecodeRow row = decode_row<kMulti>(p, rows, r);
       const T* src = static_cast<const T*>(p.query) + (rows.q0 + row.t) * p.s.q0 + row.head * p.s.q1 + c * 8;
       if (p.q_vec) {
         qv[k] = dev::ld_global(reinterpret_cast<const uint4*>(src));
@@ -411,15 +424,16 @@ __device__ __forceinline__ void decode_row_range(const AttnParams& p, int64_t se
 // and the shared-memory views of the ring's offset slots (lay: decode_layout(D, stages, fp8)). A row's range only
 // moves up with t, so the union is [lo of the first row, hi of the last]; keys in it that a row does not see (the
 // later rows' newer keys, the earlier rows' older keys under a window or chunk) are masked per element.
+template <bool kMulti>
 __device__ __forceinline__ DecodeCta decode_cta(const AttnParams& p, unsigned char* smem, const DecodeLayout& lay,
                                                 int stages, int64_t b, const DecodeRows& rows, int split,
                                                 int nsplits) {
   const int64_t seq_len = dev::ld_global(p.seq_lens + b);
   const int64_t kv_start = p.kv_start ? dev::ld_global(p.kv_start + b) : 0;
   int64_t lo, hi, unused;
-  decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row(p, rows, 0).t, lo, unused);
+  decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row<kMulti>(p, rows, 0).t, lo, unused);
   // FAULT(mq_union_hi)
-  decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row(p, rows, rows.hc - 1).t, unused, hi);
+  decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row<kMulti>(p, rows, rows.hc - 1).t, unused, hi);
   const int64_t n = hi - lo + 1;                                  // keys in the union (<= 0: none)
   // This split's keys: whole tiles, so splits never share a tile.
   const int64_t tiles = n > 0 ? (n + kDecodeTileKeys - 1) / kDecodeTileKeys : 0;
@@ -434,16 +448,18 @@ __device__ __forceinline__ DecodeCta decode_cta(const AttnParams& p, unsigned ch
   cta.s_lo = lo + split * per_split * kDecodeTileKeys;
   cta.s_hi = min64(hi, cta.s_lo + per_split * kDecodeTileKeys - 1);
   cta.ntiles = cta.s_hi >= cta.s_lo ? int((cta.s_hi - cta.s_lo) / kDecodeTileKeys + 1) : 0;
-  // This thread's rows g and g + 8: their ranges relative to s_lo, clamped to [-1, 2^31 - 1] (a key's index in the
-  // split is in [0, 2^31)); padding rows see nothing.
-  const int g = threadIdx.x % 32 / 4;
+  // Multi-query: this thread's rows g and g + 8, their ranges relative to s_lo, clamped to [-1, 2^31 - 1] (a key's
+  // index in the split is in [0, 2^31)); padding rows see nothing. (Decode: every row sees the whole split.)
+  if constexpr (kMulti) {
+    const int g = threadIdx.x % 32 / 4;
 #pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const int r = g + 8 * x;
-    int64_t rl = 1, rh = 0;
-    if (r < rows.hc) decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row(p, rows, r).t, rl, rh);
-    cta.rlo[x] = int(max64(-1, min64(rl - cta.s_lo, 0x7fffffff)));
-    cta.rhi[x] = int(max64(-1, min64(rh - cta.s_lo, 0x7fffffff)));
+    for (int x = 0; x < 2; ++x) {
+      const int r = g + 8 * x;
+      int64_t rl = 1, rh = 0;
+      if (r < rows.hc) decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row<kMulti>(p, rows, r).t, rl, rh);
+      cta.rlo[x] = int(max64(-1, min64(rl - cta.s_lo, 0x7fffffff)));
+      cta.rhi[x] = int(max64(-1, min64(rh - cta.s_lo, 0x7fffffff)));
+    }
   }
   // Page math in 32 bits (key positions are int32 by source): a shift when block_size is a power of two.
   const int32_t bs = int32_t(min64(p.block_size, 0x7fffffff));
@@ -616,7 +632,7 @@ __device__ __forceinline__ void decode_qk(float (&s)[2][4], const uint32_t (&qf)
 // row's own range, cta.rlo / cta.rhi, is masked too), the running max m_run and this thread's partial sum l_run
 // updated, O rescaled by 2^(m_old - m_new), and P = 2^(S - m) packed as the A fragment pa of O += P V (16 heads x
 // 16 keys).
-template <typename T, int NB>
+template <typename T, bool kMulti, int NB>
 __device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float (&s)[2][4], float (&o)[NB][4],
                                                       float (&m_run)[2], float (&l_run)[2], const int64_t* ko,
                                                       int k0, const DecodeCta& cta, float qk_scale,
@@ -630,10 +646,14 @@ __device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float
     for (int x = 0; x < 4; ++x) {
       float v = s[nb][x] * qk_scale;
       if (p.softcap > 0.f) v = cap_score(v, p.softcap) * kLog2e;
-      // Key k0 + c of the split (c: this element's column) is staged (its offset's sign) and in the row's own range.
+      // Key k0 + c of the split (c: this element's column) is staged (its offset's sign) and, multi-query, in the
+      // row's own range.
       const int c = nb * 8 + 2 * t4 + (x & 1), r = x / 2;
-      // FAULT(mq_row_mask)
-      const bool seen = ko[c] >= 0 && k0 + c >= cta.rlo[r] && k0 + c <= cta.rhi[r];
+      bool seen = ko[c] >= 0;
+      if constexpr (kMulti) {
+        // FAULT(mq_row_mask)
+        seen = seen && k0 + c >= cta.rlo[r] && k0 + c <= cta.rhi[r];
+      }
       v = seen ? v : neg_inf();
       s[nb][x] = v;
       mx[x / 2] = fmaxf(mx[x / 2], v);
@@ -757,7 +777,7 @@ __device__ __forceinline__ void decode_merge_warps(unsigned char* smem, const fl
 // The second half of the merge, for the CTA's hc rows from decode_merge_warps' buffers: M = max m_w,
 // L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L (times v_scale), written as the output and its lse (one split)
 // or as this split's fp32 partial, lse in log2 units (combine_if_last merges them).
-template <typename T, int D>
+template <typename T, int D, bool kMulti>
 __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsigned char* smem,
                                                  const DecodeRows& rows, int split, int nsplits, float v_scale) {
   constexpr int MLD = kDecodeMergeLd<D>;
@@ -766,7 +786,7 @@ __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsi
   const int tid = threadIdx.x;
   for (int idx = tid; idx < rows.hc * D; idx += kAttnThreads) {
     const int r = idx / D, x = idx % D;
-    const DecodeRow row = decode_row(p, rows, r);
+    const DecodeRow row = decode_row<kMulti>(p, rows, r);
     float mw[kDecodeWarps], big = neg_inf();
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
@@ -802,15 +822,9 @@ __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsi
   }
 }
 
-// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
-// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
-// v_scale into the output).
-// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
-// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
-// memory and the planner (decode_ctas_per_sm), not from this bound.
 // One pass of a decode CTA: rows of sequence b against split `split` of `nsplits` of their keys, written as the output
 // (nsplits = 1) or as the split's partial, merged by the column's last split CTA.
-template <typename T, typename KV, int D>
+template <typename T, typename KV, int D, bool kMulti>
 __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char* smem, const int stages, int64_t b,
                                               const DecodeRows& rows, int split, int nsplits) {
   constexpr bool kFp8 = sizeof(KV) == 1;
@@ -824,8 +838,8 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   uint4 qv[kDecodeQPer<D>];
-  decode_load_q<T, D>(p, rows, qv);
-  const DecodeCta cta = decode_cta(p, smem, lay, stages, b, rows, split, nsplits);
+  decode_load_q<T, D, kMulti>(p, rows, qv);
+  const DecodeCta cta = decode_cta<kMulti>(p, smem, lay, stages, b, rows, split, nsplits);
 
   // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
   // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
@@ -881,7 +895,7 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     decode_qk<T, KV, D>(s, qf, q_lane, k_s, k_row, k_col, v_row, f_col);
     uint32_t pa[4];
-    decode_online_softmax<T>(p, s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16,
+    decode_online_softmax<T, kMulti>(p, s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16,
                              t * kDecodeTileKeys + warp * 16, cta, qk_scale, pa);
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
@@ -893,11 +907,20 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
   }
 
   decode_merge_warps<D, kFp8>(smem, o, m_run, l_run);
-  decode_write_out<T, D>(p, smem, rows, split, nsplits, v_scale);
-  if (nsplits > 1) combine_if_last<T, D>(p, b, rows, smem, lay.smem);
+  decode_write_out<T, D, kMulti>(p, smem, rows, split, nsplits, v_scale);
+  if (nsplits > 1) combine_if_last<T, D, kMulti>(p, b, rows, smem, lay.smem);
 }
 
-template <typename T, typename KV, int D>
+// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
+// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
+// v_scale into the output).
+// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
+// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
+// memory and the planner (decode_ctas_per_sm), not from this bound.
+// kMulti: the multi-query instantiation (cu_seqlens_q given: use_multiquery_decode), its own so that decode's code
+// keeps none of its row bookkeeping (the per-row masks, the cu_seqlens_q rows, the extra passes: 23..35 more registers
+// per thread at D 64..128 when one kernel did both; the figures: docs/kernels.md).
+template <typename T, typename KV, int D, bool kMulti>
 __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
                                                                                   const int stages) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -905,27 +928,28 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
   const int64_t b = blockIdx.z;
-  DecodeRows rows{b, 1, kvh, 0, 0};  // decode: query row b, packed rows = the group's heads
-  if (p.cu_seqlens_q != nullptr) {   // multi-query: sequence b's rows as cu_seqlens_q gives them
-    rows.q0 = prefill_first_row(p, b);
-    rows.qlen = prefill_q_len(p, b);
+  if constexpr (!kMulti) {  // query row b, packed rows = the group's heads h0 .. h0 + hc - 1
+    const DecodeRows rows{b, 1, kvh, chunk * kDecodeRows, min(kDecodeRows, p.group - chunk * kDecodeRows)};
+    decode_attend<T, KV, D, false>(p, smem, stages, b, rows, split, p.num_splits);
+  } else {  // sequence b's rows as cu_seqlens_q gives them
+    DecodeRows rows{prefill_first_row(p, b), prefill_q_len(p, b), kvh, 0, 0};
     // FAULT(mq_unowned_rows)
     if (chunk == 0) prefill_zero_unowned_rows<T, D>(p, b, kvh);
-  }
-  const int64_t packed = int64_t(rows.qlen) * p.group;
-  // Pass 0 is the planned one: head chunk `chunk`, split-KV. A sequence with more query rows than the max_q_len the
-  // plan was given (check=False callers) gets more passes, chunk + head_chunks, ..., each by the column's split 0
-  // alone over all of its keys (no split: the column's counter serves one combine per launch), so every row is
-  // computed whatever max_q_len said.
-  // FAULT(mq_passes)
-  for (int64_t m0 = int64_t(chunk) * kDecodeRows, pass = 0; m0 < packed;
-       m0 += int64_t(p.head_chunks) * kDecodeRows, ++pass) {
-    const int nsplits = pass == 0 ? p.num_splits : 1;
-    if (split >= nsplits) return;
-    if (pass > 0) __syncthreads();  // the previous pass's reads of shared memory are over
-    rows.m0 = int(m0);
-    rows.hc = int(min64(kDecodeRows, packed - m0));
-    decode_attend<T, KV, D>(p, smem, stages, b, rows, split, nsplits);
+    const int64_t packed = int64_t(rows.qlen) * p.group;
+    // Pass 0 is the planned one: head chunk `chunk`, split-KV. A sequence with more query rows than the max_q_len the
+    // plan was given (check=False callers) gets more passes, chunk + head_chunks, ..., each by the column's split 0
+    // alone over all of its keys (no split: the column's counter serves one combine per launch), so every row is
+    // computed whatever max_q_len said.
+    // FAULT(mq_passes)
+    for (int64_t m0 = int64_t(chunk) * kDecodeRows; m0 < packed; m0 += int64_t(p.head_chunks) * kDecodeRows) {
+      const bool first = m0 < int64_t(p.head_chunks) * kDecodeRows;
+      const int nsplits = first ? p.num_splits : 1;
+      if (split >= nsplits) return;
+      if (!first) __syncthreads();  // the previous pass's reads of shared memory are over
+      rows.m0 = int(m0);
+      rows.hc = int(min64(kDecodeRows, packed - m0));
+      decode_attend<T, KV, D, true>(p, smem, stages, b, rows, split, nsplits);
+    }
   }
 }
 
@@ -948,10 +972,13 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 // 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: 3 CTAs of 128 threads fit 64K registers
 // at <= 168 registers per thread. Where a head dim takes more (`python scripts/sass_report.py`; the figures and why
 // the plan never exceeds what is resident: docs/kernels.md), shared memory already limits it to 2 or 1.
+// The multi-query instantiation takes more (up to 221 at D = 128), so it is planned at 2 at most.
 constexpr int kDecodeCtasPerSmMax = 3;
-inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
+constexpr int kMultiQueryCtasPerSmMax = 2;
+inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props, bool multi = false) {
   const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_smem, kDecodeCtasPerSmMax)));
+  const int64_t most = multi ? kMultiQueryCtasPerSmMax : kDecodeCtasPerSmMax;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_smem, most)));
 }
 
 // Split-KV count from shapes only, sized to one wave (FlashInfer's max_grid_size = blocks per SM x SMs): the most
@@ -965,6 +992,7 @@ inline int decode_splits(int64_t ctas, int64_t max_keys, int64_t wave) {
 }
 
 struct DecodePlan {
+  bool multi = false;      // the multi-query instantiation (cu_seqlens_q given)
   int head_chunks = 1;     // CTAs per KV head (ceil(q_len x group / kDecodeRows), q_len: queries per sequence)
   int num_splits = 1;      // split-KV partitions (> 1: fp32 partials, merged by the last CTA of each column)
   int stages = 0;          // cp.async ring depth; 0: refused (the device's shared memory is too small)
@@ -973,9 +1001,10 @@ struct DecodePlan {
   int64_t counters() const { return num_splits > 1 ? int64_t(grid.y) * grid.z : 0; }  // AttnParams::counters
 };
 
-// batch sequences of q_len query rows at most (decode: 1); max_blocks x block_size = the block table's capacity;
-// window, chunk: a query sees at most that many keys (0: no bound).
-inline DecodePlan plan_decode(int64_t batch, int64_t q_len, int64_t hq, int64_t hkv, int64_t d, bool fp8,
+// batch sequences of q_len query rows at most (decode: 1; multi: the multi-query instantiation, cu_seqlens_q given);
+// max_blocks x block_size = the block table's capacity; window, chunk: a query sees at most that many keys (0: no
+// bound).
+inline DecodePlan plan_decode(int64_t batch, int64_t q_len, bool multi, int64_t hq, int64_t hkv, int64_t d, bool fp8,
                               int64_t max_blocks, int64_t block_size, int64_t window, int64_t chunk,
                               const DeviceProps& props) {
   DecodePlan plan;
@@ -988,7 +1017,8 @@ inline DecodePlan plan_decode(int64_t batch, int64_t q_len, int64_t hq, int64_t 
   max_keys = std::min<int64_t>(max_keys + q_len - 1, cap);  // the union of a CTA's rows' ranges
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;
-  const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props)) * props.sm_count;
+  const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props, multi)) * props.sm_count;
+  plan.multi = multi;
   plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, wave);
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   return plan;
@@ -998,11 +1028,16 @@ inline DecodePlan plan_decode(int64_t batch, int64_t q_len, int64_t hq, int64_t 
 template <typename T, typename KV, int D>
 cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t stream) {
   if (plan.stages == 0) return cudaErrorInvalidValue;
-  auto decode = window_attention_decode_kernel<T, KV, D>;
-  const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
-  if (err != cudaSuccess) return err;
-  AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
-  return AK_LAST_ERROR();
+  auto go = [&](auto multi) -> cudaError_t {
+    auto decode = window_attention_decode_kernel<T, KV, D, decltype(multi)::value>;
+    const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
+    if (err != cudaSuccess) return err;
+    AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
+    return AK_LAST_ERROR();
+  };
+  if (!plan.multi) return go(std::false_type{});
+  if constexpr (D <= kDecodeMaxQueryHeadDim) return go(std::true_type{});
+  return cudaErrorInvalidValue;  // use_multiquery_decode refuses D past it
 }
 
 }  // namespace arkernels

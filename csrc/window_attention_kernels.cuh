@@ -111,7 +111,7 @@ struct WindowAttentionPlan {
 };
 
 // varlen: cu_seqlens_q given, max_q_len its host-known bound: the multi-query decode kernel when
-// use_multiquery_decode(max_q_len, group) (speculative verification: a few query rows per sequence), else prefill;
+// use_multiquery_decode(max_q_len, group, d) (speculative verification: a few query rows per sequence), else prefill;
 // without it, decode. rows = query rows; max_blocks x block_size = the block table's capacity; fp8: the caches are
 // float8_e4m3fn (both kernels read them as stored: the shared-memory layouts differ).
 inline WindowAttentionPlan plan_window_attention(bool varlen, int64_t batch, int64_t rows, int64_t hq, int64_t hkv,
@@ -121,12 +121,12 @@ inline WindowAttentionPlan plan_window_attention(bool varlen, int64_t batch, int
   (void)rows;
   WindowAttentionPlan plan;
   // FAULT(mq_dispatch)
-  plan.prefill = varlen && !use_multiquery_decode(max_q_len, hq / hkv);
+  plan.prefill = varlen && !use_multiquery_decode(max_q_len, hq / hkv, d);
   if (plan.prefill) {
     plan.pre = plan_prefill(batch, hq, d, fp8, max_q_len, props);
   } else {
-    plan.decode = plan_decode(batch, varlen ? max_q_len : 1, hq, hkv, d, fp8, max_blocks, block_size, window, chunk,
-                              props);
+    plan.decode = plan_decode(batch, varlen ? max_q_len : 1, varlen, hq, hkv, d, fp8, max_blocks, block_size, window,
+                              chunk, props);
   }
   return plan;
 }
