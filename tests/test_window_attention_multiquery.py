@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from arkernels.ops.window_attention import window_attention
-from conftest import DEVICES, SIMT_DEVICES, SimtDevice, runs_cuda_kernel
-from test_window_attention import HEAD_DIMS, NAN, _check, _count_key_rows, _decode_smem, _paged, _pick
+from conftest import DEVICES, SIMT_DEVICES, SimtDevice
+from test_window_attention import (HEAD_DIMS, NAN, _assert_kv_reads, _check, _count_key_rows, _decode_smem, _paged,
+                                   _pick)
 
 MQ_GROUPS = [(4, 4), (8, 2), (16, 2)]  # (num_q_heads, num_kv_heads): GQA 1, 4 and 8
 # Ragged query counts of a verify batch (k + 1 rows for k drafted tokens), 0 and 1 included: with 8 rows at GQA 8 the
@@ -208,9 +209,4 @@ def test_window_attention_multiquery_traffic(device, gqa, window):
             first, last = n - q + m0 // group, n - q + (min(m0 + 16, q * group) - 1) // group  # their positions
             lo = max(int(kv_start[b]), 0, first - window + 1 if window else 0)
             _count_key_rows(want, k, table, b, lo, last)
-    for name in ("k_cache", "v_cache"):
-        reads, writes = arkernels.simt.traffic_map(name)
-        assert int(writes.sum()) == 0
-        bad = (reads != want).nonzero()
-        assert bad.numel() == 0, (f"{name}: {bad.numel()} bytes read a wrong number of times (first at byte "
-                                  f"{int(bad[0])}: {int(reads[bad[0]])}x, want {int(want[bad[0]])}x)")
+    _assert_kv_reads(want)
