@@ -16,6 +16,11 @@ Sinks and chunks (issue 21): decode with gpt-oss attention sinks against the sam
 and against transformers' gpt_oss eager attention on the dense copy (matmul, a sink column, softmax, matmul); decode
 with Llama 4 chunked attention (the query at ctx - 1 reads only its chunk's (ctx - 1) % C + 1 keys) against SDPA on the
 chunk's keys sliced out and SDPA with the chunked mask; prefill with chunks against SDPA with the chunked mask.
+Speculative verification (issue 33): the k + 1 query rows of every sequence at its last positions in one call with
+cu_seqlens_q and max_q_len = k + 1 <= 8 (the multi-query decode kernel: packed (query row, head) MMA rows, split-KV),
+against the same call forced onto the prefill kernel (max_q_len 9: still a valid upper bound), SDPA over the dense
+copy with the bottom-right causal (windowed) mask, and one decode step (one query per sequence) over the same cache:
+bytes are the union of the rows' keys, min(ctx, W + q_len - 1) per sequence, read once per KV head.
 GPU goals (issue 11, H200): decode >= 85% of copy bandwidth at batch 32 x 8k, >= 60% at batch 1 x 8k (bf16), >= 1.8x
 that throughput with the fp8 cache, >= SDPA-flash and flex_attention; prefill (issue 12) >= SDPA flash for full causal
 and >= 2x SDPA with a window mask.
@@ -292,6 +297,53 @@ def bench_chunked_prefill(batch, seq, chunk, dtype, device, gen):
     return row
 
 
+def bench_verify(batch, ctx, q_len, window, dtype, device, gen):
+    """Speculative verification: q_len query rows per sequence at positions ctx - q_len .. ctx - 1, through the
+    multi-query decode kernel, the prefill kernel (max_q_len past the decode rule: same call, other kernel), SDPA with
+    the causal mask on the dense copy, and one decode step for comparison (what verifying should cost)."""
+    keys = min(ctx, window + q_len - 1) if window > 0 else ctx
+    elt = torch.tensor([], dtype=dtype).element_size()
+    nbytes = 2 * batch * keys * HKV * HEAD_DIM * elt
+    rot = rotations(2 * batch * ctx * HKV * HEAD_DIM * elt, device)
+    probs = [paged_problem(batch, ctx, dtype, device, gen) for _ in range(rot)]
+    q = torch.randn(batch * q_len, HQ, HEAD_DIM, generator=gen).to(dtype).to(device)
+    q4 = q.view(batch, q_len, HQ, HEAD_DIM).transpose(1, 2)
+    q1 = q.view(batch, q_len, HQ, HEAD_DIM)[:, -1]
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    mask = window_mask(torch.arange(ctx - q_len, ctx, device=device), ctx, window, device)[None, None]
+
+    def call(max_q_len):
+        # max_q_len <= num_queries (the op's rule): rows past cu_seqlens_q[-1] belong to no sequence (the CUDA kernels
+        # write zeros to them; the CPU kernel refuses them, and runs both calls with one kernel anyway)
+        rows = torch.cat([q, q.new_zeros(max(0, max_q_len - q.shape[0]), HQ, HEAD_DIM)])
+        return cycle([lambda k=k, v=v, t=t, n=n: arkernels.window_attention(
+            rows, k, v, t, n, window=window, cu_seqlens_q=cu, max_q_len=max_q_len, check=False)[:batch * q_len]
+            for k, v, t, n, _, _ in probs])
+    ours = call(q_len)
+    on_gpu = torch.device(device).type == "cuda"
+    prefill = call(9) if on_gpu else None  # 9: one past the multi-query decode rule (kDecodeMaxQueries = 8)
+    step = cycle([lambda k=k, v=v, t=t, n=n: arkernels.window_attention(q1, k, v, t, n, window=window, check=False)
+                  for k, v, t, n, _, _ in probs])
+    sdpa = cycle([lambda kd=kd, vd=vd: F.scaled_dot_product_attention(q4, kd, vd, attn_mask=mask, enable_gqa=True)
+                  for *_, kd, vd in probs])
+    want = sdpa().transpose(1, 2).reshape(batch * q_len, HQ, HEAD_DIM).float()
+    for name, fn in (("multi-query decode", ours), ("prefill", prefill)):
+        if fn is None:
+            continue
+        err = (fn().float() - want).abs().max().item()
+        assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"verify ({name}) disagrees with SDPA: {err:.3g}"
+    row = dict(kind="verify", batch=batch, ctx=ctx, q_len=q_len, window=window, tokens=batch * ctx, rotations=rot)
+    for key, fn in (("ours", ours), ("prefill", prefill), ("sdpa_mask", sdpa), ("decode_step", step)):
+        if fn is not None:
+            row[f"{key}_us"] = timeit(fn, **_timing(device)) * 1e6
+    row["ours_GBps"] = nbytes / row["ours_us"] / 1e3
+    if prefill is not None:
+        row["x_vs_prefill"] = row["prefill_us"] / row["ours_us"]
+    row["x_vs_sdpa_mask"] = row["sdpa_mask_us"] / row["ours_us"]
+    row["x_of_decode_step"] = row["ours_us"] / row["decode_step_us"]  # 1.0: verifying costs one decode step
+    return row
+
+
 def pinned_sdpa(backend_name, fn):
     """``fn`` (an SDPA call) run under one SDPA backend ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"), or None
     where that backend refuses the inputs (e.g. GQA on a torch whose flash backend lacks enable_gqa)."""
@@ -373,10 +425,12 @@ def main():
         decode = [(b, c, w) for b in (1, 4) for c in (256, 1024) for w in (0, 128)]
         prefill = [(1, s, w) for s in (64, 128) for w in (0, 32)]
         sinks, chunked, chunked_prefill = [(1, 1024)], [(1, 1024, 256)], [(1, 128, 48)]
+        verify = [(1, 512, 5, 0), (2, 256, 3, 64)]
     elif args.short:  # decode batch 1 / 32 x 8k (+ a window past it), prefill 4k / 16k causal and 16k windowed
         decode = [(1, 8192, 0), (32, 8192, 0), (1, 32768, 4096)]
         prefill = [(1, 4096, 0), (1, 16384, 0), (1, 16384, 4096)]
         sinks, chunked, chunked_prefill = [(1, 8192)], [(1, 32768, 8192)], [(1, 16384, 8192)]
+        verify = [(1, 8192, 4, 0), (1, 8192, 8, 0), (32, 8192, 5, 0)]  # k = 3, 7 and 4 drafted tokens
     else:
         decode = [(b, c, w) for b in (1, 8, 32) for c in (1024, 8192, 32768) for w in (0, 4096) if b * c <= 262144]
         # prompt lengths 512..16k, batch 1 and 8 (<= 128k tokens), full causal and a 4096-token window
@@ -386,11 +440,14 @@ def main():
         sinks = [(1, 8192), (32, 8192), (1, 32768)]
         chunked = [(1, 32768, 8192), (32, 16384, 8192)]
         chunked_prefill = [(1, 16384, 8192), (1, 16384, 2048)]
+        verify = [(b, c, q, w) for b in (1, 8, 32) for c in (1024, 8192) for q in (2, 4, 5, 8) for w in (0, 4096)
+                  if not (w and w >= c)]
     rows = [bench_decode(b, c, w, dtype, device, gen) for b, c, w in decode]
     rows += [bench_prefill(b, s, w, dtype, device, gen) for b, s, w in prefill]
     extra = [bench_sinks_decode(b, c, dtype, device, gen) for b, c in sinks]
     extra += [bench_chunked_decode(b, c, ch, dtype, device, gen) for b, c, ch in chunked]
     extra += [bench_chunked_prefill(b, s, ch, dtype, device, gen) for b, s, ch in chunked_prefill]
+    ver = [bench_verify(b, c, q, w, dtype, device, gen) for b, c, q, w in verify]
     bw = copy_bandwidth(device)
     for r in rows:
         r["device"] = device_name(device)
@@ -412,6 +469,13 @@ def main():
         r["dtype"] = str(dtype).replace("torch.", "")
         if "ours_GBps" in r:
             r["pct_copy_bw"] = 100 * r["ours_GBps"] / bw
+    for r in ver:
+        r["device"] = device_name(device)
+        r["dtype"] = str(dtype).replace("torch.", "")
+        r["pct_copy_bw"] = 100 * r["ours_GBps"] / bw
+        r["series"] = f"B={r['batch']} W={r['window']}"
+    write_results(ver, args.out, "window_attention_verify", plot=("q_len", "ours_us", "series"),
+                  title=f"verify (q_len rows per sequence), GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)})")
     write_results(extra, args.out, "window_attention_sinks_chunked", plot=("ctx", "ours_us", "kind"),
                   title=f"sinks and chunks: time per call, GQA {HQ}/{HKV}, D={HEAD_DIM} ({device_name(device)})")
     print(f"device {device_name(device)}, dtype {dtype}, copy bandwidth {bw:.1f} GB/s")
@@ -421,6 +485,8 @@ def main():
                       "flex_TFLOPs", "x_vs_sdpa_mask", "x_vs_sdpa_full", "x_vs_flex"])
     print_table(extra, ["kind", "batch", "ctx", "chunk", "ours_us", "ours_GBps", "pct_copy_bw", "ours_TFLOPs",
                         "x_vs_no_sinks", "x_vs_eager", "x_vs_sdpa_sliced", "x_vs_sdpa_mask"])
+    print_table(ver, ["batch", "ctx", "q_len", "window", "ours_us", "ours_GBps", "pct_copy_bw", "prefill_us",
+                      "decode_step_us", "x_of_decode_step", "x_vs_prefill", "x_vs_sdpa_mask"])
     if args.quick:
         print_traffic()
 
@@ -446,6 +512,16 @@ def print_traffic():
     need = 2 * seq * kv_row + 2 * q.numel() * 2 + seq * HQ * 4 + table.numel() * 4 + 3 * 4
     rows.append(simt_traffic(f"prefill B=1 seq={seq} W=0",
                              lambda: arkernels.window_attention(q, k, v, table, lens, cu_seqlens_q=cu, max_q_len=seq,
+                                                                check=False), need))
+    # verify: 5 rows of GQA 4 = 20 packed rows, 2 head chunks (rows t = 0..3, t = 4): each reads its rows' union
+    batch, ctx, q_len = 1, 256, 5
+    k, v, table, lens, _, _ = paged_problem(batch, ctx, torch.float16, "cpu", gen)
+    q = torch.randn(q_len, HQ, HEAD_DIM, generator=gen).half()
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    chunks = -(-q_len * (HQ // HKV) // 16)
+    need = 2 * ctx * kv_row * chunks + 2 * q.numel() * 2 + q_len * HQ * 4 + table.numel() * 4 + 3 * 4
+    rows.append(simt_traffic(f"verify B=1 ctx={ctx} q_len={q_len} W=0",
+                             lambda: arkernels.window_attention(q, k, v, table, lens, cu_seqlens_q=cu, max_q_len=q_len,
                                                                 check=False), need))
     if rows[0] is None:
         print("SIMT emulator not built: no traffic ratios (python -m arkernels.simt build)")

@@ -10,6 +10,12 @@
 // memory. num_splits comes from shapes only (one wave of CTAs, graph-capturable); with num_splits > 1 the last split
 // CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last).
 // fp8 caches are staged as stored and converted in the MMA operand registers.
+// Multi-query decode (cu_seqlens_q given, 1 <= max_q_len <= kDecodeMaxQueries: speculative verification): the same
+// kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the
+// k + 1 query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks =
+// ceil(max_q_len * group / 16).
+// A CTA's key loop covers the union of its rows' visible ranges and each row masks the keys outside its own range
+// (decode_row_range); decode (one query per sequence) is the case q_len = 1.
 // Shared memory per CTA: stages x 2 x 64 x (D + 8) x 2 B (K, V ring) + the query tile and the per-tile key offsets.
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
@@ -18,6 +24,18 @@
 namespace arkernels {
 
 constexpr int kDecodeTileKeys = 64;                 // keys per pipeline stage: 16 per warp
+// Multi-query decode takes calls with cu_seqlens_q when 1 <= max_q_len <= kDecodeMaxQueries and max_q_len x group <=
+// kDecodeMaxPackedRows (at most 4 head chunks: each chunk stages the sequence's K/V tiles again, an L2 read, where the
+// prefill kernel's 64- or 128-row tile stages them once; the rule's reasoning: docs/kernels.md, "Decode").
+// Head dims up to kDecodeMaxQueryHeadDim: at D = 256 the multi-query instantiation spilled (sm_90, 254 registers and
+// more; docs/kernels.md), so those calls stay on prefill and that instantiation is never compiled.
+constexpr int kDecodeMaxQueries = 8;
+constexpr int kDecodeMaxPackedRows = 64;
+constexpr int kDecodeMaxQueryHeadDim = 128;
+__host__ __device__ constexpr bool use_multiquery_decode(int64_t max_q_len, int64_t group, int64_t d) {
+  return max_q_len >= 1 && max_q_len <= kDecodeMaxQueries && max_q_len * group <= kDecodeMaxPackedRows &&
+         d <= kDecodeMaxQueryHeadDim;
+}
 constexpr int kDecodeRows = 16;                     // query heads per CTA: the M of mma.m16n8k16
 constexpr int kDecodeWarps = kAttnThreads / 32;     // 4; warp w owns keys [16w, 16w + 16) of every tile
 constexpr int kDecodeMaxStages = 4;
@@ -137,6 +155,39 @@ __device__ __forceinline__ float add_sink_log2(float lse2, float sink2, float& w
   return total;
 }
 
+// The multi-query path reads cu_seqlens_q as prefill does (clamped to [0, rows]: check=False callers) and, like it,
+// writes zeros to the query rows no sequence owns (window_attention_prefill.cuh, included after this file).
+__device__ __forceinline__ int64_t prefill_first_row(const AttnParams& p, int64_t b);
+__device__ __forceinline__ int prefill_q_len(const AttnParams& p, int64_t b);
+template <typename T, int D>
+__device__ __forceinline__ void prefill_zero_unowned_rows(const AttnParams& p, int64_t b, int kvh);
+
+// A decode CTA's query rows: the packed rows m0 .. m0 + hc - 1 of sequence b, packed row R = t * group + h standing for
+// query row q0 + t and query head kvh * group + h (decode: q0 = b, q_len = 1, so R = h).
+struct DecodeRows {
+  int64_t q0;  // the sequence's first query row
+  int qlen;    // its query rows
+  int kvh;     // the KV head
+  int m0, hc;  // this CTA's first packed row and its row count (rows hc .. 15 of the tile are padding)
+};
+struct DecodeRow {
+  int t;       // the query's index in its sequence
+  int head;    // its query head
+  int64_t oh;  // its (row, head) index into out / lse / the partials: (q0 + t) * hq + head
+};
+// kMulti: the multi-query instantiation of the kernel; without it q_len is 1 and R = h, no division.
+template <bool kMulti>
+__device__ __forceinline__ DecodeRow decode_row(const AttnParams& p, const DecodeRows& rows, int r) {
+  if constexpr (!kMulti) {
+    const int head = rows.kvh * p.group + rows.m0 + r;
+    return {0, head, rows.q0 * p.hq + head};
+  } else {
+    const int m = rows.m0 + r, t = m / p.group;
+    const int head = rows.kvh * p.group + (m - t * p.group);
+    return {t, head, (rows.q0 + t) * p.hq + head};
+  }
+}
+
 // Split-KV completion counters that no failed launch can poison. A launch with epoch e (window_attention_launch.h:
 // one more than the last launch on these counters; epochs only grow) owns the counter values
 // [e * kMaxSplits, e * kMaxSplits + num_splits]: each split CTA of a column first lifts the column's counter to
@@ -171,40 +222,54 @@ __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long
 // up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round); it was 64 dependent round trips (4 outputs
 // per thread x 64 splits, 4 loads per trip).
 // Every byte of every partial is read exactly once (tests/test_window_attention_decode_tail.py counts them).
-constexpr size_t kCombineHeader = ((kMaxSplits * kDecodeRows + kDecodeRows + 1) * 4 + 15) / 16 * 16;
-template <typename T, int D>
-__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, int h0, int hc, unsigned char* smem,
-                                                size_t smem_bytes) {
+// Its header: the weights [64][16], then per row its (row, head) index (8 bytes), its head and its lse (4 + 4 bytes),
+// then the last-arrival flag.
+constexpr size_t kCombineHeader =
+    ((kMaxSplits * kDecodeRows + 2 * kDecodeRows + 1) * 4 + kDecodeRows * 8 + 15) / 16 * 16;
+template <typename T, int D, bool kMulti>
+__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, const DecodeRows& rows,
+                                                unsigned char* smem, size_t smem_bytes) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int hc = rows.hc;
   float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16]: the splits' lse (log2), then their weights
-  float* lse_s = w_s + kMaxSplits * kDecodeRows;  // [16] lse, log2 units
+  int64_t* oh_s = reinterpret_cast<int64_t*>(w_s + kMaxSplits * kDecodeRows);  // [16] each row's (row, head) index
+  int* head_s = reinterpret_cast<int*>(oh_s + kDecodeRows);  // [16] each row's query head
+  float* lse_s = reinterpret_cast<float*>(head_s + kDecodeRows);  // [16] lse, log2 units
   int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
   float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc][D] fp32
   // FAULT(split_fence)
   dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
   __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
   if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
+  if (tid < hc) {
+    const DecodeRow row = decode_row<kMulti>(p, rows, tid);
+    oh_s[tid] = row.oh;
+    head_s[tid] = row.head;
+  }
   __syncthreads();
   if (!*last_s) return;
   dev::threadfence();  // order this CTA's reads of the partials after the count that saw them all published
   const int ns = p.num_splits;
-  const int64_t stride = p.rows * p.hq, oh0 = b * p.hq + h0;  // part_*[s][oh0 + r]: split s, head h0 + r
+  const int64_t stride = p.rows * p.hq;  // part_*[s][oh_s[r]]: split s, row r
   // Weights first: entry idx = (split idx / hc, head idx % hc), 8 per thread.
   constexpr int kLse = kMaxSplits * kDecodeRows / kAttnThreads;
   float lv[kLse];
 #pragma unroll
   for (int k = 0; k < kLse; ++k) {
     const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
-    lv[k] = s < ns ? dev::ld_global_cg(p.part_lse + s * stride + oh0 + r) : neg_inf();
+    lv[k] = s < ns ? dev::ld_global_cg(p.part_lse + s * stride + oh_s[r]) : neg_inf();
   }
-  // Then the outputs of the first round: split s's rows of this CTA's heads are hc x D contiguous fp32.
+  // Then the outputs of the first round: split s's hc rows of D contiguous fp32 each (decode: the hc rows are
+  // contiguous too, heads h0 .. h0 + hc - 1 of one query row).
   const int row4 = hc * D / 4;  // 16-byte chunks of one split's partial
   const int per_round = min(ns, int((smem_bytes - kCombineHeader) / (size_t(row4) * 16)));
   auto issue = [&](int s0) {
     const int n = min(per_round, ns - s0) * row4;
     for (int idx = tid; idx < n; idx += kAttnThreads) {
-      const int s = idx / row4, c = idx - s * row4;
-      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh0) * D + 4 * c, 16);
+      const int s = idx / row4, c = idx - s * row4, r = c / (D / 4);
+      // FAULT(mq_combine_rows)
+      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh_s[r]) * D + 4 * (c - r * (D / 4)),
+                       16);
     }
     dev::cp_async_commit();
   };
@@ -224,7 +289,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     // The attention sink joins the head's denominator here, once (the splits' partials leave it out): one more
     // term 2^sink2 with no value, added by lane 0 before the sum over lanes.
     // FAULT(combine_sink_head)
-    const float sink2 = p.sinks ? dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();
+    const float sink2 = p.sinks ? dev::ld_global(p.sinks + head_s[r]) * kLog2e : neg_inf();
     m = fmaxf(m, sink2);
     float sum = 0.f;
     if (m != neg_inf())
@@ -276,7 +341,7 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     const int slot = tid + k * kAttnThreads;
     if (slot < row4) {
       const int r = slot / (D / 4), c4 = slot - r * (D / 4);
-      const int64_t oh = oh0 + r;
+      const int64_t oh = oh_s[r];
       const uint2 v = make_uint2(pack_pair<T>(acc[k][0], acc[k][1]), pack_pair<T>(acc[k][2], acc[k][3]));
       dev::st_global(reinterpret_cast<uint2*>(static_cast<T*>(p.out) + oh * D + 4 * c4), v);
       if (c4 == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
@@ -307,27 +372,29 @@ struct DecodeCta {
   int stages;             // ring depth, 1..kDecodeMaxStages
   int kvh;                // the KV head
   int64_t s_lo, s_hi;     // this split's keys [s_lo, s_hi] (whole tiles: splits never share a tile)
+  int rlo[2], rhi[2];     // visible keys of this thread's rows g and g + 8, relative to s_lo (empty: rlo > rhi)
   int ntiles;             // its 64-key tiles (0: no visible key)
   int32_t bs;             // block_size (clamped to int32)
   int bs_shift;           // log2(bs) when bs is a power of two (page math by shifts), else -1
   const int32_t* table;   // the sequence's block-table row
 };
 
-// The query rows of heads h0 .. h0 + hc - 1 into registers: chunk idx of the [16][D] tile (8 elements each) is row
+// The CTA's query rows (decode_row) into registers: chunk idx of the [16][D] tile (8 elements each) is row
 // idx / (D / 8), columns 8 (idx % (D / 8)) .. + 7; zeros for the padding rows. The kernel issues them first: they
 // depend on nothing it loads, so they are in flight with seq_len's (the chain before the first K/V copy is seq_len ->
 // block table -> cp.async, the query off it).
-template <typename T, int D, int QPer>
-__device__ __forceinline__ void decode_load_q(const AttnParams& p, int64_t b, int h0, int hc, uint4 (&qv)[QPer]) {
+template <typename T, int D, bool kMulti, int QPer>
+__device__ __forceinline__ void decode_load_q(const AttnParams& p, const DecodeRows& rows, uint4 (&qv)[QPer]) {
   constexpr int kQChunks = kDecodeRows * D / 8;
   const int tid = threadIdx.x;
-  const T* q = static_cast<const T*>(p.query) + b * p.s.q0;
 #pragma unroll
   for (int k = 0; k < QPer; ++k) {
     const int idx = tid + k * kAttnThreads, r = idx / (D / 8), c = idx % (D / 8);
     qv[k] = make_uint4(0, 0, 0, 0);
-    if (idx < kQChunks && r < hc) {
-      const T* src = q + (h0 + r) * p.s.q1 + c * 8;
+    if (idx < kQChunks && r < rows.hc) {
+      // FAULT(mq_row_head)
+      const DecodeRow row = decode_row<kMulti>(p, rows, r);
+      const T* src = static_cast<const T*>(p.query) + (rows.q0 + row.t) * p.s.q0 + row.head * p.s.q1 + c * 8;
       if (p.q_vec) {
         qv[k] = dev::ld_global(reinterpret_cast<const uint4*>(src));
       } else {
@@ -340,30 +407,60 @@ __device__ __forceinline__ void decode_load_q(const AttnParams& p, int64_t b, in
   }
 }
 
-// Split `split` of sequence b's visible keys [max(kv_start, i - W + 1, chunk start, 0), i] for KV head kvh, and the
-// shared-memory views of the ring's offset slots (lay: decode_layout(D, stages, fp8)).
-__device__ __forceinline__ DecodeCta decode_cta(const AttnParams& p, unsigned char* smem, const DecodeLayout& lay,
-                                                int stages, int64_t b, int split, int kvh) {
-  // The query sits at i = seq_len - 1 whatever the block table holds; keys past the table (check=False) are masked.
-  const int64_t i = int64_t(dev::ld_global(p.seq_lens + b)) - 1;
+// Query t of a sequence of length seq_len with q_len queries sits at i = seq_len - q_len + t whatever the block table
+// holds (keys past the table, check=False, are masked); it sees keys [lo, hi] (empty: lo > hi).
+__device__ __forceinline__ void decode_row_range(const AttnParams& p, int64_t seq_len, int64_t kv_start, int qlen,
+                                                 int t, int64_t& lo, int64_t& hi) {
+  // FAULT(mq_row_position)
+  const int64_t i = seq_len - qlen + t;
   // FAULT(decode_first_key)
-  const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b) : 0,
-                                                         p.window, p.chunk);  // window, kv_start and chunk bounds
-  const int64_t hi = min64(i, p.max_blocks * p.block_size - 1);  // last visible key
-  const int64_t n = hi - lo + 1;                                  // visible keys (<= 0: none)
+  lo = window_attention_first_key<int64_t>(i, kv_start, p.window, p.chunk);  // window, kv_start and chunk bounds
+  // FAULT(mq_row_causal)
+  hi = min64(i, p.max_blocks * p.block_size - 1);
+}
+
+// Split `split` of `nsplits` of the union of the visible ranges of the CTA's rows (decode: the one query's
+// [max(kv_start, i - W + 1, chunk start, 0), i]) for KV head rows.kvh, each of this thread's rows' own range within it,
+// and the shared-memory views of the ring's offset slots (lay: decode_layout(D, stages, fp8)). A row's range only
+// moves up with t, so the union is [lo of the first row, hi of the last]; keys in it that a row does not see (the
+// later rows' newer keys, the earlier rows' older keys under a window or chunk) are masked per element.
+template <bool kMulti>
+__device__ __forceinline__ DecodeCta decode_cta(const AttnParams& p, unsigned char* smem, const DecodeLayout& lay,
+                                                int stages, int64_t b, const DecodeRows& rows, int split,
+                                                int nsplits) {
+  const int64_t seq_len = dev::ld_global(p.seq_lens + b);
+  const int64_t kv_start = p.kv_start ? dev::ld_global(p.kv_start + b) : 0;
+  int64_t lo, hi, unused;
+  decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row<kMulti>(p, rows, 0).t, lo, unused);
+  // FAULT(mq_union_hi)
+  decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row<kMulti>(p, rows, rows.hc - 1).t, unused, hi);
+  const int64_t n = hi - lo + 1;                                  // keys in the union (<= 0: none)
   // This split's keys: whole tiles, so splits never share a tile.
   const int64_t tiles = n > 0 ? (n + kDecodeTileKeys - 1) / kDecodeTileKeys : 0;
   // FAULT(decode_per_split)
-  const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;
+  const int64_t per_split = (tiles + nsplits - 1) / nsplits;
   DecodeCta cta;
   cta.smem = smem;
   cta.koff_s = reinterpret_cast<int64_t*>(smem + lay.off_koff);
   cta.voff_s = reinterpret_cast<int64_t*>(smem + lay.off_voff);
   cta.stages = stages;
-  cta.kvh = kvh;
+  cta.kvh = rows.kvh;
   cta.s_lo = lo + split * per_split * kDecodeTileKeys;
   cta.s_hi = min64(hi, cta.s_lo + per_split * kDecodeTileKeys - 1);
   cta.ntiles = cta.s_hi >= cta.s_lo ? int((cta.s_hi - cta.s_lo) / kDecodeTileKeys + 1) : 0;
+  // Multi-query: this thread's rows g and g + 8, their ranges relative to s_lo, clamped to [-1, 2^31 - 1] (a key's
+  // index in the split is in [0, 2^31)); padding rows see nothing. (Decode: every row sees the whole split.)
+  if constexpr (kMulti) {
+    const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int r = g + 8 * x;
+      int64_t rl = 1, rh = 0;
+      if (r < rows.hc) decode_row_range(p, seq_len, kv_start, rows.qlen, decode_row<kMulti>(p, rows, r).t, rl, rh);
+      cta.rlo[x] = int(max64(-1, min64(rl - cta.s_lo, 0x7fffffff)));
+      cta.rhi[x] = int(max64(-1, min64(rh - cta.s_lo, 0x7fffffff)));
+    }
+  }
   // Page math in 32 bits (key positions are int32 by source): a shift when block_size is a power of two.
   const int32_t bs = int32_t(min64(p.block_size, 0x7fffffff));
   int bs_shift = 0;
@@ -531,13 +628,15 @@ __device__ __forceinline__ void decode_qk(float (&s)[2][4], const uint32_t (&qf)
 }
 
 // Online softmax over one tile for rows g and g + 8 (log2 units): S scaled by qk_scale, softcapped and masked (ko:
-// the warp's 16 key offsets, negative when masked), the running max m_run and this thread's partial sum l_run
+// the warp's 16 key offsets, negative when masked; k0: the index of its first key in the split, and a key outside the
+// row's own range, cta.rlo / cta.rhi, is masked too), the running max m_run and this thread's partial sum l_run
 // updated, O rescaled by 2^(m_old - m_new), and P = 2^(S - m) packed as the A fragment pa of O += P V (16 heads x
 // 16 keys).
-template <typename T, int NB>
+template <typename T, bool kMulti, int NB>
 __device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float (&s)[2][4], float (&o)[NB][4],
                                                       float (&m_run)[2], float (&l_run)[2], const int64_t* ko,
-                                                      float qk_scale, uint32_t (&pa)[4]) {
+                                                      int k0, const DecodeCta& cta, float qk_scale,
+                                                      uint32_t (&pa)[4]) {
   const int tid = threadIdx.x, t4 = tid % 32 % 4;
   // Scale (log2 units), softcap, mask; row max over the quad.
   float mx[2] = {neg_inf(), neg_inf()};
@@ -547,7 +646,15 @@ __device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float
     for (int x = 0; x < 4; ++x) {
       float v = s[nb][x] * qk_scale;
       if (p.softcap > 0.f) v = cap_score(v, p.softcap) * kLog2e;
-      v = ko[nb * 8 + 2 * t4 + (x & 1)] >= 0 ? v : neg_inf();
+      // Key k0 + c of the split (c: this element's column) is staged (its offset's sign) and, multi-query, in the
+      // row's own range.
+      const int c = nb * 8 + 2 * t4 + (x & 1), r = x / 2;
+      bool seen = ko[c] >= 0;
+      if constexpr (kMulti) {
+        // FAULT(mq_row_mask)
+        seen = seen && k0 + c >= cta.rlo[r] && k0 + c <= cta.rhi[r];
+      }
+      v = seen ? v : neg_inf();
       s[nb][x] = v;
       mx[x / 2] = fmaxf(mx[x / 2], v);
     }
@@ -667,18 +774,19 @@ __device__ __forceinline__ void decode_merge_warps(unsigned char* smem, const fl
   __syncthreads();
 }
 
-// The second half of the merge, for the CTA's hc heads from decode_merge_warps' buffers: M = max m_w,
+// The second half of the merge, for the CTA's hc rows from decode_merge_warps' buffers: M = max m_w,
 // L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L (times v_scale), written as the output and its lse (one split)
 // or as this split's fp32 partial, lse in log2 units (combine_if_last merges them).
-template <typename T, int D>
-__device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsigned char* smem, int64_t b, int h0,
-                                                 int hc, int split, float v_scale) {
+template <typename T, int D, bool kMulti>
+__device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsigned char* smem,
+                                                 const DecodeRows& rows, int split, int nsplits, float v_scale) {
   constexpr int MLD = kDecodeMergeLd<D>;
   const float* mo_s = reinterpret_cast<const float*>(smem);                   // [4][16][MLD]
   const float* ml_s = mo_s + kDecodeWarps * kDecodeRows * MLD;                // [4][16] m, then [4][16] l
   const int tid = threadIdx.x;
-  for (int idx = tid; idx < hc * D; idx += kAttnThreads) {
+  for (int idx = tid; idx < rows.hc * D; idx += kAttnThreads) {
     const int r = idx / D, x = idx % D;
+    const DecodeRow row = decode_row<kMulti>(p, rows, r);
     float mw[kDecodeWarps], big = neg_inf();
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
@@ -699,11 +807,11 @@ __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsi
     // The attention sink joins the denominator once: here when this CTA holds the whole key range, else in the
     // combine (a partial that added it too would count it num_splits + 1 times).
     // FAULT(decode_sink_here)
-    const bool sink_here = p.sinks != nullptr && p.num_splits == 1;
-    if (sink_here) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h0 + r) * kLog2e, w);
+    const bool sink_here = p.sinks != nullptr && nsplits == 1;
+    if (sink_here) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + row.head) * kLog2e, w);
     const float inv = l > 0.f ? w / l : 0.f;
-    const int64_t oh = b * p.hq + h0 + r;  // (row, head) index
-    if (p.num_splits == 1) {
+    const int64_t oh = row.oh;
+    if (nsplits == 1) {
       // FAULT(decode_out_scale)
       dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
       if (x == 0) dev::st_global(p.lse + oh, lse2 / kLog2e);  // natural log (partials: log2)
@@ -714,35 +822,24 @@ __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsi
   }
 }
 
-// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
-// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
-// v_scale into the output).
-// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
-// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
-// memory and the planner (decode_ctas_per_sm), not from this bound.
-template <typename T, typename KV, int D>
-__global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
-                                                                                  const int stages) {
-  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+// One pass of a decode CTA: rows of sequence b against split `split` of `nsplits` of their keys, written as the output
+// (nsplits = 1) or as the split's partial, merged by the column's last split CTA.
+template <typename T, typename KV, int D, bool kMulti>
+__device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char* smem, const int stages, int64_t b,
+                                              const DecodeRows& rows, int split, int nsplits) {
   constexpr bool kFp8 = sizeof(KV) == 1;
   constexpr DecodeLayout L = decode_layout(D, 1, kFp8);
   constexpr int LD = L.ld, SLD = L.stage_ld;
   constexpr int kKSteps = D / 16;  // k-steps of Q K^T, and pairs of 8-column blocks of P V
   constexpr bool kQInRegs = kDecodeQInRegs<D>;
   const DecodeLayout lay = decode_layout(D, stages, kFp8);
-  AK_DYNAMIC_SHARED(unsigned char, smem);
   T* q_s = reinterpret_cast<T*>(smem + lay.off_q);
   const int vsets = decode_voff_sets(stages);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int split = blockIdx.x;
-  const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
-  const int64_t b = blockIdx.z;
-  const int h0 = kvh * p.group + chunk * kDecodeRows;               // first query head of this CTA
-  const int hc = min(kDecodeRows, p.group - chunk * kDecodeRows);   // its query heads (rows hc..15 are padding)
   uint4 qv[kDecodeQPer<D>];
-  decode_load_q<T, D>(p, b, h0, hc, qv);
-  const DecodeCta cta = decode_cta(p, smem, lay, stages, b, split, kvh);
+  decode_load_q<T, D, kMulti>(p, rows, qv);
+  const DecodeCta cta = decode_cta<kMulti>(p, smem, lay, stages, b, rows, split, nsplits);
 
   // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
   // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
@@ -798,7 +895,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     decode_qk<T, KV, D>(s, qf, q_lane, k_s, k_row, k_col, v_row, f_col);
     uint32_t pa[4];
-    decode_online_softmax<T>(p, s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16, qk_scale, pa);
+    decode_online_softmax<T, kMulti>(p, s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16,
+                             t * kDecodeTileKeys + warp * 16, cta, qk_scale, pa);
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
     decode_pv<T, KV, D>(o, pa, v_s, v_row, v_col, f_col);
@@ -809,8 +907,50 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   }
 
   decode_merge_warps<D, kFp8>(smem, o, m_run, l_run);
-  decode_write_out<T, D>(p, smem, b, h0, hc, split, v_scale);
-  if (p.num_splits > 1) combine_if_last<T, D>(p, b, h0, hc, smem, lay.smem);
+  decode_write_out<T, D, kMulti>(p, smem, rows, split, nsplits, v_scale);
+  if (nsplits > 1) combine_if_last<T, D, kMulti>(p, b, rows, smem, lay.smem);
+}
+
+// KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
+// MMA operand registers (fp8_k_dim, fp8_o_dim), key = stored * k_scale folded into the score scale, value = stored *
+// v_scale into the output).
+// __launch_bounds__(threads, 1): without the minimum, ptxas capped some sm_80 fp8 kernels below the registers they
+// need and spilled (sass_report fails on any spill; the figures: docs/kernels.md). The CTAs per SM come from shared
+// memory and the planner (decode_ctas_per_sm), not from this bound.
+// kMulti: the multi-query instantiation (cu_seqlens_q given: use_multiquery_decode), its own so that decode's code
+// keeps none of its row bookkeeping (the per-row masks, the cu_seqlens_q rows, the extra passes: 23..35 more registers
+// per thread at D 64..128 when one kernel did both; the figures: docs/kernels.md).
+template <typename T, typename KV, int D, bool kMulti>
+__global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
+                                                                                  const int stages) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  AK_DYNAMIC_SHARED(unsigned char, smem);
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
+  const int64_t b = blockIdx.z;
+  if constexpr (!kMulti) {  // query row b, packed rows = the group's heads h0 .. h0 + hc - 1
+    const DecodeRows rows{b, 1, kvh, chunk * kDecodeRows, min(kDecodeRows, p.group - chunk * kDecodeRows)};
+    decode_attend<T, KV, D, false>(p, smem, stages, b, rows, split, p.num_splits);
+  } else {  // sequence b's rows as cu_seqlens_q gives them
+    DecodeRows rows{prefill_first_row(p, b), prefill_q_len(p, b), kvh, 0, 0};
+    // FAULT(mq_unowned_rows)
+    if (chunk == 0) prefill_zero_unowned_rows<T, D>(p, b, kvh);
+    const int64_t packed = int64_t(rows.qlen) * p.group;
+    // Pass 0 is the planned one: head chunk `chunk`, split-KV. A sequence with more query rows than the max_q_len the
+    // plan was given (check=False callers) gets more passes, chunk + head_chunks, ..., each by the column's split 0
+    // alone over all of its keys (no split: the column's counter serves one combine per launch), so every row is
+    // computed whatever max_q_len said.
+    // FAULT(mq_passes)
+    for (int64_t m0 = int64_t(chunk) * kDecodeRows; m0 < packed; m0 += int64_t(p.head_chunks) * kDecodeRows) {
+      const bool first = m0 < int64_t(p.head_chunks) * kDecodeRows;
+      const int nsplits = first ? p.num_splits : 1;
+      if (split >= nsplits) return;
+      if (!first) __syncthreads();  // the previous pass's reads of shared memory are over
+      rows.m0 = int(m0);
+      rows.hc = int(min64(kDecodeRows, packed - m0));
+      decode_attend<T, KV, D, true>(p, smem, stages, b, rows, split, nsplits);
+    }
+  }
 }
 
 // Shared memory of one SM: the per-block opt-in limit plus the 1 KB the system reserves per block (sm_80: 163 + 1,
@@ -832,10 +972,13 @@ inline int decode_stages(int64_t d, bool fp8, const DeviceProps& props) {
 // 1 KB the system reserves), at most kDecodeCtasPerSmMax, the register bound: 3 CTAs of 128 threads fit 64K registers
 // at <= 168 registers per thread. Where a head dim takes more (`python scripts/sass_report.py`; the figures and why
 // the plan never exceeds what is resident: docs/kernels.md), shared memory already limits it to 2 or 1.
+// The multi-query instantiation takes more (up to 221 at D = 128), so it is planned at 2 at most.
 constexpr int kDecodeCtasPerSmMax = 3;
-inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props) {
+constexpr int kMultiQueryCtasPerSmMax = 2;
+inline int decode_ctas_per_sm(size_t smem, const DeviceProps& props, bool multi = false) {
   const int64_t by_smem = smem_per_sm(props) / (int64_t(smem) + 1024);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_smem, kDecodeCtasPerSmMax)));
+  const int64_t most = multi ? kMultiQueryCtasPerSmMax : kDecodeCtasPerSmMax;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_smem, most)));
 }
 
 // Split-KV count from shapes only, sized to one wave (FlashInfer's max_grid_size = blocks per SM x SMs): the most
@@ -849,7 +992,8 @@ inline int decode_splits(int64_t ctas, int64_t max_keys, int64_t wave) {
 }
 
 struct DecodePlan {
-  int head_chunks = 1;     // CTAs per KV head (ceil(group / kDecodeRows))
+  bool multi = false;      // the multi-query instantiation (cu_seqlens_q given)
+  int head_chunks = 1;     // CTAs per KV head (ceil(q_len x group / kDecodeRows), q_len: queries per sequence)
   int num_splits = 1;      // split-KV partitions (> 1: fp32 partials, merged by the last CTA of each column)
   int stages = 0;          // cp.async ring depth; 0: refused (the device's shared memory is too small)
   size_t smem = 0;         // dynamic shared memory, bytes
@@ -857,21 +1001,24 @@ struct DecodePlan {
   int64_t counters() const { return num_splits > 1 ? int64_t(grid.y) * grid.z : 0; }  // AttnParams::counters
 };
 
-// batch sequences, rows = batch query rows; max_blocks x block_size = the block table's capacity; window, chunk: a
-// query sees at most that many keys (0: no bound).
-inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t hkv, int64_t d, bool fp8,
+// batch sequences of q_len query rows at most (decode: 1; multi: the multi-query instantiation, cu_seqlens_q given);
+// max_blocks x block_size = the block table's capacity; window, chunk: a query sees at most that many keys (0: no
+// bound).
+inline DecodePlan plan_decode(int64_t batch, int64_t q_len, bool multi, int64_t hq, int64_t hkv, int64_t d, bool fp8,
                               int64_t max_blocks, int64_t block_size, int64_t window, int64_t chunk,
                               const DeviceProps& props) {
   DecodePlan plan;
   const int64_t group = hq / hkv;
-  plan.head_chunks = static_cast<int>(ceil_div<int64_t>(group, kDecodeRows));
+  plan.head_chunks = static_cast<int>(ceil_div<int64_t>(q_len * group, kDecodeRows));
   const int64_t cap = max_blocks * block_size;
   int64_t max_keys = window > 0 ? std::min<int64_t>(window, cap) : cap;
   // FAULT(split_plan_chunk)
   if (chunk > 0) max_keys = std::min<int64_t>(max_keys, chunk);
+  max_keys = std::min<int64_t>(max_keys + q_len - 1, cap);  // the union of a CTA's rows' ranges
   plan.stages = decode_stages(d, fp8, props);
   plan.smem = plan.stages ? decode_layout(int(d), plan.stages, fp8).smem : 0;
-  const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props)) * props.sm_count;
+  const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props, multi)) * props.sm_count;
+  plan.multi = multi;
   plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, wave);
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   return plan;
@@ -881,11 +1028,16 @@ inline DecodePlan plan_decode(int64_t batch, int64_t rows, int64_t hq, int64_t h
 template <typename T, typename KV, int D>
 cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t stream) {
   if (plan.stages == 0) return cudaErrorInvalidValue;
-  auto decode = window_attention_decode_kernel<T, KV, D>;
-  const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
-  if (err != cudaSuccess) return err;
-  AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
-  return AK_LAST_ERROR();
+  auto go = [&](auto multi) -> cudaError_t {
+    auto decode = window_attention_decode_kernel<T, KV, D, decltype(multi)::value>;
+    const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
+    if (err != cudaSuccess) return err;
+    AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
+    return AK_LAST_ERROR();
+  };
+  if (!plan.multi) return go(std::false_type{});
+  if constexpr (D <= kDecodeMaxQueryHeadDim) return go(std::true_type{});
+  return cudaErrorInvalidValue;  // use_multiquery_decode refuses D past it
 }
 
 }  // namespace arkernels

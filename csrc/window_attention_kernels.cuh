@@ -110,18 +110,23 @@ struct WindowAttentionPlan {
   PrefillPlan pre;
 };
 
-// prefill: cu_seqlens_q given. rows = query rows; max_blocks x block_size = the block table's capacity; fp8: the caches
-// are float8_e4m3fn (both kernels read them as stored: the shared-memory layouts differ).
-inline WindowAttentionPlan plan_window_attention(bool prefill, int64_t batch, int64_t rows, int64_t hq, int64_t hkv,
+// varlen: cu_seqlens_q given, max_q_len its host-known bound: the multi-query decode kernel when
+// use_multiquery_decode(max_q_len, group, d) (speculative verification: a few query rows per sequence), else prefill;
+// without it, decode. rows = query rows; max_blocks x block_size = the block table's capacity; fp8: the caches are
+// float8_e4m3fn (both kernels read them as stored: the shared-memory layouts differ).
+inline WindowAttentionPlan plan_window_attention(bool varlen, int64_t batch, int64_t rows, int64_t hq, int64_t hkv,
                                                  int64_t d, bool fp8, int64_t max_blocks, int64_t block_size,
                                                  int64_t window, int64_t chunk, int64_t max_q_len,
                                                  const DeviceProps& props) {
+  (void)rows;
   WindowAttentionPlan plan;
-  plan.prefill = prefill;
-  if (prefill) {
+  // FAULT(mq_dispatch)
+  plan.prefill = varlen && !use_multiquery_decode(max_q_len, hq / hkv, d);
+  if (plan.prefill) {
     plan.pre = plan_prefill(batch, hq, d, fp8, max_q_len, props);
   } else {
-    plan.decode = plan_decode(batch, rows, hq, hkv, d, fp8, max_blocks, block_size, window, chunk, props);
+    plan.decode = plan_decode(batch, varlen ? max_q_len : 1, varlen, hq, hkv, d, fp8, max_blocks, block_size, window,
+                              chunk, props);
   }
   return plan;
 }

@@ -158,15 +158,18 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     return cudaSuccess;
   }
 
-  const bool prefill = cu_seqlens_q.has_value();
-  const WindowAttentionPlan plan = plan_window_attention(prefill, batch, rows, hq, hkv, d, fp8, p.max_blocks,
-                                                         p.block_size, window, chunk_size, max_q_len,
+  const WindowAttentionPlan plan = plan_window_attention(cu_seqlens_q.has_value(), batch, rows, hq, hkv, d, fp8,
+                                                         p.max_blocks, p.block_size, window, chunk_size, max_q_len,
                                                          apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
   p.num_splits = plan.decode.num_splits;
   at::Tensor part_out, part_lse;
   SplitCounters counters;  // its lock, when held, is released after the launch is enqueued
-  if (!prefill) {
+  // Both kernels that take cu_seqlens_q (prefill, multi-query decode) index packed rows (token * group + head) in
+  // 32 bits.
+  AK_CHECK("window_attention", !cu_seqlens_q.has_value() || rows * hq <= int64_t(0x7fffffff),
+           "cu_seqlens_q needs num_tokens * num_q_heads < 2^31 on CUDA, got ", rows, " * ", hq);
+  if (!plan.prefill) {
     AK_CHECK("window_attention", hkv * plan.decode.head_chunks <= 65535,
              "decode grid too large on CUDA: num_kv_heads * ceil(group / 16) = ", hkv * plan.decode.head_chunks,
              " (at most 65535)");
@@ -186,9 +189,6 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     }
   } else {
     AK_CHECK("window_attention", hq <= 65535, "num_q_heads must be <= 65535 on CUDA (prefill grid), got ", hq);
-    // The prefill kernel indexes packed rows (token * group + head) in 32 bits.
-    AK_CHECK("window_attention", rows * hq <= int64_t(0x7fffffff),
-             "prefill needs num_tokens * num_q_heads < 2^31 on CUDA, got ", rows, " * ", hq);
     AK_CHECK("window_attention", plan.pre.bn > 0, "prefill with head_dim ", d, " needs at least ",
              prefill_smem(int(d), d < 96 ? 64 : 32, 2, fp8), " bytes of shared memory per block but this GPU allows ",
              apply_smem_knob(props).smem_optin);

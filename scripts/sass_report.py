@@ -118,7 +118,8 @@ DYNAMIC_SMEM = [
     (re.compile(r"^window_attention_prefill_kernel<[^,<>]+, ([^,<>]+), (\d+), (\d+)>$"),
      lambda m, spec: prefill_plan_smem(int(m.group(2)), int(m.group(3)), spec["smem_block"],
                                        m.group(1) == "unsigned char", spec["smem_sm"])),
-    (re.compile(r"^window_attention_decode_kernel<[^,<>]+, ([^,<>]+), (\d+)>$"),
+    # <T, KV, D, kMulti>: the multi-query instantiation (kMulti true) plans the same shared memory
+    (re.compile(r"^window_attention_decode_kernel<[^,<>]+, ([^,<>]+), (\d+), (?:true|false)>$"),
      lambda m, spec: decode_smem(int(m.group(2)), m.group(1) == "unsigned char", spec)),
 ]
 

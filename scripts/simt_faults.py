@@ -142,7 +142,7 @@ _SINK_PREFILL = ("sinks_prefill and 64-dtype1 or sinks_prefill and 80-dtype2 or 
                  "or sinks_chunked_fp8 and True-128")
 _CHUNK = ("chunked_decode and 16-0 or chunked_decode and 13-5 or chunked_prefill and 0-16 or chunked_prefill and 20-37 "
           "or chunked_decode_traffic and False-0")
-_SINK_HERE = "const bool sink_here = p.sinks != nullptr && p.num_splits == 1;"
+_SINK_HERE = "const bool sink_here = p.sinks != nullptr && nsplits == 1;"
 _COMBINE_SINK = "    if (lane == 0 && sink2 != neg_inf()) sum += exp2f(sink2 - m);\n"
 _PF_SINK = "if (p.sinks) lse2 = add_sink_log2(lse2, dev::ld_global(p.sinks + h) * kLog2e, w);"
 
@@ -163,9 +163,9 @@ _SINK_FAULTS = [
     _sinks_fault("decode: sink added by every lane of the combine (32 times)", _DECODE_FILE,
                  "combine_sink", _COMBINE_SINK,
                  _COMBINE_SINK.replace("lane == 0 && ", ""), _SINK_DECODE),
-    _sinks_fault("decode: the combine takes the sink of head r of the chunk, not h0 + r", _DECODE_FILE,
+    _sinks_fault("decode: the combine takes the sink of head r of the chunk, not the row's head", _DECODE_FILE,
                  "combine_sink_head",
-                 "dev::ld_global(p.sinks + h0 + r) * kLog2e : neg_inf();", "dev::ld_global(p.sinks + r) * kLog2e : "
+                 "dev::ld_global(p.sinks + head_s[r]) * kLog2e : neg_inf();", "dev::ld_global(p.sinks + r) * kLog2e : "
                  "neg_inf();", _SINK_DECODE),
     _sinks_fault("prefill: sink dropped", _PF, "prefill_sink", _PF_SINK, "", _SINK_PREFILL),
     _sinks_fault("prefill: sink added twice", _PF,
@@ -233,8 +233,8 @@ FAULTS += [
                   "mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));"),
     _decode_fault("O not rescaled by the new running max", "decode_o_rescale", "    o[nb][0] *= alpha[0];\n", ""),
     _decode_fault("split size rounded down",
-                  "decode_per_split", "const int64_t per_split = (tiles + p.num_splits - 1) / p.num_splits;",
-                  "const int64_t per_split = tiles / p.num_splits;"),
+                  "decode_per_split", "const int64_t per_split = (tiles + nsplits - 1) / nsplits;",
+                  "const int64_t per_split = tiles / nsplits;"),
     _decode_fault("masked keys read anyway (src_bytes 16)",
                   "decode_masked_copy", "src + (o[i] & kOffBits) + c * kChunkElems, o[i] >= 0);",
                   "src + (o[i] & kOffBits) + c * kChunkElems, true);"),
@@ -320,11 +320,9 @@ FAULTS += [
                   "vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;", "vo = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;",
                   "test_window_attention_k_and_v_of_different_layouts[decode, simt]"),
     _safety_fault("decode: negative kv_start not clamped", _DECODE_FILE,
-                  "decode_first_key",
-                  "const int64_t lo = window_attention_first_key<int64_t>(i, p.kv_start ? dev::ld_global(p.kv_start + b)"
-                  " : 0,", "const int64_t lo = (p.kv_start && dev::ld_global(p.kv_start + b) < 0) ? "
-                  "int64_t(dev::ld_global(p.kv_start + b)) : window_attention_first_key<int64_t>(i, p.kv_start ? "
-                  "dev::ld_global(p.kv_start + b) : 0,", "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
+                  "decode_first_key", "lo = window_attention_first_key<int64_t>(i, kv_start, p.window, p.chunk);",
+                  "lo = kv_start < 0 ? kv_start : window_attention_first_key<int64_t>(i, kv_start, p.window, p.chunk);",
+                  "test_window_attention_kv_start_negative_or_past_the_sequence[decode, simt]"),
     _safety_fault("decode: cache offsets truncated to 32 bits", _DECODE_FILE,
                   "decode_kv_offsets",
                   "ko = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;\n      vo = blk * p.s.v0 + jo * p.s.v1 + kvh * "
@@ -532,6 +530,41 @@ FAULTS += [
 ]
 
 
+# The multi-query decode path (issue 33: speculative verification): per-row bounds of the packed (query row, head)
+# rows, their union as the key loop's range, the rows' mapping to query rows and heads, the split-KV combine over rows
+# of different query rows, the extra passes of an unchecked max_q_len, the rows no sequence owns, the dispatch rule;
+# caught by tests/test_window_attention_multiquery.py.
+def _mq_fault(what: str, site: str, find: str, replace: str) -> Fault:
+    return Fault(f"multi-query decode: {what}", _DECODE_FILE, site, find, replace, build=KERNEL_BUILD,
+                 run=_kernel_run("multiquery", tests=("test_window_attention_multiquery.py",)))
+
+
+FAULTS += [
+    _mq_fault("a row's causal limit one past its position (it sees the next query's key)", "mq_row_causal",
+              "hi = min64(i, p.max_blocks * p.block_size - 1);", "hi = min64(i + 1, p.max_blocks * p.block_size - 1);"),
+    _mq_fault("every row placed at the last query's position (decode's i = seq_len - 1)", "mq_row_position",
+              "const int64_t i = seq_len - qlen + t;", "const int64_t i = seq_len - 1 + 0 * t;"),
+    _mq_fault("per-row mask dropped (only the union's range and the key offsets mask)", "mq_row_mask",
+              "seen = seen && k0 + c >= cta.rlo[r] && k0 + c <= cta.rhi[r];", "(void)r;"),
+    _mq_fault("the key loop's union ends at the first row's limit", "mq_union_hi",
+              "decode_row<kMulti>(p, rows, rows.hc - 1).t, unused, hi);", "decode_row<kMulti>(p, rows, 0).t, unused, hi);"),
+    _mq_fault("the query tile packs rows head-major (head * q_len + t) unlike the rest (t * group + head)",
+              "mq_row_head", "const DecodeRow row = decode_row<kMulti>(p, rows, r);",
+              "DecodeRow row = decode_row<kMulti>(p, rows, r);\n      row.t = (rows.m0 + r) % rows.qlen;\n"
+              "      row.head = rows.kvh * p.group + (rows.m0 + r) / rows.qlen;"),
+    _mq_fault("the combine reads a split's rows as contiguous from the first row (decode's layout)", "mq_combine_rows",
+              "part_out + ((s0 + s) * stride + oh_s[r]) * D + 4 * (c - r * (D / 4)),\n                       16);",
+              "part_out + ((s0 + s) * stride + oh_s[0]) * D + 4 * c, 16);"),
+    _mq_fault("no extra passes when a sequence has more rows than max_q_len (check=False)", "mq_passes",
+              "m0 < packed;", "m0 < packed && m0 < int64_t(p.head_chunks) * kDecodeRows;"),
+    _mq_fault("rows no sequence owns left unwritten", "mq_unowned_rows",
+              "if (chunk == 0) prefill_zero_unowned_rows<T, D>(p, b, kvh);", "(void)kvh;"),
+    Fault("multi-query decode: dispatch never takes the decode kernel", "window_attention_kernels.cuh", "mq_dispatch",
+          "plan.prefill = varlen && !use_multiquery_decode(max_q_len, hq / hkv, d);", "plan.prefill = varlen;",
+          build=KERNEL_BUILD, run=_kernel_run("multiquery", tests=("test_window_attention_multiquery.py",))),
+]
+
+
 def main() -> int:
     global CSRC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -581,3 +614,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

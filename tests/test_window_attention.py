@@ -412,6 +412,19 @@ def _visible_kv_bytes(k_cache, table, lens, window, kv_start):
     return want
 
 
+def _assert_kv_reads(want):
+    """The last emulated call read each byte of k_cache and v_cache exactly `want` times (per-byte counts over their
+    storage) and wrote none."""
+    import arkernels.simt
+
+    for name in ("k_cache", "v_cache"):
+        reads, writes = arkernels.simt.traffic_map(name)
+        assert int(writes.sum()) == 0
+        bad = (reads != want).nonzero()
+        assert bad.numel() == 0, (f"{name}: {bad.numel()} bytes read a wrong number of times (first at byte "
+                                  f"{int(bad[0])}: {int(reads[bad[0]])}x, want {int(want[bad[0]])}x)")
+
+
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("heads", [(2, 2), (6, 2), (16, 2), (32, 2), (40, 2)])
 @pytest.mark.parametrize("window", [0, 24])
@@ -434,13 +447,7 @@ def test_window_attention_decode_traffic(device, heads, window, fp8):
     query = torch.randn(3, hq, 64, generator=gen).half()
     window_attention(query, k, v, table, torch.tensor(lens, dtype=torch.int32), window=window, kv_start=kv_start,
                      **scales)
-    want = _visible_kv_bytes(k, table, lens, window, kv_start) * -(-(hq // hkv) // 16)
-    for name in ("k_cache", "v_cache"):
-        reads, writes = arkernels.simt.traffic_map(name)
-        assert int(writes.sum()) == 0
-        bad = (reads != want).nonzero()
-        assert bad.numel() == 0, (f"{name}: {bad.numel()} bytes read a wrong number of times (first at byte "
-                                  f"{int(bad[0])}: {int(reads[bad[0]])}x, want {int(want[bad[0]])}x)")
+    _assert_kv_reads(_visible_kv_bytes(k, table, lens, window, kv_start) * -(-(hq // hkv) // 16))
     totals = arkernels.simt.traffic()
     q_read, q_written = totals["query"]  # once per split-KV partition (each CTA loads its heads' query rows)
     assert q_written == 0 and q_read > 0 and q_read % (query.numel() * 2) == 0
