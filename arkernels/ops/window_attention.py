@@ -130,8 +130,7 @@ def window_attention(
         max_q_len: at least the largest ``q_len_b`` (sizes the CUDA grid without a host sync, and picks the kernel:
             1-8 query rows per sequence with ``max_q_len * group <= 64`` and head_dim <= 128 run the split-KV decode
             kernel with the rows folded into its MMA rows, speculative verification's shape; longer ones, prefill);
-            default
-            computed from ``cu_seqlens_q`` (one sync); ignored for decode. Too small: ``check`` and the CPU kernel
+            default computed from ``cu_seqlens_q`` (one sync); ignored for decode. Too small: ``check`` and the CPU kernel
             raise; with ``check=False`` the CUDA kernel still computes every row (extra passes over the grid).
             At most ``num_queries`` (refused above: no sequence has more queries than there are rows).
         kv_start: int32 ``[batch]``: keys ``j < kv_start[b]`` are masked (left padding); None: 0.
