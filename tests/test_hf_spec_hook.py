@@ -1,7 +1,10 @@
 """arkernels.hf.spec_hook: a patched model's assisted sampling accepts the draft's tokens with
 ``chain_speculative_sampling``; everything else keeps transformers' ``_speculative_sampling``."""
+import inspect
+
 import pytest
 import torch
+import transformers.generation.utils as gen_utils
 from scipy import stats
 
 import arkernels
@@ -9,6 +12,8 @@ from arkernels.hf import spec_hook
 from arkernels.models import tiny_llama
 
 CHI2_ALPHA = 1e-3
+# transformers <= 5.17 passes is_done_candidate (required positional) after new_logits; 5.24 has no such argument
+DONE = (False,) if "is_done_candidate" in inspect.signature(gen_utils._speculative_sampling).parameters else ()
 IDS = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
 
 
@@ -74,7 +79,7 @@ def test_fused_acceptance_emits_the_target_distribution(bad, held):
         firsts, accepted = [], 0
         for i in range(n):
             ids = torch.cat([IDS, draws[i][None]], dim=1)
-            valid, m = spec_hook.fused_speculative_sampling(ids, cand, k, new)
+            valid, m = spec_hook.fused_speculative_sampling(ids, cand, k, new, *DONE)
             firsts.append(int(valid[0, 0]))
             accepted += int(m)
         return firsts, accepted
@@ -103,7 +108,8 @@ def test_unmarked_calls_and_unknown_arguments_keep_transformers_function(monkeyp
     new, cand = _chain()
     ids = torch.cat([IDS, torch.tensor([[1, 2]])], dim=1)
 
-    def stock(candidate_input_ids, candidate_logits, candidate_length, new_logits, assistant_ensemble_weight=None):
+    def stock(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate=False,
+              assistant_ensemble_weight=None):
         seen.append(assistant_ensemble_weight)
         return new_logits[:, :1].argmax(-1), torch.tensor(0)
 
@@ -111,12 +117,13 @@ def test_unmarked_calls_and_unknown_arguments_keep_transformers_function(monkeyp
     spec_hook.hold()
     try:
         before = spec_hook.fused_calls[0]
-        spec_hook.fused_speculative_sampling(ids, cand, 2, new)  # no patched call in flight
-        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new), stock=True)
-        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new, assistant_ensemble_weight=0.5))
-        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new), sampler="auto")  # CPU: stock
+        spec_hook.fused_speculative_sampling(ids, cand, 2, new, *DONE)  # no patched call in flight
+        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new, *DONE), stock=True)
+        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new, *DONE,
+                                                            assistant_ensemble_weight=0.5))
+        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new, *DONE), sampler="auto")  # CPU: stock
         assert seen == [None, None, 0.5, None] and spec_hook.fused_calls[0] == before
-        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new))
+        _serve(lambda: spec_hook.fused_speculative_sampling(ids, cand, 2, new, *DONE))
         assert spec_hook.fused_calls[0] == before + 1 and len(seen) == 4
     finally:
         spec_hook.release()

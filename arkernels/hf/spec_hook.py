@@ -24,7 +24,7 @@ import torch
 # the patch state of the call being served (None: none, or the fused draw not allowed on its device)
 _serving = contextvars.ContextVar("arkernels_spec_sampling", default=None)
 _installed = {"holders": 0, "original": None}
-FUSED_ARGS = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits")
+FUSED_ARGS = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits", "is_done_candidate")
 fused_calls = [0]  # calls served by the op (tests read it)
 
 
@@ -47,6 +47,10 @@ def fused_speculative_sampling(*args, **kwargs):
     tokens, accepted = chain_speculative_sampling(target, draft_ids, a["candidate_logits"][:, :k].to(target.dtype))
     fused_calls[0] += 1
     n = accepted[0]
+    # transformers <= 5.17's is_done_candidate (the draft ended on EOS or the length): every draft kept means no
+    # bonus token (stock's rule: the candidates alone, n_matches - 1)
+    if a.get("is_done_candidate") is not None and bool(a["is_done_candidate"]) and int(n) == k:
+        return draft_ids, n - 1
     return tokens[:, :int(n) + 1], n
 
 
