@@ -23,7 +23,7 @@ import torch
 
 # the patch state of the call being served (None: none, or the fused draw not allowed on its device)
 _serving = contextvars.ContextVar("arkernels_spec_sampling", default=None)
-_installed = {"holders": 0, "original": None}
+_installed = {"holders": 0, "original": None, "signature": None}
 FUSED_ARGS = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits", "is_done_candidate")
 fused_calls = [0]  # calls served by the op (tests read it)
 
@@ -31,7 +31,7 @@ fused_calls = [0]  # calls served by the op (tests read it)
 def fused_speculative_sampling(*args, **kwargs):
     """transformers' ``_speculative_sampling`` contract: ``(valid_tokens [1, n + 1], n_matches)`` for batch 1."""
     original = _installed["original"]
-    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound = (_installed["signature"] or inspect.signature(original)).bind(*args, **kwargs)
     bound.apply_defaults()
     extra = {n: v for n, v in bound.arguments.items() if n not in FUSED_ARGS}
     state = _serving.get()
@@ -76,6 +76,7 @@ def hold() -> None:
 
     if _installed["holders"] == 0:
         _installed["original"] = gen._speculative_sampling
+        _installed["signature"] = inspect.signature(gen._speculative_sampling)  # once, not per verification
         gen._speculative_sampling = fused_speculative_sampling
     _installed["holders"] += 1
 
@@ -87,4 +88,4 @@ def release() -> None:
     _installed["holders"] -= 1
     if _installed["holders"] == 0:
         gen._speculative_sampling = _installed["original"]
-        _installed["original"] = None
+        _installed["original"] = _installed["signature"] = None
