@@ -135,8 +135,9 @@ def test_propose_is_transformers_prompt_lookup():
     (dict(prompt_lookup_num_tokens=True), "prompt_lookup_num_tokens must be None or an int >= 1"),
     (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=0), "max_matching_ngram_size must be None or an int"),
     (dict(max_matching_ngram_size=2), "max_matching_ngram_size goes with prompt_lookup_num_tokens"),
-    (dict(prompt_lookup_num_tokens=2, cuda_graphs=True), "prompt_lookup_num_tokens runs on the eager decode path"),
-    (dict(prompt_lookup_num_tokens=2, compile=True), "prompt_lookup_num_tokens runs on the eager decode path"),
+    (dict(prompt_lookup_num_tokens=2, cuda_graphs=True, repetition_penalty=1.1), "token rules .* eager path"),
+    (dict(prompt_lookup_num_tokens=2, compile=True, min_new_tokens=2), "token rules .* eager path"),
+    (dict(prompt_lookup_num_tokens=2, cuda_graphs=True, logprobs=1), "logprobs= runs on the eager decode path"),
 ])
 def test_lookup_bad_arguments(kw, says):
     model = tiny_model("llama")
@@ -174,8 +175,9 @@ def test_draft_model_refusals():
         arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, num_assistant_tokens=0)
     with pytest.raises(ValueError, match="pass assistant_model or prompt_lookup_num_tokens, not both"):
         arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, prompt_lookup_num_tokens=2)
-    with pytest.raises(ValueError, match="assistant_model runs on the eager decode path"):
-        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, cuda_graphs=True)
+    with pytest.raises(ValueError, match="token rules .* eager path"):
+        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, cuda_graphs=True,
+                           suppress_tokens=[3])
 
 
 def _sharp(seed: int, negate: bool = False):
@@ -233,3 +235,100 @@ def test_sampled_draft_model_with_rules_keeps_the_one_token_tokens():
         plain = arkernels.generate(target, prompts, **kw)
         spec = arkernels.generate(target, prompts, assistant_model=draft, num_assistant_tokens=3, **kw)
         assert spec.tokens == plain.tokens and sum(spec.proposed_tokens) > 0
+
+
+# ---- cuda_graphs=True / compile=True: the static verification step (arkernels/decode/spec_step.py) ----------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_lookup_is_the_one_token_loop(family):
+    """k + 1 positions per row in one fixed-shape step, the rows padded to batch-size buckets as rows finish (the
+    staggered max_new_tokens below): the one-token loop's tokens, greedy and seeded sampling; drafts accepted; a row's
+    padded positions never counted as accepted drafts; every block back."""
+    model = tiny_model(family)
+    for kw in (dict(), dict(temperature=0.05, top_k=20, top_p=0.95, seed=[3, 1, 4, 1])):
+        plain, _ = _pair(model, **kw)
+        got = arkernels.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4,
+                                 prompt_lookup_num_tokens=K, cuda_graphs=True, **kw)
+        assert got.tokens == plain.tokens
+        assert sum(got.accepted_tokens) > 0
+        assert all(0 <= a <= p for a, p in zip(got.accepted_tokens, got.proposed_tokens))
+        assert all(v == 0 for v in got.cache_blocks_in_use.values())
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_static_lookup_max_new_tokens_and_eos_exact(max_new):
+    """Rows near max_new_tokens propose fewer than k drafts (padded positions); an EOS inside an accepted run ends its
+    row there; the batch shrinks through smaller buckets."""
+    model = tiny_model("llama")
+    kw = dict(max_new_tokens=max_new, block_size=4)
+    free = arkernels.generate(model, PROMPTS, eos_token_id=[], **kw)
+    eos = [free.tokens[0][max_new // 2]] if max_new > 2 else []
+    plain = arkernels.generate(model, PROMPTS, eos_token_id=eos, **kw)
+    got = arkernels.generate(model, PROMPTS, eos_token_id=eos, prompt_lookup_num_tokens=K, cuda_graphs=True, **kw)
+    assert got.tokens == plain.tokens and got.finished_by_eos == plain.finished_by_eos
+
+
+def test_static_draft_model():
+    """A draft model with the static verification step: greedy (the target itself: every draft kept; another model)
+    gives the one-token loop's tokens; sampled drafts (Leviathan / Chen on the step's logits) give the eager
+    speculative loop's tokens for the same seeds."""
+    model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=1)
+    kw = dict(max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4, num_assistant_tokens=3)
+    plain, _ = _pair(model)
+    for draft in (model, other):
+        got = arkernels.generate(model, PROMPTS, assistant_model=draft, cuda_graphs=True, **kw)
+        assert got.tokens == plain.tokens
+        if draft is model:
+            assert got.accepted_tokens == got.proposed_tokens
+    sampled = dict(kw, temperature=0.7, seed=[1, 2, 3, 4])
+    eager = arkernels.generate(model, PROMPTS, assistant_model=other, **sampled)
+    got = arkernels.generate(model, PROMPTS, assistant_model=other, cuda_graphs=True, **sampled)
+    assert got.tokens == eager.tokens and got.accepted_tokens == eager.accepted_tokens
+
+
+def test_static_lookup_compiled_one_graph_per_bucket(monkeypatch):
+    """compile=True: the same tokens as the eager speculative loop, one dynamo graph per batch-size bucket used (none
+    per step, no graph break)."""
+    from torch._dynamo.utils import counters
+
+    from arkernels.decode import spec_step
+
+    buckets = set()
+    verify = spec_step.SpecStep.verify
+
+    def counted(self, rows, *args):
+        buckets.add(spec_step.bucket(len(rows), self.batch))
+        return verify(self, rows, *args)
+
+    monkeypatch.setattr(spec_step.SpecStep, "verify", counted)
+    model = tiny_model("llama")
+    kw = dict(max_new_tokens=NEW_TOKENS, block_size=4, eos_token_id=[])
+    plain = arkernels.generate(model, PROMPTS, **kw)
+    eos = [plain.tokens[1][6]]  # row 1 ends early: a smaller bucket
+    plain = arkernels.generate(model, PROMPTS, **dict(kw, eos_token_id=eos))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = arkernels.generate(model, PROMPTS, prompt_lookup_num_tokens=K, compile=True, **dict(kw, eos_token_id=eos))
+        assert got.tokens == plain.tokens and sum(got.accepted_tokens) > 0
+        assert len(buckets) >= 2
+        assert counters["stats"]["unique_graphs"] == len(buckets)
+        assert not counters["graph_break"]
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_static_lookup_cuda_graphs(compile):
+    # the static verification step captured per bucket on a GPU (the multi-query decode kernel, q = k + 1 = 5 rows
+    # per sequence): the eager speculative loop's tokens. Not run yet (no GPU here)
+    model = tiny_model("gemma3_text", dtype=torch.bfloat16, head_dim=64).cuda()
+    kw = dict(max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=16, prompt_lookup_num_tokens=K)
+    ref = arkernels.generate(model, PROMPTS, **kw)
+    torch._dynamo.reset()
+    try:
+        got = arkernels.generate(model, PROMPTS, cuda_graphs=not compile, compile=compile, **kw)
+    finally:
+        torch._dynamo.reset()
+    assert got.tokens == ref.tokens and sum(got.accepted_tokens) > 0

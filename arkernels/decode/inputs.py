@@ -365,8 +365,8 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
     check_args(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stream=stream)
     _check_logprobs(logprobs, logprobs_mode, cuda_graphs or compile, vocab_size_of(model))
-    lookup = lookup_of(prompt_lookup_num_tokens, max_matching_ngram_size, cuda_graphs or compile)
-    assistant = assistant_of(model, assistant_model, num_assistant_tokens, cuda_graphs or compile, lookup)
+    lookup = lookup_of(prompt_lookup_num_tokens, max_matching_ngram_size)
+    assistant = assistant_of(model, assistant_model, num_assistant_tokens, lookup)
     # composite configs (Gemma 3, Fuyu: a text config inside) keep the token ids on the text config
     bos_id = (getattr(tokenizer, "bos_token_id", None) if tokenizer is not None
               else getattr(model.config.get_text_config(decoder=True), "bos_token_id", None))
@@ -382,6 +382,10 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         min_new_tokens=min_new_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
                         suppress_tokens=suppress_tokens)
+    if rules is not None and (cuda_graphs or compile) and (lookup or assistant):
+        raise ValueError("generate: token rules (repetition/frequency/presence penalties, min_new_tokens, logit_bias, "
+                         "bad_words_ids, suppress_tokens) with speculative decoding run on the eager path "
+                         "(cuda_graphs=False, compile=False): the static verification step draws without them")
     if n_seq > 1:  # sample j of prompt b: its own stream (a golden-ratio stride; sample 0 keeps the prompt's seed)
         stride = torch.tensor(seed_stream(0, n_seq), dtype=torch.int64)
         seeds = seeds.repeat_interleave(n_seq) + stride.repeat(P)  # int64 addition wraps: seeds stay any int64
@@ -392,7 +396,7 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                 logprobs_mode, lookup, assistant)
 
 
-def lookup_of(num_tokens, max_ngram, static: bool) -> tuple[int, int] | None:
+def lookup_of(num_tokens, max_ngram) -> tuple[int, int] | None:
     """Prompt lookup's options (transformers' names and default n-gram size, 2) checked: ``(k, n)`` or None (off)."""
     if num_tokens is None:
         if max_ngram is not None:
@@ -403,13 +407,10 @@ def lookup_of(num_tokens, max_ngram, static: bool) -> tuple[int, int] | None:
     n = 2 if max_ngram is None else max_ngram
     if not is_int(n) or n < 1:
         raise ValueError(f"generate: max_matching_ngram_size must be None or an int >= 1, got {max_ngram!r}")
-    if static:
-        raise ValueError("generate: prompt_lookup_num_tokens runs on the eager decode path (cuda_graphs=False, "
-                         "compile=False): a speculative step with a fixed draft length per bucket is not built yet")
     return int(num_tokens), int(n)
 
 
-def assistant_of(model, draft, k, static: bool, lookup) -> tuple | None:
+def assistant_of(model, draft, k, lookup) -> tuple | None:
     """A draft model checked (arkernels runs it, the target's vocabulary, the target's device): ``(draft, k)`` or
     None (off)."""
     from arkernels.hf.capability import check_model, check_model_tensors
@@ -423,8 +424,6 @@ def assistant_of(model, draft, k, static: bool, lookup) -> tuple | None:
     k = 5 if k is None else k
     if not is_int(k) or k < 1:
         raise ValueError(f"generate: num_assistant_tokens must be None or an int >= 1, got {k!r}")
-    if static:
-        raise ValueError("generate: assistant_model runs on the eager decode path (cuda_graphs=False, compile=False)")
     check_model(draft, "arkernels.generate (assistant_model)")
     check_model_tensors(draft, "generate (assistant_model)")
     if vocab_size_of(draft) != vocab_size_of(model):

@@ -22,8 +22,9 @@ import torch
 from arkernels.decode.emit import draw, take
 from arkernels.decode.inputs import Plan, cache_kwarg, make_plan
 from arkernels.decode.result import GenerateResult
-from arkernels.decode.drafts import make_drafter
+from arkernels.decode.drafts import make_drafter, speculative_sampling
 from arkernels.decode.spec import decode_spec
+from arkernels.decode.spec_step import SpecStep
 from arkernels.decode.step import DecodeStep, StaticDecode, register_static
 
 
@@ -100,7 +101,8 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
             earlier occurrence of its last ``max_matching_ngram_size`` (default 2, then shorter) tokens, and one
             forward verifies them all; the tokens are those of ``prompt_lookup_num_tokens=None`` for the same seeds
             (``arkernels.decode.spec``). ``result.proposed_tokens`` / ``accepted_tokens`` count the drafts per row.
-            Eager decode path only (not with ``cuda_graphs`` / ``compile``).
+            With ``cuda_graphs`` / ``compile`` the verification is a static step of ``k + 1`` positions per row
+            (``arkernels.decode.spec_step``: one graph per batch-size bucket), without token rules or logprobs.
         assistant_model, num_assistant_tokens: speculative decoding with a draft model (transformers' names): a
             decoder ``check_model`` accepts, with the target's vocabulary size, on the same device, proposes
             ``num_assistant_tokens`` (default 5, fixed) greedy tokens per step on its own paged cache; the target
@@ -151,7 +153,7 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
         spec = plan.lookup is not None or plan.assistant is not None
         # (the one-token step's pinned buffers are made before the prefill: the decode loop then reads no host data
         # but each step's token ids)
-        dec = None if spec else _one_token_step(model, plan, cache, cache_kw, aux)
+        dec = _spec_step(model, plan, cache, cache_kw) if spec else _one_token_step(model, plan, cache, cache_kw, aux)
         t0 = time.perf_counter()
         first = _prefill(model, plan, cache, cache_kw, aux)
         result.prefill_s = time.perf_counter() - t0
@@ -159,7 +161,7 @@ def _run(model, plan: Plan, result: GenerateResult) -> None:
         if spec:
             drafter = make_drafter(plan)
             try:
-                decode_spec(model, plan, cache, cache_kw, first, aux.pop("lp", None), result, drafter)
+                decode_spec(model, plan, cache, cache_kw, first, aux.pop("lp", None), result, drafter, dec)
             finally:
                 drafter.close()
         else:
@@ -186,6 +188,21 @@ def _one_token_step(model, plan: Plan, cache, cache_kw: str, aux: dict):
     return kind(model, cache, cache_kw, plan.rows, plan.seed_list, step_draw,
                 capture=plan.cuda_graphs and plan.device.type == "cuda", compile=plan.compile,
                 token_state=None if plan.rules is None else plan.rules["token_state"])
+
+
+def _spec_step(model, plan: Plan, cache, cache_kw: str) -> SpecStep | None:
+    """The static verification step of a speculative ``cuda_graphs=True`` / ``compile=True`` call (None: eager)."""
+    from arkernels.ops.sampling import sample
+
+    if not plan.cuda_graphs:
+        return None
+
+    def step_draw(lg, sd, st, hr):  # (no token rules or logprobs on this path: make_plan refuses them)
+        return draw(sample, lg, None, sd, st, **plan.sampling, idx=..., rows=hr)
+
+    k = plan.lookup[0] if plan.lookup is not None else plan.assistant[1]
+    return SpecStep(model, cache, cache_kw, plan.rows, plan.seed_list, k, step_draw,
+                    capture=plan.device.type == "cuda", compile=plan.compile, accept=not speculative_sampling(plan))
 
 
 def _prefill(model, plan: Plan, cache, cache_kw: str, aux: dict) -> torch.Tensor:

@@ -96,9 +96,9 @@ def verify_sampled(plan: Plan, logits: torch.Tensor, rows: list[int], drafts: li
 
 
 def decode_spec(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, lp, result: GenerateResult,
-                drafter) -> None:
+                drafter, static=None) -> None:
     """The decode loop with speculative steps (after the prefill drew ``first``, int64 ``[rows]``); ``drafter``: an
-    ``arkernels.decode.drafts`` proposer."""
+    ``arkernels.decode.drafts`` proposer; ``static``: the ``SpecStep`` of ``cuda_graphs=True`` (None: eager)."""
     B = plan.rows
     history = [list(plan.prompts[r // plan.n_seq]) for r in range(B)]
     done = [False] * B
@@ -111,14 +111,22 @@ def decode_spec(model, plan: Plan, cache, cache_kw: str, first: torch.Tensor, lp
     while not all(done):
         rows = [r for r in range(B) if not done[r]]
         drafts = drafter.propose(rows, history, [plan.max_new_tokens - len(result.tokens[r]) - 1 for r in rows])
-        logits = _forward(model, cache, cache_kw, rows, [history[r][-1] for r in rows], drafts,
-                          [lengths[r] for r in rows])
+        last, row_lens = [history[r][-1] for r in rows], [lengths[r] for r in rows]
         aux: dict = {}
         done_tokens = [len(result.tokens[r]) for r in rows]
-        if getattr(drafter, "sampling", None) is not None:
-            emitted = verify_sampled(plan, logits, rows, drafts, done_tokens, drafter.logits)
+        sampled = getattr(drafter, "sampling", None) is not None
+        if static is not None and not sampled:
+            emitted = [t[:t[-1] + 1] for t in static.verify(rows, last, drafts, row_lens, done_tokens).tolist()]
         else:
-            emitted = verify(plan, logits, rows, drafts, done_tokens, aux)
+            if static is not None:  # the step's logits [n, q, V], each row's positions packed as the eager forward's
+                full = static.verify(rows, last, drafts, row_lens, done_tokens)
+                logits = torch.cat([x[:1 + len(d)] for x, d in zip(full, drafts)])
+            else:
+                logits = _forward(model, cache, cache_kw, rows, last, drafts, row_lens)
+            if sampled:
+                emitted = verify_sampled(plan, logits, rows, drafts, done_tokens, drafter.logits)
+            else:
+                emitted = verify(plan, logits, rows, drafts, done_tokens, aux)
         lps = _split_logprobs(aux.pop("lp", None), rows, drafts, emitted)
         for r, d, e in zip(rows, drafts, emitted):
             result.proposed_tokens[r] += len(d)

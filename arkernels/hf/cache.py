@@ -264,34 +264,38 @@ class PagedCache(DynamicCache):
         self.unfix()  # arkernels.generate plans ragged rows: the host path
         self.plan = (list(rows), list(q_lens))
 
-    def begin_static_step(self, rows: list[int], ahead: int = 0) -> list[list[int]]:
-        """Host half of a static one-token decode step for ``rows`` (outside any CUDA graph): frees out-of-window
-        blocks, reserves one slot per row (and, in full-attention groups, the blocks of each row's next ``ahead``
-        tokens whenever it needs a new one: fewer table writes). Returns, per group (in ``self.groups`` order), the
-        slot of each row, computed from the host's block lists (nothing is read back from the device)."""
+    def begin_static_step(self, rows: list[int], ahead: int = 0, tokens: int = 1) -> list[list[int]]:
+        """Host half of a static decode step of ``tokens`` new positions per row (outside any CUDA graph): frees
+        out-of-window blocks, reserves the slots (and, in full-attention groups, the blocks of each row's next
+        ``ahead`` tokens whenever it needs a new one: fewer table writes). Returns, per group (in ``self.groups``
+        order), the slots row by row (``tokens`` per row), computed from the host's block lists (nothing is read back
+        from the device)."""
         out = []
-        ones = [1] * len(rows)
         self.version += 1  # the step's layers append: the dense views are stale from here
         for g in self.groups.values():
-            g.advance(rows, ones, make_slots=False, ahead=ahead)
+            g.advance(rows, [tokens] * len(rows), make_slots=False, ahead=ahead)
             bs, blocks = g.block_size, g.rows
-            out.append([blocks[r][p // bs] * bs + p % bs for r, p in zip(rows, g.forward_start)])
+            out.append([blocks[r][(p + j) // bs] * bs + (p + j) % bs
+                        for r, p in zip(rows, g.forward_start) for j in range(tokens)])
         return out
 
-    def set_static_step(self, row_index: torch.Tensor, seq_lens: torch.Tensor, slots: list[torch.Tensor]) -> None:
+    def set_static_step(self, row_index: torch.Tensor, seq_lens: torch.Tensor, slots: list[torch.Tensor],
+                        cu_seqlens_q: torch.Tensor | None = None, max_q_len: int | None = None) -> None:
         """Device half of a static decode step: tensor ops only, so it can run inside a CUDA graph capture.
 
         Args:
             row_index: int64 ``[bucket]``: the cache row of each batch row (padding rows: any valid row).
             seq_lens: int32 ``[bucket]``: lengths after this step; 0 for padding rows (the kernel outputs zeros).
-            slots: per group, int64 ``[bucket]``: where each batch row's new K/V go; -1 for padding (skipped).
+            slots: per group, int64 ``[bucket * q]``: where each batch row's new K/V go; -1 for padding (skipped).
+            cu_seqlens_q: int32 ``[bucket + 1]`` (``0, q, 2q, ...``) and ``max_q_len`` = q when each row has
+                ``q > 1`` queries (a speculative step's verification); None for one query per row.
         """
         if not self.paged_attention:
             raise RuntimeError("PagedCache: a static decode step needs paged_attention=True")
         kv_start = None if self.kv_start is None else self.kv_start.index_select(0, row_index)
         for g, s in zip(self.groups.values(), slots):
-            g.static = (s, PagedStep(g.table.index_select(0, row_index), seq_lens, None, None, kv_start,
-                                     no_dense))
+            g.static = (s, PagedStep(g.table.index_select(0, row_index), seq_lens, cu_seqlens_q, max_q_len,
+                                     kv_start, no_dense))
 
     def end_static(self) -> None:
         """Back to the planned (dynamic) path."""
