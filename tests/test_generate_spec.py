@@ -135,8 +135,6 @@ def test_propose_is_transformers_prompt_lookup():
     (dict(prompt_lookup_num_tokens=True), "prompt_lookup_num_tokens must be None or an int >= 1"),
     (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=0), "max_matching_ngram_size must be None or an int"),
     (dict(max_matching_ngram_size=2), "max_matching_ngram_size goes with prompt_lookup_num_tokens"),
-    (dict(prompt_lookup_num_tokens=2, cuda_graphs=True, repetition_penalty=1.1), "token rules .* eager path"),
-    (dict(prompt_lookup_num_tokens=2, compile=True, min_new_tokens=2), "token rules .* eager path"),
     (dict(prompt_lookup_num_tokens=2, cuda_graphs=True, logprobs=1), "logprobs= runs on the eager decode path"),
 ])
 def test_lookup_bad_arguments(kw, says):
@@ -175,9 +173,6 @@ def test_draft_model_refusals():
         arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, num_assistant_tokens=0)
     with pytest.raises(ValueError, match="pass assistant_model or prompt_lookup_num_tokens, not both"):
         arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, prompt_lookup_num_tokens=2)
-    with pytest.raises(ValueError, match="token rules .* eager path"):
-        arkernels.generate(model, PROMPTS, max_new_tokens=2, assistant_model=model, cuda_graphs=True,
-                           suppress_tokens=[3])
 
 
 def _sharp(seed: int, negate: bool = False):
@@ -238,13 +233,18 @@ def test_sampled_draft_model_with_rules_keeps_the_one_token_tokens():
 
 
 # ---- cuda_graphs=True / compile=True: the static verification step (arkernels/decode/spec_step.py) ----------------
+RULES = dict(temperature=0.05, seed=[3, 1, 4, 1], repetition_penalty=1.02, min_new_tokens=6, frequency_penalty=0.01,
+             presence_penalty=0.01, logit_bias={9: 0.5}, suppress_tokens=[11])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_lookup_is_the_one_token_loop(family):
-    """k + 1 positions per row in one fixed-shape step, the rows padded to batch-size buckets as rows finish (the
-    staggered max_new_tokens below): the one-token loop's tokens, greedy and seeded sampling; drafts accepted; a row's
-    padded positions never counted as accepted drafts; every block back."""
+    """k + 1 positions per row in one fixed-shape step, the rows padded to batch-size buckets as rows finish: the
+    one-token loop's tokens, greedy, seeded sampling and sampling with every token rule (the drafts before each
+    position in its history); drafts accepted; a row's padded positions never counted as accepted drafts; every
+    block back."""
     model = tiny_model(family)
-    for kw in (dict(), dict(temperature=0.05, top_k=20, top_p=0.95, seed=[3, 1, 4, 1])):
+    for kw in (dict(), dict(temperature=0.05, top_k=20, top_p=0.95, seed=[3, 1, 4, 1]), RULES):
         plain, _ = _pair(model, **kw)
         got = arkernels.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4,
                                  prompt_lookup_num_tokens=K, cuda_graphs=True, **kw)
@@ -267,6 +267,18 @@ def test_static_lookup_max_new_tokens_and_eos_exact(max_new):
     assert got.tokens == plain.tokens and got.finished_by_eos == plain.finished_by_eos
 
 
+def test_static_lookup_rules_see_the_accepted_drafts():
+    """test_lookup_rules_see_the_accepted_drafts on the static step: the drafts before each position counted in its
+    history inside the step."""
+    model = tiny_model("gemma3_text")
+    kw = dict(logit_bias={9: 0.5}, frequency_penalty=0.01)
+    plain, _ = _pair(model, **kw)
+    got = arkernels.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=[], block_size=4,
+                             prompt_lookup_num_tokens=K, cuda_graphs=True, **kw)
+    assert got.tokens == plain.tokens
+    assert sum(got.accepted_tokens) > 0
+
+
 def test_static_draft_model():
     """A draft model with the static verification step: greedy (the target itself: every draft kept; another model)
     gives the one-token loop's tokens; sampled drafts (Leviathan / Chen on the step's logits) give the eager
@@ -285,9 +297,10 @@ def test_static_draft_model():
     assert got.tokens == eager.tokens and got.accepted_tokens == eager.accepted_tokens
 
 
-def test_static_lookup_compiled_one_graph_per_bucket(monkeypatch):
-    """compile=True: the same tokens as the eager speculative loop, one dynamo graph per batch-size bucket used (none
-    per step, no graph break)."""
+@pytest.mark.parametrize("family,rules", [("llama", {}), ("qwen3", RULES)], ids=["greedy", "rules"])
+def test_static_lookup_compiled_one_graph_per_bucket(monkeypatch, family, rules):
+    """compile=True: the same tokens as the one-token loop, one dynamo graph per batch-size bucket used (none per step,
+    no graph break), greedy and sampling with every token rule."""
     from torch._dynamo.utils import counters
 
     from arkernels.decode import spec_step
@@ -300,8 +313,8 @@ def test_static_lookup_compiled_one_graph_per_bucket(monkeypatch):
         return verify(self, rows, *args)
 
     monkeypatch.setattr(spec_step.SpecStep, "verify", counted)
-    model = tiny_model("llama")
-    kw = dict(max_new_tokens=NEW_TOKENS, block_size=4, eos_token_id=[])
+    model = tiny_model(family)
+    kw = dict(max_new_tokens=NEW_TOKENS, block_size=4, eos_token_id=[], **rules)
     plain = arkernels.generate(model, PROMPTS, **kw)
     eos = [plain.tokens[1][6]]  # row 1 ends early: a smaller bucket
     plain = arkernels.generate(model, PROMPTS, **dict(kw, eos_token_id=eos))

@@ -382,10 +382,6 @@ def make_plan(model, prompts_or_input_ids, *, input_ids, attention_mask, token_t
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         min_new_tokens=min_new_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
                         suppress_tokens=suppress_tokens)
-    if rules is not None and (cuda_graphs or compile) and (lookup or assistant):
-        raise ValueError("generate: token rules (repetition/frequency/presence penalties, min_new_tokens, logit_bias, "
-                         "bad_words_ids, suppress_tokens) with speculative decoding run on the eager path "
-                         "(cuda_graphs=False, compile=False): the static verification step draws without them")
     if n_seq > 1:  # sample j of prompt b: its own stream (a golden-ratio stride; sample 0 keeps the prompt's seed)
         stride = torch.tensor(seed_stream(0, n_seq), dtype=torch.int64)
         seeds = seeds.repeat_interleave(n_seq) + stride.repeat(P)  # int64 addition wraps: seeds stay any int64

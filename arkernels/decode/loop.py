@@ -102,7 +102,7 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
             forward verifies them all; the tokens are those of ``prompt_lookup_num_tokens=None`` for the same seeds
             (``arkernels.decode.spec``). ``result.proposed_tokens`` / ``accepted_tokens`` count the drafts per row.
             With ``cuda_graphs`` / ``compile`` the verification is a static step of ``k + 1`` positions per row
-            (``arkernels.decode.spec_step``: one graph per batch-size bucket), without token rules or logprobs.
+            (``arkernels.decode.spec_step``: one graph per batch-size bucket); logprobs there are refused.
         assistant_model, num_assistant_tokens: speculative decoding with a draft model (transformers' names): a
             decoder ``check_model`` accepts, with the target's vocabulary size, on the same device, proposes
             ``num_assistant_tokens`` (default 5, fixed) greedy tokens per step on its own paged cache; the target
@@ -197,12 +197,13 @@ def _spec_step(model, plan: Plan, cache, cache_kw: str) -> SpecStep | None:
     if not plan.cuda_graphs:
         return None
 
-    def step_draw(lg, sd, st, hr):  # (no token rules or logprobs on this path: make_plan refuses them)
-        return draw(sample, lg, None, sd, st, **plan.sampling, idx=..., rows=hr)
+    def step_draw(lg, sd, st, rules):  # rules: per position (``SpecStep``); no logprobs here (make_plan refuses them)
+        return draw(sample, lg, None, sd, st, **plan.sampling, idx=..., rules=rules)
 
     k = plan.lookup[0] if plan.lookup is not None else plan.assistant[1]
     return SpecStep(model, cache, cache_kw, plan.rows, plan.seed_list, k, step_draw,
-                    capture=plan.device.type == "cuda", compile=plan.compile, accept=not speculative_sampling(plan))
+                    capture=plan.device.type == "cuda", compile=plan.compile, accept=not speculative_sampling(plan),
+                    rules=plan.rules)
 
 
 def _prefill(model, plan: Plan, cache, cache_kw: str, aux: dict) -> torch.Tensor:

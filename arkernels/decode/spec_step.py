@@ -7,7 +7,8 @@ A row with fewer than ``k`` drafts (prompt lookup found fewer, or ``max_new_toke
 positions with its last token: they are computed, never kept (acceptance stops at the row's draft count, and their
 K/V are rolled back by length with the rejected drafts). Inside the step, every position is drawn as the one-token
 loop draws that token (same seed, ``step`` = the token's index) and the accepted count (drafts kept while each equals
-the draw at its position) is computed on the device; the host reads ``[n, q + 1]`` ints once per step. With
+the draw at its position) is computed on the device; the host reads ``[n, q + 1]`` ints once per step. Token rules see, at each position, the row's history plus the drafts
+before it (``_position_rules``), as in the eager verification. With
 Leviathan / Chen acceptance (sampled drafts of a draft model) the step returns the logits instead and
 ``arkernels.decode.spec.verify_sampled`` accepts on them.
 """
@@ -34,8 +35,9 @@ class SpecStep(StaticDecode):
     ahead = 0  # rejected drafts are rolled back every step: blocks reserved ahead would be returned at once
 
     def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], k: int, draw,
-                 capture: bool = False, compile: bool = False, accept: bool = True):
+                 capture: bool = False, compile: bool = False, accept: bool = True, rules: dict | None = None):
         super().__init__(model, cache, cache_kw, batch, seeds, draw, capture=capture, compile=compile)
+        self.rules = rules  # token_rules' tensors (per cache row) or None
         self.q = k + 1
         self.accept = accept  # draw and accept in the step; False: return the logits (Leviathan / Chen on the host)
         self.width = self.q * (1 + self.num_groups) + _ROW_FIELDS
@@ -90,7 +92,24 @@ class SpecStep(StaticDecode):
             return logits
         seeds = buf[:, -3].repeat_interleave(q)
         steps = (buf[:, -2:-1] + self.offsets).reshape(-1)
-        draws = self.draw(logits.reshape(b * q, -1), seeds, steps, row.repeat_interleave(q)).view(b, q)
+        draws = self.draw(logits.reshape(b * q, -1), seeds, steps, self._position_rules(row, ids)).view(b, q)
         kept = (draws[:, :-1] == ids[:, 1:]) & (self.offsets[:-1] < buf[:, -1:])
         accepted = kept.to(torch.int64).cumprod(1).sum(1)
         return torch.cat([draws, accepted[:, None]], 1)
+
+    def _position_rules(self, row: torch.Tensor, ids: torch.Tensor) -> dict | None:
+        """The token rules of each of the ``b * q`` positions: its row's tensors, with a history (``token_state``, a
+        copy: a replay recomputes it) that also counts the drafts before the position, as the one-token loop's
+        history holds them when it draws that token. Tensor ops only (captured / compiled with the step)."""
+        if self.rules is None:
+            return None
+        from arkernels.ops.sampling import update_token_state
+
+        q = self.q
+        owners = row.repeat_interleave(q)
+        out = {n: (v[owners] if isinstance(v, torch.Tensor) else v) for n, v in self.rules.items()}
+        base = torch.arange(0, row.shape[0] * q, q, device=row.device)[:, None]
+        for j in range(q - 1):  # draft j (input j + 1) is in the history of positions j + 1 .. q - 1 of its row
+            later = (base + self.offsets[j + 1:]).reshape(-1)
+            update_token_state(out["token_state"], ids[:, j + 1].repeat_interleave(q - 1 - j), later)
+        return out
