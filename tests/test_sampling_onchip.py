@@ -12,7 +12,7 @@ import arkernels
 import arkernels.triton.sampling_launch as launch
 from arkernels.reference.sampling import sampling_probs_ref
 from arkernels.triton.sampling_launch import sample_triton
-from arkernels.triton.sampling_select import KMAX, order_key, survivor_positions
+from arkernels.triton.sampling_select import KMAX, survivor_positions, survivor_thresholds
 
 V = 4099  # 5 chunks: 5 programs per row at small batch (tickets), not a multiple of any block
 
@@ -133,7 +133,113 @@ def test_survivor_positions(case):
         assert cnt == k  # narrowed to the k-th key itself
 
 
+@triton.jit
+def _thresholds_kernel(x_ptr, n, m, T, k, p, out_ptr, KS: tl.constexpr):
+    j = tl.arange(0, KS)
+    live = j < n
+    tk, z, tp = survivor_thresholds(tl.load(x_ptr + j, mask=live, other=float("-inf")), live, m, T, k, p, KS)
+    tl.store(out_ptr, tk)
+    tl.store(out_ptr + 1, tp)
+
+
+def _want_thresholds(x, T, k, p):
+    """Top-k's threshold (the k-th largest, -inf when fewer) and top-p's on z over the top-k set (the largest z whose
+    fp64 mass strictly below is under 1 - p; p is placed between boundaries), from sorted fp64."""
+    xs = torch.sort(x.double(), descending=True).values
+    tk = float(xs[k - 1]) if k <= x.numel() else float("-inf")
+    m = float(xs[0])
+    z = ((x.double() - m) / T)[x >= tk]
+    if p >= 1:
+        return tk, float("-inf")
+    q = torch.exp(z) / torch.exp(z).sum()
+    below = torch.stack([q[z < v].sum() for v in z])
+    passing = z[below <= 1 - p]
+    return tk, float(passing.max()) if passing.numel() else float("-inf")
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "k1", "fewer", "topp"])
+def test_survivor_thresholds(case):
+    """``survivor_thresholds`` against sorted fp64: top-k's threshold is the k-th largest value exactly (ties at it
+    kept, fewer survivors than k keep all), top-p's the z of the smallest kept token (p between boundaries)."""
+    gen = torch.Generator().manual_seed(9)
+    T, p = 0.8, 1.0
+    x = torch.randn(50, generator=gen) * 2
+    k = 20
+    if case == "ties":
+        x = torch.round(x * 2) / 2  # many ties, also at the k-th value
+    elif case == "k1":
+        k = 1
+    elif case == "fewer":
+        k = 60
+    elif case == "topp":
+        x = torch.round(x * 4) / 4
+        tk, _ = _want_thresholds(x, T, k, 1.0)
+        z = torch.unique((x[x >= tk].double() - x.max()) / T, sorted=True)
+        q = torch.exp(z) * torch.stack([((x[x >= tk].double() - x.max()) / T == v).sum() for v in z])
+        q = q / q.sum()
+        below = torch.cumsum(q, 0) - q  # mass strictly below each distinct z, ascending
+        p = float(1 - (below[len(below) // 2] + below[len(below) // 2 + 1]) / 2)  # halfway between two boundaries
+    out = torch.zeros(2)
+    _thresholds_kernel[(1,)](x, x.numel(), float(x.max()), T, k, p, out, KS=KMAX)
+    tk, tp = _want_thresholds(x, T, k, p)
+    assert float(out[0]) == tk
+    if case == "topp":
+        assert tp > float("-inf") and float(out[1]) == pytest.approx(tp, abs=1e-6)
+        assert (((x - x.max()) / T) == out[1]).any()  # a survivor's fp32 z, not a value between two
+    else:
+        assert float(out[1]) == float("-inf")
+
+
 def test_kmax_is_checked():
     x, T, k, p, mp = (t[:1] for t in _rows())
     with pytest.raises(ValueError, match="kmax"):
         sample_triton(x, T, k, p, mp, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), kmax=48)
+
+
+def test_pdl_only_where_supported():
+    """Programmatic dependent launch is off on the CPU / interpreter, and asking for it there is refused."""
+    from arkernels.triton.pdl import pdl_supported
+
+    assert not pdl_supported(torch.device("cpu"))
+    x, T, k, p, mp = (t[:1] for t in _rows())
+    with pytest.raises(ValueError, match="pdl"):
+        sample_triton(x, T, k, p, mp, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), pdl=True)
+
+
+_PDL_COMPILE = r"""
+import inspect, json
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+import arkernels.triton.sampling as S
+INT = {"topk_ptr": "*i32", "carg_ptr": "*i32", "hist_ptr": "*i32", "rhist_ptr": "*i32", "passes_ptr": "*i32",
+       "state_ptr": "*i32", "hrow_ptr": "*i64", "ticket_ptr": "*i64", "cut_ptr": "*i32", "off_ptr": "*i32",
+       "ncand_ptr": "*i32"}
+fn = S.sampling_stats_kernel
+params = list(inspect.signature(fn.fn).parameters)
+out = {}
+for cap, warps, pdl in ((80, 32, False), (90, 128, True), (90, 128, False)):
+    c = dict(BLOCK=S.STATS_BLOCK, R=1, NCP=128, SP=S.MAX_SPLITS, DEBUG=False, STATE=False, BIAS=False, PDL=pdl)
+    sig = {p: "constexpr" if p in c else INT.get(p, "*fp32") if p.endswith("_ptr")
+           else "i64" if p.startswith("stride") else "i32" for p in params}
+    k = triton.compile(ASTSource(fn, signature=sig, constexprs=c), target=GPUTarget("cuda", cap, warps),
+                       options=dict(num_warps=16, **({"launch_pdl": True} if pdl else {})))
+    out[f"{cap}-{pdl}"] = k.asm["ptx"].count("griddepcontrol")
+print(json.dumps(out))
+"""
+
+
+def test_pdl_compiles_in_for_sm90_only():
+    """The stats kernel's PTX: ``griddepcontrol`` (wait + launch_dependents) with PDL on sm_90, none for sm_80 (the
+    host never sets PDL there) nor with PDL off."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _PDL_COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"80-False": 0, "90-True": 2, "90-False": 0}

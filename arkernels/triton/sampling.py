@@ -19,7 +19,6 @@ sampling_splits(batch, vocab)`` programs per row (about TARGET_PROGRAMS in all, 
      split like the stats pass); the row's last program draws (``_draw``): with top-k <= KMAX on chip (candidates
      loaded once, survivors by radix levels, thresholds pairwise: sampling_select.py), else by the pivot search
      and the race on the candidates, or for a flagged row the full-row search.
-
 ``sampling_probs``: one program per row, the full-row search (``sampling_probs_kernel``).
 
 Why thresholds and not a sort: every filter keeps an *upper set* of the row, so the kept set is
@@ -46,12 +45,13 @@ import triton
 import triton.language as tl
 
 from arkernels import token_state_layout as _layout
+from arkernels.triton.pdl import pdl_enter
 from arkernels.triton.sampling_select import order_key, order_unkey, survivor_positions, survivor_thresholds
 from arkernels.triton.tickets import last_program
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read it
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
-MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop for graphs
+MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop
 DRAW_BLOCK = 2048  # elements per block in the streaming passes
 STATS_BLOCK = 1024  # columns per chunk (the unit of the chunk partials); loops run TILE_CHUNKS of them per trip
 SEARCH_BLOCK = 512  # elements per block in the search passes ([SEARCH_BLOCK, PIVOTS] tiles)
@@ -62,8 +62,7 @@ TILE_CHUNKS = 4  # chunks per loop trip in the stats / compaction passes: a [4, 
 # Launch options per kernel (the offline sm_90 compile test reads them too; its registers and spills: docs/kernels.md)
 LAUNCH = {
     "sampling_stats_kernel": dict(num_warps=16),
-    # the draw (the row's last program) holds [SEARCH_BLOCK, PIVOTS] tiles: 8 warps keep it spill-free (at 16 warps
-    # ptxas caps registers at 64 and spills)
+    # the draw's [SEARCH_BLOCK, PIVOTS] tiles: 8 warps keep it spill-free (16 warps: 64 registers, spills)
     "sampling_compact_kernel": dict(num_warps=8, maxnreg=168),
     "sampling_probs_kernel": dict(num_warps=8),
     "sampling_rules_kernel": dict(num_warps=8),
@@ -283,9 +282,8 @@ def _race_tile(x, cols, mask, z, tk, tp, min_p, key):
 @triton.jit
 def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr, USE_IDX: tl.constexpr,
           BLOCK: tl.constexpr):
-    """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab
-    column)`` (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend
-    along ``base``)."""
+    """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab column)``
+    (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties to the lowest column (columns ascend along ``base``)."""
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.zeros((), tl.int32)
     for start in range(first, n, BLOCK):
@@ -341,8 +339,9 @@ def sampling_stats_kernel(
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S, CAP,  # chunks per row, chunks per program, programs per row, candidates per row
     BLOCK: tl.constexpr, R: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
-    STATE: tl.constexpr, BIAS: tl.constexpr,
+    STATE: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # before any access: the logits come from the kernel before (arkernels/triton/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
@@ -483,11 +482,12 @@ def sampling_compact_kernel(
     NCHUNK, CPS, S, CAP,
     BLOCK: tl.constexpr, R: tl.constexpr, DRAW_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
     MAX_PASSES: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr,
-    BIAS: tl.constexpr, KMAX: tl.constexpr, DT: tl.constexpr,
+    BIAS: tl.constexpr, KMAX: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Each program compacts its columns' candidates (bucket >= the row's cutoff) into ``[batch, cap]`` scratch in
     column order from its offset (R chunks per trip; a trip without a candidate costs one reduction, no scan and
     no store), or, on a row flagged -2, races its own columns; the row's last program then draws (``_draw``)."""
+    pdl_enter(PDL)  # before any access: the stats launch's outputs
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
