@@ -80,6 +80,18 @@ def test_onchip_rows_need_no_search_pass(monkeypatch):
     assert not all(torch.equal(g, w) for g, w in zip(searched, want))
 
 
+def test_onchip_min_p_with_top_k():
+    """Top-k 10 with min-p 0.3: nine tokens at a probability ratio of 0.295 share the min-p bound's bucket, so they are
+    candidates and survivors, and min-p must drop them in the on-chip race: every seed draws the maximum."""
+    x = torch.full((16, 111), -10.0)
+    x[:, 5], x[:, 20:29] = 0.0, -1.22
+    T, k, p, mp = torch.ones(16), torch.full((16,), 10, dtype=torch.int32), torch.ones(16), torch.full((16,), 0.3)
+    seed, step = torch.arange(16) + 3, torch.zeros(16, dtype=torch.int64)
+    ids, _, (ncand, _) = sample_triton(x, T, k, p, mp, seed, step, debug=True)
+    assert (ncand == 10).all() and (ids == 5).all()
+    assert torch.equal(ids, arkernels.sample(x, temperature=T, top_k=k, top_p=p, min_p=mp, seed=seed, step=step))
+
+
 @triton.jit
 def _survivors_kernel(x_ptr, n, k, prefix, pos_ptr, cnt_ptr, DT: tl.constexpr, KS: tl.constexpr):
     pos, cnt = survivor_positions(x_ptr, n, k, prefix, 20, DT, KS)
@@ -171,8 +183,8 @@ def test_survivor_thresholds(case):
         k = 1
     elif case == "fewer":
         k = 60
-    elif case == "topp":
-        x = torch.round(x * 4) / 4
+    elif case == "topp":  # a flat row: the tokens outside the top-k set hold much of the mass (Z is the set's)
+        x = torch.round(x * 16) / 64
         tk, _ = _want_thresholds(x, T, k, 1.0)
         z = torch.unique((x[x >= tk].double() - x.max()) / T, sorted=True)
         q = torch.exp(z) * torch.stack([((x[x >= tk].double() - x.max()) / T == v).sum() for v in z])
