@@ -40,9 +40,9 @@ def order_unkey(k):
 
 @triton.jit
 def _radix_bound(key, mask, k, prefix, shift, KS: tl.constexpr):
-    """The smallest key ``lo`` on the radix grid below ``prefix`` (keys ``>> shift == prefix``: the cutoff bucket)
-    such that ``{key >= lo}`` still holds the k largest keys, refined until it holds <= KS or the key is exhausted.
-    Returns ``(lo, count of keys >= lo, count above the cutoff bucket)``."""
+    """The largest key ``lo`` on the radix grid inside ``prefix`` (keys ``>> shift == prefix``: the cutoff bucket)
+    such that ``{key >= lo}`` still holds the k largest keys, refined a digit at a time until it holds <= KS keys or
+    the key is exhausted. Returns ``(lo, count of keys >= lo, count above the cutoff bucket)``."""
     above = tl.sum((mask & ((key >> shift) > prefix)).to(tl.int32), axis=0)
     cnt = tl.sum((mask & ((key >> shift) >= prefix)).to(tl.int32), axis=0)
     b = tl.arange(0, RADIX_BINS)
@@ -65,7 +65,7 @@ def _radix_bound(key, mask, k, prefix, shift, KS: tl.constexpr):
 
 @triton.jit
 def survivor_positions(cb, n, k, prefix, SHIFT: tl.constexpr, DT: tl.constexpr, KS: tl.constexpr):
-    """``cb[:n]``: the row's candidates (fp32, an upper set of the row, all with ``key >> SHIFT >= prefix``).
+    """``cb[:n]``: the row's candidates (fp32, an upper set of the row, all with ``key >> SHIFT >= prefix``; n <= DT).
     Returns ``(pos [KS] int32, count)``: the positions in ``cb`` of the survivors (an upper set of the row holding
     the top-k set, ``pos[j]`` for ``j < count``), or a ``count`` over KS (or under ``min(k, n)``: an inconsistent
     prefix) when none fits the tile: the caller then searches."""
