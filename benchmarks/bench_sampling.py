@@ -20,7 +20,8 @@ GPU goals (issue 13, H200): vocab 128k batch 1 top-k + top-p <= 25 us; batch 256
 
 Headline case (``--headline``, ``bench_sampling_headline``; gpu_check runs it first): vocab 128256 fp32, batch 1 and
 256, every setting, ``arkernels.sample`` captured in a CUDA graph and replayed (the device time of its two launches,
-without the Python wrapper's host time) next to the eager call; on the CPU it only runs the eager CPU op.
+without the Python wrapper's host time) next to the eager call, the graphed kernels with the on-chip draw off
+(``graph_search``, ``kmax=0``) and at batch 1 without PDL (``graph_nopdl``); on the CPU only the eager CPU op.
 
 Penalties case (``bench_sampling_penalties``): vocab 128256, batch 1 and 256, a 4096-token history per row (prompt
 3072 + 1024 generated), T 0.8 + top-k 50 + top-p 0.9 with repetition 1.1, frequency 0.2, presence 0.1, against
@@ -44,6 +45,7 @@ from _common import device_name, parser, print_table, timeit, write_results  # n
 
 import arkernels  # noqa: E402
 from arkernels.reference.sampling import sampling_probs_ref  # noqa: E402
+from arkernels.triton.pdl import pdl_supported  # noqa: E402
 from arkernels.triton.sampling_launch import sample_triton  # noqa: E402
 
 T0 = 0.8
@@ -199,8 +201,23 @@ def bench_penalties(args, dev, iters):
 HEADLINE_VOCAB, HEADLINE_BATCHES = 128256, (1, 256)
 
 
+def _graphed(run, iters, dev):
+    """us per replay of ``run`` captured in a CUDA graph (the device time of its launches)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile and allocate (the stream's ticket workspace too) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: no zero fill captured
+        run()
+    return timeit(graph.replay, iters=iters, device=dev)
+
+
 def bench_headline(dev, iters):
-    """``sample`` at the issues' headline shapes: eager and CUDA-graph replayed (us per call)."""
+    """``sample`` at the issues' headline shapes: eager and CUDA-graph replayed (us per call); on a GPU also the
+    kernels with the on-chip draw off (``graph_search``: top-k rows search their candidates, issue 34 item 4's
+    before) and, at batch 1 on sm_90, without programmatic dependent launch (``graph_nopdl``), graph-replayed."""
     rows = []
     for batch in HEADLINE_BATCHES:
         logits = _logits(batch, HEADLINE_VOCAB, dev)
@@ -210,15 +227,13 @@ def bench_headline(dev, iters):
                                            seed=seed, step=step)
             times = {"eager": timeit(run, iters=iters, device=dev)}
             if dev != "cpu":
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    run()  # compile and allocate (the stream's ticket workspace too) outside the capture
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: no zero fill captured
-                    run()
-                times["graph"] = timeit(graph.replay, iters=iters, device=dev)
+                times["graph"] = _graphed(run, iters, dev)
+                rowp = [torch.full((batch,), v, dtype=d, device=dev)
+                        for v, d in ((T, torch.float32), (k, torch.int32), (p, torch.float32), (mp, torch.float32))]
+                times["graph_search"] = _graphed(lambda: sample_triton(logits, *rowp, seed, step, kmax=0), iters, dev)
+                if batch == 1 and pdl_supported(logits.device):  # what programmatic dependent launch hides
+                    times["graph_nopdl"] = _graphed(lambda: sample_triton(logits, *rowp, seed, step, pdl=False), iters,
+                                                    dev)
             for impl, t in times.items():
                 rows.append(dict(setting=name, vocab=HEADLINE_VOCAB, batch=batch, impl=impl, us=t * 1e6,
                                  gbps=logits.numel() * logits.element_size() / t / 1e9, device=device_name(dev)))

@@ -496,6 +496,7 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 import arkernels.triton.sampling as S
+import arkernels.triton.sampling_select as SEL
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 INT_PTRS = {"topk_ptr": "*i32", "carg_ptr": "*i32", "hist_ptr": "*i32", "rhist_ptr": "*i32", "passes_ptr": "*i32",
@@ -503,10 +504,12 @@ INT_PTRS = {"topk_ptr": "*i32", "carg_ptr": "*i32", "hist_ptr": "*i32", "rhist_p
             "ncand_ptr": "*i32", "rcol_ptr": "*i32", "ids_ptr": "*i64", "valid_ptr": "*i1", "logits_ptr": "*bf16",
             "ticket_ptr": "*i64", "cut_ptr": "*i32", "off_ptr": "*i32"}
 search = dict(SEARCH_BLOCK=S.SEARCH_BLOCK, P=S.PIVOTS, MAX_PASSES=S.MAX_PASSES)
-jobs = [(S.sampling_stats_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, NCP=128, SP=S.MAX_SPLITS, DEBUG=False))
+# sample's two kernels as an H200 runs them: programmatic dependent launch on (PDL, launch_pdl)
+jobs = [(S.sampling_stats_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, NCP=128, SP=S.MAX_SPLITS, DEBUG=False, PDL=True))
         for r in (1, 2, S.TILE_CHUNKS)]
 jobs += [(S.sampling_compact_kernel, dict(BLOCK=S.STATS_BLOCK, R=r, DRAW_BLOCK=S.DRAW_BLOCK, NCP=128, SP=S.MAX_SPLITS,
-                                          DEBUG=False, **search)) for r in (1, 2, S.TILE_CHUNKS)]
+                                          DEBUG=False, KMAX=SEL.KMAX, DT=SEL.DRAW_TILE, PDL=True, **search))
+         for r in (1, 2, S.TILE_CHUNKS)]
 jobs += [(S.sampling_probs_kernel, dict(BLOCK=S.DRAW_BLOCK, **search)),
          (S.sampling_rules_kernel, dict(BLOCK=S.DRAW_BLOCK))]
 out = []
@@ -519,7 +522,7 @@ for fn, consts in jobs:
         attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
                  if p not in c and (p.endswith("_ptr") or p.startswith("stride"))}
         k = triton.compile(ASTSource(fn, signature=sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 128),
-                           options=S.LAUNCH[fn.__name__])
+                           options=dict(S.LAUNCH[fn.__name__], **({"launch_pdl": True} if c.get("PDL") else {})))
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "k.ptx")
             open(src, "w").write(k.asm["ptx"])
@@ -528,8 +531,11 @@ for fn, consts in jobs:
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spill = [int(v) for v in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
         ptx = k.asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        loads = [i for i in (body.find("ld.global"), body.find("atom.global"), body.find("red.global")) if i >= 0]
         out.append([fn.__name__, c.get("R"), state, bias, len(k.asm["cubin"]), regs, spill, ptx.count("bar.sync"),
-                    ptx.count("atom.global.gpu.acq_rel.add.u64"), ptx.count("atom.global.gpu.relaxed.add.u32")])
+                    ptx.count("atom.global.gpu.acq_rel.add.u64"), ptx.count("atom.global.gpu.relaxed.add.u32"),
+                    body.find("griddepcontrol.wait"), min(loads) if loads else -1])
 print(json.dumps(out))
 """
 
@@ -556,6 +562,9 @@ def test_triton_kernels_compile_for_sm90():
     two = [b for b in built if b[0] in ("sampling_stats_kernel", "sampling_compact_kernel")]
     assert len(two) == 18 and all(b[8] == 1 for b in two), two
     assert all(b[9] > 0 for b in two if b[0] == "sampling_stats_kernel"), two
+    # programmatic dependent launch: the grid dependency wait comes before the first global access
+    assert all(0 <= b[10] < b[11] for b in two), [b[:4] + b[10:] for b in two]
+    assert all(b[10] == -1 for b in built if b not in two)
 
 
 def test_patched_num_return_sequences_draw_distinct_samples(llama):

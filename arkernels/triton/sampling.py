@@ -16,30 +16,28 @@ sampling_splits(batch, vocab)`` programs per row (about TARGET_PROGRAMS in all, 
      superset of the final kept set), each program's output offset and the candidate count (``_plan_row``).
   2. ``sampling_compact_kernel``: each program compacts its candidates (bucket >= cutoff) into ``[batch, cap]``
      scratch in column order; over ``cap`` candidates the row falls back (a row needing no search races here,
-     split like the stats pass); the row's last program draws (``_draw``): exact thresholds and the race on the
-     candidates, or for a flagged row the full-row search.
-
+     split like the stats pass); the row's last program draws (``_draw``): with top-k <= KMAX on chip (candidates
+     loaded once, survivors by radix levels, thresholds pairwise: sampling_select.py), else by the pivot search
+     and the race on the candidates, or for a flagged row the full-row search.
 ``sampling_probs``: one program per row, the full-row search (``sampling_probs_kernel``).
 
 Why thresholds and not a sort: every filter keeps an *upper set* of the row, so the kept set is
-``{x_i >= t_k} & {z_i >= t_p} & {exp(z_i) >= min_p}`` (``z = (x - max) / T``). ``_threshold`` finds a
-threshold by a multi-pivot search: the bracket ``(lo, cand]`` always holds the answer; one pass evaluates
-``PIVOTS`` (16) pivots spaced evenly in the key space and snaps them to the nearest values present, so
-the bracket shrinks >= 16x per pass over the 2^32 keys (<= 8 passes), usually far faster. top-k counts
+``{x_i >= t_k} & {z_i >= t_p} & {exp(z_i) >= min_p}`` (``z = (x - max) / T``). ``_threshold`` finds one by a
+multi-pivot search: ``PIVOTS`` (16) pivots per pass, spaced evenly in the key space between the bracket
+``(lo, cand]`` and snapped to values present: the bracket shrinks >= 16x per pass (<= 8 passes). top-k counts
 (ties at the k-th value kept). top-p compares the way transformers' TopPLogitsWarper does: fp32
 probabilities ``exp(z) / Z`` summed from the bottom (the mass strictly below a token), a token dropped iff
 that sum is ``<= 1 - top_p`` in fp32 -- transformers' own row ``log([0.3, 0.1, 0.1, 0.5])`` at top_p 0.8
 drops both 0.1 tokens, where comparing the mass above (0.8000000042) with fp32 0.8 (0.8000000119) kept
 them. min-p needs no search: ``p_i >= min_p * p_max  <=>  exp(z_i) >= min_p``.
 
-Arithmetic (launch sizes, bytes, barriers per trip, estimates) and the ptxas figures: docs/kernels.md ("Sampler").
-
+Arithmetic (launch sizes, bytes, barriers per trip, estimates), ptxas figures: docs/kernels.md ("Sampler").
 Why an exponential race for the draw: ``argmax_i z_i - log(E_i)`` with ``E_i ~ Exp(1)`` draws ``i`` with
 probability ``p_i`` (Gumbel-max); it needs no normalisation, no prefix sum and one pass, and ``E_i``
 comes from a counter-based hash of (seed, step, column), so a row's token never depends on its batch
 position. ``row_key_torch`` / ``uniform_torch`` (arkernels/ops/sampling_cpu.py), the bit-identical torch twins, let
 the CPU kernel draw the same token up to rounding of exp/log (a race decided within an ulp, ~1e-6 of draws).
-The host side (splits, scratch, launches): arkernels/triton/sampling_launch.py.
+Host side (splits, scratch, launches): arkernels/triton/sampling_launch.py.
 """
 from __future__ import annotations
 
@@ -47,11 +45,13 @@ import triton
 import triton.language as tl
 
 from arkernels import token_state_layout as _layout
+from arkernels.triton.pdl import pdl_enter
+from arkernels.triton.sampling_select import order_key, order_unkey, survivor_positions, survivor_thresholds
 from arkernels.triton.tickets import last_program
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit code may read it
 PIVOTS = 16  # pivots per search pass: the bracket shrinks >= 16x per pass
-MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop for graphs
+MAX_PASSES = 12  # 2^32 keys / 16^8 = 1: 8 passes suffice; 12 leaves room, bounds the loop
 DRAW_BLOCK = 2048  # elements per block in the streaming passes
 STATS_BLOCK = 1024  # columns per chunk (the unit of the chunk partials); loops run TILE_CHUNKS of them per trip
 SEARCH_BLOCK = 512  # elements per block in the search passes ([SEARCH_BLOCK, PIVOTS] tiles)
@@ -62,8 +62,7 @@ TILE_CHUNKS = 4  # chunks per loop trip in the stats / compaction passes: a [4, 
 # Launch options per kernel (the offline sm_90 compile test reads them too; its registers and spills: docs/kernels.md)
 LAUNCH = {
     "sampling_stats_kernel": dict(num_warps=16),
-    # the draw (the row's last program) holds [SEARCH_BLOCK, PIVOTS] tiles: 8 warps keep it spill-free (at 16 warps
-    # ptxas caps registers at 64 and spills)
+    # the draw's [SEARCH_BLOCK, PIVOTS] tiles: 8 warps keep it spill-free (16 warps: 64 registers, spills)
     "sampling_compact_kernel": dict(num_warps=8, maxnreg=168),
     "sampling_probs_kernel": dict(num_warps=8),
     "sampling_rules_kernel": dict(num_warps=8),
@@ -172,30 +171,17 @@ def _load_x(base, offs, mask, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexp
 
 
 @triton.jit
-def _key(v):
-    # order-preserving fp32 -> int32 map (an involution: the same formula maps back)
-    b = v.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def _unkey(k):
-    b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _bucket(x):
     """fp32 -> histogram bucket in [0, NB): the key's top 12 bits, monotone in x. Any int32 key already lands in
     [0, NB) (an arithmetic shift by 20 gives [-2048, 2047]); the clamp keeps ``tl.histogram``'s shared-memory
     atomics in range if BUCKET_SHIFT or NB is ever edited apart (two instructions per element)."""
-    return tl.minimum(tl.maximum((_key(x) >> BUCKET_SHIFT) + NB // 2, 0), NB - 1)
+    return tl.minimum(tl.maximum((order_key(x) >> BUCKET_SHIFT) + NB // 2, 0), NB - 1)
 
 
 @triton.jit
 def _bucket_lo(b):
     """The smallest fp32 value in bucket ``b``."""
-    return _unkey((b - NB // 2) << BUCKET_SHIFT)
+    return order_unkey((b - NB // 2) << BUCKET_SHIFT)
 
 
 @triton.jit
@@ -211,9 +197,9 @@ def _threshold(base, V, lo, cand, target, m, T, tk, Z, off, sb, bb, rv, rp, fq, 
     j = tl.arange(0, P)
     it = 0
     while (cand > lo) & (it < MAX_PASSES):
-        klo = _key(lo).to(tl.int64)
-        kc = _key(cand).to(tl.int64)
-        piv = _unkey((klo + ((j + 1) * (kc - klo) + P - 1) // P).to(tl.int32))  # [P] in (lo, cand]
+        klo = order_key(lo).to(tl.int64)
+        kc = order_key(cand).to(tl.int64)
+        piv = order_unkey((klo + ((j + 1) * (kc - klo) + P - 1) // P).to(tl.int32))  # [P] in (lo, cand]
         W = tl.zeros([P], dtype=tl.float32)
         up = tl.full([P], float("inf"), tl.float32)  # smallest row value >= pivot
         down = tl.full([P], float("-inf"), tl.float32)  # largest row value < pivot
@@ -284,11 +270,20 @@ def _filters(base, n, lo_k, m, T, k, p, V, Z_row, off_row, USE_ROW_Z, sb, bb, rv
 
 
 @triton.jit
+def _race_tile(x, cols, mask, z, tk, tp, min_p, key):
+    """One tile of the race: ``(best score, the lowest column among the best)`` over the kept lanes (-inf, INT_MAX
+    when none is kept)."""
+    keep = mask & (x >= tk) & (z >= tp) & (tl.exp(z) >= min_p)
+    score = tl.where(keep, z - tl.log(-tl.log(uniform(key, cols))), float("-inf"))
+    bs = tl.max(score, axis=0)
+    return bs, tl.min(tl.where(keep & (score == bs), cols, 2147483647), axis=0)
+
+
+@triton.jit
 def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq, ps, eos_on, STATE: tl.constexpr, BIAS: tl.constexpr, USE_IDX: tl.constexpr,
           BLOCK: tl.constexpr):
-    """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab
-    column)`` (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties go to the lowest column (columns ascend
-    along ``base``)."""
+    """The exponential race over the kept tokens of ``base[first:n]``: ``(best score, the winner's vocab column)``
+    (its index, or ``idx_ptr[i]`` with ``USE_IDX``); ties to the lowest column (columns ascend along ``base``)."""
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.zeros((), tl.int32)
     for start in range(first, n, BLOCK):
@@ -299,11 +294,7 @@ def _race(base, idx_ptr, first, n, m, T, tk, tp, min_p, key, sb, bb, rv, rp, fq,
             cols = tl.load(idx_ptr + offs, mask=mask, other=0)
         else:
             cols = offs
-        z = tl.math.div_rn(x - m, T)
-        keep = mask & (x >= tk) & (z >= tp) & (tl.exp(z) >= min_p)
-        score = tl.where(keep, z - tl.log(-tl.log(uniform(key, cols))), float("-inf"))
-        bs = tl.max(score, axis=0)
-        bi = tl.min(tl.where(keep & (score == bs), cols, 2147483647), axis=0)
+        bs, bi = _race_tile(x, cols, mask, tl.math.div_rn(x - m, T), tk, tp, min_p, key)
         best_i = tl.where(bs > best, bi, best_i)
         best = tl.maximum(best, bs)
     return best, best_i
@@ -348,8 +339,9 @@ def sampling_stats_kernel(
     state_ptr, hrow_ptr, pen_ptr, bias_ptr, NH,  # token rules (see _row_rules); NH: history rows
     NCHUNK, CPS, S, CAP,  # chunks per row, chunks per program, programs per row, candidates per row
     BLOCK: tl.constexpr, R: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
-    STATE: tl.constexpr, BIAS: tl.constexpr,
+    STATE: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # before any access: the logits come from the kernel before (arkernels/triton/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
@@ -490,11 +482,12 @@ def sampling_compact_kernel(
     NCHUNK, CPS, S, CAP,
     BLOCK: tl.constexpr, R: tl.constexpr, DRAW_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
     MAX_PASSES: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr, STATE: tl.constexpr,
-    BIAS: tl.constexpr,
+    BIAS: tl.constexpr, KMAX: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Each program compacts its columns' candidates (bucket >= the row's cutoff) into ``[batch, cap]`` scratch in
     column order from its offset (R chunks per trip; a trip without a candidate costs one reduction, no scan and
     no store), or, on a row flagged -2, races its own columns; the row's last program then draws (``_draw``)."""
+    pdl_enter(PDL)  # before any access: the stats launch's outputs
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     base = logits_ptr + row * stride_row
@@ -536,17 +529,59 @@ def sampling_compact_kernel(
         done = last_program(ticket_ptr + row, epoch)
     if done:
         _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, cmax_ptr, carg_ptr,
-              csum_ptr, cval_ptr, cidx_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr,
+              csum_ptr, cval_ptr, cidx_ptr, cut_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr,
               sb, bb, rv, rp, fq, ps, eos_on, NCHUNK, CAP, S, DRAW_BLOCK, SEARCH_BLOCK, P, MAX_PASSES, NCP, SP,
-              DEBUG, STATE, BIAS)
+              DEBUG, STATE, BIAS, KMAX, DT)
+
+
+@triton.jit
+def _draw_candidates(cb, ib, n, cut, m, T, k, p, min_p, V, Z, row_z, key, BLOCK: tl.constexpr,
+                     SEARCH_BLOCK: tl.constexpr, P: tl.constexpr, MAX_PASSES: tl.constexpr, KMAX: tl.constexpr,
+                     DT: tl.constexpr):
+    """The fast path's token from the ``n`` candidates ``cb`` (processed logits; columns ``ib``; the buckets >=
+    ``cut``). Top-k in [1, KMAX]: on chip (sampling_select.py: the candidates loaded once, the survivors' thresholds
+    pairwise, the race on them), unless more than KMAX tokens tie at the k-th value or ``n`` > DT. Otherwise
+    (top-p without top-k: thousands of candidates; top-k > KMAX) the pivot search over the candidates."""
+    best_i = tl.zeros((), tl.int32)
+    todo = True
+    if KMAX > 0:
+        if (k > 0) & (k <= KMAX) & (k < V) & (n <= DT):
+            pos, cnt = survivor_positions(cb, n, k, cut - NB // 2, BUCKET_SHIFT, DT, KMAX)
+            if (cnt <= KMAX) & (cnt >= tl.minimum(k, n)):
+                live = tl.arange(0, KMAX) < cnt
+                sx = tl.load(cb + pos, mask=live, other=float("-inf"))
+                col = tl.load(ib + pos, mask=live, other=0)
+                tk, z, tp = survivor_thresholds(sx, live, m, T, k, p, KMAX)
+                bs, bi = _race_tile(sx, col, live, z, tk, tp, min_p, key)
+                best_i = tl.where(bs > float("-inf"), bi, 0)
+                todo = False
+    if todo:
+        # the candidates' minimum (a top-k search bracket) and mass (the rest of Z lies below them); a row with
+        # neither top-k nor top-p only races
+        cmin = tl.full((), float("inf"), tl.float32)
+        Zc = tl.zeros((), tl.float32)
+        if ((k > 0) & (k < V)) | (p < 1.0):
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                x = _load_row(cb, offs, mask)
+                cmin = tl.minimum(cmin, tl.min(tl.where(mask, x, float("inf")), axis=0))
+                Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, T)), 0.0), axis=0)
+        # the candidates hold processed logits already: no rules on them (cb stands in for the rule tables)
+        zero = tl.zeros((), tl.int1)
+        tk, tp, _ = _filters(cb, n, cmin, m, T, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, zero, 1.0, 0.0,
+                             0.0, zero, False, False, BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
+        _, best_i = _race(cb, ib, 0, n, m, T, tk, tp, min_p, key, cb, cb, zero, 1.0, 0.0, 0.0, zero, False, False,
+                          True, BLOCK)
+    return best_i
 
 
 @triton.jit
 def _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, cmax_ptr, carg_ptr, csum_ptr,
-          cval_ptr, cidx_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr, sb, bb, rv, rp, fq, ps, eos_on,
-          NCHUNK, CAP, S, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
+          cval_ptr, cidx_ptr, cut_ptr, rbest_ptr, rcol_ptr, ids_ptr, valid_ptr, passes_ptr, sb, bb, rv, rp, fq, ps,
+          eos_on, NCHUNK, CAP, S, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, P: tl.constexpr,
           MAX_PASSES: tl.constexpr, NCP: tl.constexpr, SP: tl.constexpr, DEBUG: tl.constexpr,
-          STATE: tl.constexpr, BIAS: tl.constexpr):
+          STATE: tl.constexpr, BIAS: tl.constexpr, KMAX: tl.constexpr, DT: tl.constexpr):
     """The row's token: thresholds and race on the ``n`` candidates (fast path), the merge of the programs' race
     winners (``n`` -2), or the full-row search (``n`` -1): the same token (top-k counts exact on either set, the same
     race scores; only the top-p mass summed in another order: a top_p within fp32 rounding of a boundary)."""
@@ -562,21 +597,8 @@ def _draw(base, row, V, n, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, ste
         key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
         row_z = (k <= 0) | (k >= V)  # no top-k: the top-p mass is the row's Z, already merged
         if n >= 0:
-            cb = cval_ptr + row * CAP
-            # the candidates' minimum (a top-k search bracket) and mass (the rest of Z lies below them)
-            cmin = tl.full((), float("inf"), tl.float32)
-            Zc = tl.zeros((), tl.float32)
-            for start in range(0, n, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < n
-                x = _load_row(cb, offs, mask)
-                cmin = tl.minimum(cmin, tl.min(tl.where(mask, x, float("inf")), axis=0))
-                Zc += tl.sum(tl.where(mask, tl.exp(tl.math.div_rn(x - m, Tg)), 0.0), axis=0)
-            # the candidates hold processed logits already: no rules on them
-            tk, tp, npass = _filters(cb, n, cmin, m, Tg, k, p, V, Z, tl.maximum(Z - Zc, 0.0), row_z, cb, cb, rv, rp,
-                                     fq, ps, eos_on, False, False, BLOCK, SEARCH_BLOCK, P, MAX_PASSES)
-            _, best_i = _race(cb, cidx_ptr + row * CAP, 0, n, m, Tg, tk, tp, min_p, key, cb, cb, rv, rp, fq, ps,
-                              eos_on, False, False, True, BLOCK)
+            best_i = _draw_candidates(cval_ptr + row * CAP, cidx_ptr + row * CAP, n, tl.load(cut_ptr + row), m, Tg,
+                                      k, p, min_p, V, Z, row_z, key, BLOCK, SEARCH_BLOCK, P, MAX_PASSES, KMAX, DT)
         elif n == -2:  # raced by the compaction programs: the best score, ties to the first program
             j = tl.arange(0, SP)
             sc = tl.load(rbest_ptr + row * S + j, mask=j < S, other=float("-inf"))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from arkernels.triton.pdl import pdl_supported
+from arkernels.triton.sampling_select import DRAW_TILE, KMAX
 from arkernels.triton.tickets import EPOCH_MAX
 from arkernels.triton.sampling import (DRAW_BLOCK, LAUNCH, MAX_PASSES, MAX_SPLITS, NB, PIVOTS, SEARCH_BLOCK,
                                        STATS_BLOCK, TILE_CHUNKS, sampling_compact_kernel, sampling_probs_kernel,
@@ -92,16 +94,21 @@ def sampling_tile_chunks(chunks_per_program: int) -> int:
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_state=None, history=None,
                   penalties=None, logit_bias=None, *, cap: int = CAND_CAP, splits: int | None = None,
-                  debug: bool = False):
+                  kmax: int = KMAX, pdl: bool | None = None, debug: bool = False):
     """The ``arkernels::sample`` kernels: ``(ids int64 [batch], valid bool [batch])``; token rules as in the
     schema (contiguous tensors; ``history`` required with ``token_state`` / ``logit_bias``).
 
     ``cap``: candidates per row on the fast path; ``splits``: programs per row (default
-    ``sampling_splits``); both change no token. ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
+    ``sampling_splits``); ``kmax``: rows with top-k <= kmax draw on chip (0: every row searches its candidates,
+    a power of two up to KMAX otherwise); none of them changes a token (bar a top_p within fp32 rounding of a
+    boundary: the mass is summed in another order). ``pdl``: launch both kernels with programmatic dependent launch
+    (None: where ``pdl_supported``; each waits for the kernel before it first, so no token changes). ``debug``: also return ``(ncand, passes)``, int32 ``[batch]``:
     the row's candidate count (-1: it took the full-row fallback; -2: the fallback without a search, raced by
     the split programs; 0: greedy / no finite logit) and its full-row passes."""
     batch, vocab = logits.shape
     dev = logits.device
+    if kmax and (kmax > KMAX or kmax & (kmax - 1)):
+        raise ValueError(f"sample_triton: kmax must be 0 or a power of two <= {KMAX}, got {kmax}")
     ids = torch.empty(batch, dtype=torch.int64, device=dev)
     valid = torch.empty(batch, dtype=torch.bool, device=dev)
     nchunk = max(1, triton.cdiv(vocab, STATS_BLOCK))
@@ -123,18 +130,22 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seed, step, token_st
     else:  # one program per row: no histogram leaves it, no ticket (never read)
         hist, t_stats, t_compact, rhist, epoch = carg, seed, seed, carg, 0
     st, hs, pn, bs, nh, STATE, BIAS = _rule_args(logits, token_state, history, penalties, logit_bias, temperature)
-    rules = dict(STATE=STATE, BIAS=BIAS)
+    supported = pdl_supported(dev)
+    if pdl and not supported:
+        raise ValueError("sample_triton: pdl=True needs a CUDA device of compute capability >= 9 (not interpreted)")
+    pdl = supported if pdl is None else pdl
+    common = dict(STATE=STATE, BIAS=BIAS, PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
     if batch > 0 and vocab > 0:
         with _on(dev):
             sampling_stats_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, cmax, carg, csum, hist, rhist,
                 t_stats, epoch, cut, off, ncand, passes, st, hs, pn, bs, nh, nchunk, cps, S, cap,
-                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **rules, **LAUNCH["sampling_stats_kernel"])
+                BLOCK=STATS_BLOCK, R=R, NCP=ncp, SP=spx, DEBUG=debug, **common, **LAUNCH["sampling_stats_kernel"])
             sampling_compact_kernel[(batch, S)](
                 logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seed, step, cmax, carg, csum, cut,
                 off, ncand, cval, cidx, rbest, rcol, t_compact, epoch, ids, valid, passes, st, hs, pn, bs, nh,
                 nchunk, cps, S, cap, BLOCK=STATS_BLOCK, R=R, DRAW_BLOCK=DRAW_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK,
-                P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx, DEBUG=debug, **rules,
+                P=PIVOTS, MAX_PASSES=MAX_PASSES, NCP=ncp, SP=spx, DEBUG=debug, KMAX=kmax, DT=DRAW_TILE, **common,
                 **LAUNCH["sampling_compact_kernel"])
     if debug:
         return ids, valid, (ncand, passes)

@@ -1,0 +1,36 @@
+"""Programmatic dependent launch (PDL, sm_90 and later) for the Triton kernels.
+
+A kernel launched with ``launch_pdl=True`` may be scheduled while the kernel before it on the stream is still
+running (once all of that kernel's programs have called ``gdc_launch_dependents`` or exited), so its launch latency
+hides behind that kernel's tail. ``pdl_enter`` is the first thing such a kernel does: ``griddepcontrol.wait`` (the
+kernel before it has completed and its writes are visible: nothing may be read or written before it, the inputs
+included) then ``griddepcontrol.launch_dependents`` (the kernel after it may launch in turn; the wait there still
+orders every access after this kernel's completion). Compiled out (``PDL`` is a constexpr) under TRITON_INTERPRET,
+before sm_90 and on a Triton without grid dependency control: ``pdl_supported`` decides on the host.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: pdl_supported is False, PDL never set
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Wait for the kernel before this one, then let the kernel after it launch (PDL only; nothing otherwise)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may launch with PDL: a CUDA device of compute capability >= 9, Triton's grid
+    dependency control present, not interpreted, and not switched off (``ARKERNELS_PDL=0``)."""
+    if gdc_wait is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return os.environ.get("ARKERNELS_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
