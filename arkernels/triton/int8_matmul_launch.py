@@ -221,8 +221,9 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     N = w.shape[0]
     cfg = dict(config) if config is not None else w8a16_decode_config(path, M, N, K, _num_sms(x.device))
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
+    kernel = cfg.pop("kernel", path)  # the GEMV class's plan may run the split-K kernel's K loop (fewer splits)
     k_per_split = cfg.pop("K_PER_SPLIT", cfg["BLOCK_K"])
-    if path == "gemv":
+    if kernel == "gemv":
         assert k_per_split == cfg["BLOCK_K"] * cfg["K_HALVES"], "gemv: one x slice of K_HALVES * BLOCK_K per program"
     else:
         cfg.pop("K_HALVES", None)
@@ -236,14 +237,14 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
     tickets, epoch = _tickets(x.device, grid[0]) if fused else (part, 0)  # never read without FUSED
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
-    _check_packed_tiles(w, cfg["BLOCK_N"], k_per_split if path == "gemv" else cfg["BLOCK_K"])
+    _check_packed_tiles(w, cfg["BLOCK_N"], k_per_split if kernel == "gemv" else cfg["BLOCK_K"])
     args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1),
             *_weight_strides(w), out.stride(0), out.stride(1))
     block, unroll = reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], split_k, launch.get("num_warps", 4))
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
                  DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
                  **_pack_flags(w, N, K))
-    if path == "gemv":
+    if kernel == "gemv":
         # only the packed addressing reads it: the plain weight keeps one specialization
         flags["N_EDGE"] = not flags["PACKED"] or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
         w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)
