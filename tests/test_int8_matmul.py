@@ -630,11 +630,11 @@ def test_w8a16_tickets_survive_an_aborted_launch(path, M, cfg):
     live.zero_()
 
 
-def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
+def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True, arch=90):
     """Offline compile of a decode kernel for sm_90 (no GPU needed: triton's own ptxas), in a subprocess without
     TRITON_INTERPRET (under it the kernels are interpreted functions, which do not compile) -> (PTX, SASS,
     resource-usage match, dynamic shared memory bytes). ``aligned``: the divisibility-by-16 facts Triton's launcher
-    specializes an aligned weight on."""
+    specializes an aligned weight on. ``arch``: 90, or 80 (the sm_80 build a PDL-free kernel must still compile to)."""
     import json
     import os
     import re
@@ -645,7 +645,7 @@ def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
     if not os.path.exists(os.path.join(bin_dir, "cuobjdump")):
         pytest.skip("triton's wheel ships no cuobjdump here")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    job = json.dumps([kernel_name, consts, num_warps, num_stages, aligned])
+    job = json.dumps([kernel_name, consts, num_warps, num_stages, aligned, arch])
     done = subprocess.run([sys.executable, __file__, job], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
@@ -653,7 +653,7 @@ def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
             got["shared"])
 
 
-def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
+def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned, arch=90):
     """The subprocess side of :func:`_compile_sm90`: prints {ptx, sass, res} as one JSON line."""
     import inspect
     import json
@@ -674,7 +674,7 @@ def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
     hinted = {n for n in ptrs} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "K_PER_SPLIT"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n] != "constexpr" and n in hinted and (aligned or n not in ("w_ptr", "stride_wn", "K"))}
-    k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 64),
+    k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -760,6 +760,76 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed, option):
         ptx_unaligned = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)[0]
         assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
         assert "ld.global.b8" in ptx_unaligned
+
+
+@pytest.mark.parametrize("option", ["chunk", "plan"])
+def test_w8a16_pdl_compiles_for_sm90_only(option):
+    """PDL (programmatic dependent launch, the ``PDL`` constexpr the launcher sets with ``launch_pdl=True`` on sm_90):
+    the offline sm_90 compile has ``griddepcontrol.wait`` and ``.launch_dependents``; before the wait only L2
+    prefetches of the program's first weight tiles (``prefetch.global.L2``: SASS ``CCTL.E.PF2``), no load of x nor
+    of anything else, no store, no atomic (PTX and SASS: ``ACQBULK`` is the wait); registers within the plan's
+    budget, no spills. Without PDL (the default, the interpreter's and sm_80's) no griddepcontrol at all, and the
+    sm_80 compile of the same config succeeds (griddepcontrol is sm_90 PTX). 1 Llama-3-8B down shape, M = 1:
+    the per-chunk GEMV and the planned K loop."""
+    import re
+
+    N, K = 4096, 14336
+    cfg = tkp.gemv_split_options(N, K, 132)[0]["cfg"] if option == "chunk" else tkp.w8a16_decode_config(
+        "gemv", 1, N, K, 132)
+    consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
+    if cfg["kernel"] == "splitk":
+        consts.pop("K_HALVES", None)
+    else:
+        consts["N_EDGE"] = False
+    block, unroll = tkp.reduce_shape(1, cfg["BLOCK_N"] * cfg["N_TILES"], triton.cdiv(K, cfg["K_PER_SPLIT"]))
+    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=True, DOT_FP32=False, REDUCE_BLOCK=block,
+                  REDUCE_UNROLL=unroll, PACKED=True, WHOLE_PACK=True)
+    kernel = f"w8a16_{cfg['kernel']}_kernel"
+    ptx, sass, res, _ = _compile_sm90(kernel, dict(consts, PDL=True), cfg["num_warps"], cfg["num_stages"])
+    assert int(res[2]) == 0 and int(res[4]) == 0, res
+    budget = tkp.GEMV_REGISTERS if cfg["kernel"] == "gemv" else tkp.GEMV_LOOP_REGISTERS
+    assert int(res[1]) <= budget
+    lines = [x.strip() for x in ptx.splitlines()]
+    wait = next(i for i, x in enumerate(lines) if x.startswith("griddepcontrol.wait"))
+    assert any(x.startswith("griddepcontrol.launch_dependents") for x in lines[wait:])
+    before = lines[:wait]
+    prefetches = sum(x.startswith("prefetch.global.L2") for x in before)
+    tiles = cfg["N_TILES"] if cfg["kernel"] == "gemv" else 2
+    assert prefetches == tiles, before  # one per thread per tile: 128 threads x 128 B = a 16 KB / 8 KB tile's lines
+    assert not [x for x in before if re.search(r"\b(?:(?:ld|st)\.(?:global|shared|local)|cp\.async|atom\.|red\.)", x)]
+    ins = _sass_lines(sass)
+    acq = next(i for i, x in enumerate(ins) if "ACQBULK" in x)
+    assert sum("CCTL.E.PF2" in x for x in ins[:acq]) == prefetches
+    assert not [x for x in ins[:acq] if re.search(r"\b(?:LDG|LDGSTS|STG|ATOMG|RED|LDS|STS)\b", x)], ins[:acq]
+    assert "PREEXIT" in "".join(ins[acq:])  # launch_dependents
+    off = dict(consts, PDL=False)
+    assert "griddepcontrol" not in _compile_sm90(kernel, off, cfg["num_warps"], cfg["num_stages"])[0]
+    assert "griddepcontrol" not in _compile_sm90(kernel, off, cfg["num_warps"], cfg["num_stages"], arch=80)[0]
+
+
+def test_w8a16_pdl_launch_flags(monkeypatch):
+    """The launcher sets the PDL constexpr and ``launch_pdl`` together, only where :func:`pdl_enabled` holds (sm_90
+    and later, not under the interpreter, not with ARKERNELS_PDL=0): mocked device and kernels, no GPU here."""
+    monkeypatch.setattr(tkl, "_pdl_capable", lambda device: True)
+    monkeypatch.setattr(tkl, "interpreting", lambda: False)
+    assert tkl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("ARKERNELS_PDL", "0")
+    assert not tkl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.delenv("ARKERNELS_PDL")
+    gemv, splitk = _Recorder(), _Recorder()
+    monkeypatch.setattr(tkl, "w8a16_gemv_kernel", gemv)
+    monkeypatch.setattr(tkl, "w8a16_splitk_kernel", splitk)
+    x, w, w_scale = torch.zeros(1, 1024, dtype=torch.float16), torch.zeros(64, 1024, dtype=torch.int8), torch.ones(64)
+    for cfg, rec in ((GEMV_CFG, gemv), (GEMV_LOOP_CFG, splitk)):
+        tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=cfg)
+        assert rec.calls[-1]["PDL"] is True and rec.calls[-1]["launch_pdl"] is True
+    monkeypatch.setattr(tkl, "interpreting", lambda: True)
+    tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=GEMV_CFG)
+    assert "PDL" not in gemv.calls[-1] and "launch_pdl" not in gemv.calls[-1]
+    monkeypatch.setattr(tkl, "interpreting", lambda: False)
+    monkeypatch.setattr(tkl, "_pdl_capable", lambda device: False)  # sm_80
+    tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=GEMV_CFG)
+    assert "PDL" not in gemv.calls[-1] and "launch_pdl" not in gemv.calls[-1]
 
 
 class _FakeConfig:

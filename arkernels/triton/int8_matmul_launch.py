@@ -180,6 +180,19 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
 
 
 @functools.lru_cache(maxsize=None)
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch for the w8a16 decode kernels: on sm_90 and later (``griddepcontrol`` is sm_90
+    PTX; an sm_80 build compiles it out), never under the interpreter, unless ``ARKERNELS_PDL=0``. The kernel
+    (``PDL``: ``_pdl_start`` in arkernels/triton/int8_matmul.py) may then start while the previous kernel of the
+    stream finishes: its weight prefetch overlaps that kernel's tail."""
+    return not interpreting() and os.environ.get("ARKERNELS_PDL", "1") != "0" and _pdl_capable(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: as few, large programs as possible (~0.5 ms per program instance)
@@ -244,6 +257,8 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
                  DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
                  **_pack_flags(w, N, K))
+    if pdl_enabled(x.device):  # the constexpr and the launch attribute together: never one without the other
+        flags["PDL"] = launch["launch_pdl"] = True
     if kernel == "gemv":
         # only the packed addressing reads it: the plain weight keeps one specialization
         flags["N_EDGE"] = not flags["PACKED"] or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
