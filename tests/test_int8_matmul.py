@@ -405,14 +405,16 @@ def test_w8a16_path_follows_m(monkeypatch):
 
 
 LLAMA_8B_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
-# N x K of Llama-3-8B's projections (q and o, k and v, gate and up, down, the LM head) and SmolLM2-135M's (hidden 576,
-# intermediate 1536, 3 KV heads of 64, vocabulary 49152), with the splits the GEMV class's plan gives on 132 SMs
-# (H100 / H200) and the kernel that runs them: N alone fills the machine only for the LM heads; q/o (128 column tiles
-# of 32: fewer than the SMs) split K in 4, gate/up in 2 (1 split: 448 programs, 3.4 per SM, 0.85 balanced), down in
-# 4, k/v keep the per-chunk GEMV (no option fills: the most programs). SmolLM2's layers are too small to fill it.
+# N x K of Llama-3-8B's projections (q and o, k and v, gate and up, down, the LM head; fused q/k/v and gate/up, what
+# generate's compiled / graph steps run by default) and SmolLM2-135M's (hidden 576, intermediate 1536, 3 KV heads of
+# 64, vocabulary 49152), with the splits the GEMV class's plan gives on 132 SMs (H100 / H200) and the kernel that runs
+# them. N alone fills the machine (>= 2 programs of 32 columns per SM, balanced) for the LM heads and the fused
+# gate/up (28672: 896 programs); q/o (128 column tiles, fewer than the SMs), k/v, gate/up alone (448 programs: 3.4 per
+# SM, 0.85 balanced), down and the fused q/k/v (192) keep the per-chunk GEMV's 8 / 28 splits. SmolLM2's layers are
+# too small to fill it.
 GEMV_PLANS_132 = {
-    (4096, 4096): ("splitk", 4), (1024, 4096): ("gemv", 8), (14336, 4096): ("splitk", 2),
-    (4096, 14336): ("splitk", 4), (128256, 4096): ("splitk", 1),
+    (4096, 4096): ("gemv", 8), (1024, 4096): ("gemv", 8), (14336, 4096): ("gemv", 8), (4096, 14336): ("gemv", 28),
+    (128256, 4096): ("splitk", 1), (6144, 4096): ("gemv", 8), (28672, 4096): ("splitk", 1),
     (576, 576): ("gemv", 2), (192, 576): ("gemv", 2), (1536, 576): ("gemv", 2), (576, 1536): ("gemv", 3),
     (49152, 576): ("splitk", 1),
 }
@@ -435,11 +437,11 @@ def _fills(option, num_sms):
 def test_w8a16_gemv_split_plan(N, K, monkeypatch):
     """The GEMV class (M <= 4) splits K only where N alone cannot fill the machine, sized by the programs resident
     per SM and the SM count (pure Python: shapes -> splits and grid; no device query, equal inputs give equal
-    plans, the same plan for every M in 1..4). Brute force over every option (the per-chunk GEMV, the K loop over
-    each divisor of the chunk count): the plan fills the machine if any option does; its balance over the SMs is
-    within WAVE_SLACK of the best filling option's, and no such option has fewer splits. Splits are whole PACK_K
-    chunks of equal length (the packed layout's contract, equal programs), K tiles divide them. The Llama-3-8B and
-    SmolLM2 projections get the splits GEMV_PLANS_132 lists on 132 SMs."""
+    plans, the same plan for every M in 1..4). Brute force over every option (the per-chunk GEMV, the K loop over all
+    of K): the plan fills the machine if any option does; its balance over the SMs is within WAVE_SLACK of the best
+    filling option's, and no such option has fewer splits. Splits are whole PACK_K chunks (the packed layout's
+    contract), K tiles divide them. The Llama-3-8B and SmolLM2 projections get the splits GEMV_PLANS_132 lists on
+    132 SMs."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the plan queried a device"))
     for num_sms in (132, 114, 78, 1):
         plans = {M: _plan(M, N, K, num_sms) for M in (1, 2, 3, 4)}
@@ -455,7 +457,7 @@ def test_w8a16_gemv_split_plan(N, K, monkeypatch):
             assert c["kernel"] == "splitk" and c["K_PER_SPLIT"] % layout.PACK_K == 0
             assert c["K_PER_SPLIT"] % c["BLOCK_K"] == 0 and layout.PACK_K % c["BLOCK_K"] == 0
             assert triton.cdiv(K, layout.PACK_K) % (c["K_PER_SPLIT"] // layout.PACK_K) == 0  # equal splits
-            assert o["splits"] == triton.cdiv(K, c["K_PER_SPLIT"]) < options[0]["splits"]
+            assert o["splits"] == triton.cdiv(K, c["K_PER_SPLIT"]) == 1 < options[0]["splits"]
         full = [o for o in options if _fills(o, num_sms)]
         if not full:
             assert chosen is options[0]
@@ -694,10 +696,10 @@ def _sass_lines(sass):
     return [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
 
 
-# (path, M, N, K, packed, option): "plan" is the planned config; "chunk" the GEMV class's per-chunk GEMV option
-COMPILE_CASES = [("gemv", 1, 4096, 14336, False, "chunk"), ("gemv", 1, 4096, 14336, True, "chunk"),
-                 ("gemv", 1, 14336, 4096, True, "chunk"), ("gemv", 1, 4096, 14336, True, "plan"),
-                 ("gemv", 1, 4096, 14336, False, "plan"), ("splitk", 8, 4096, 14336, False, "plan"),
+# (path, M, N, K, packed, option): "plan" is the planned config; "loop" the GEMV class's K loop (one split: no reduce)
+COMPILE_CASES = [("gemv", 1, 4096, 14336, False, "plan"), ("gemv", 1, 4096, 14336, True, "plan"),
+                 ("gemv", 1, 14336, 4096, True, "plan"), ("gemv", 1, 4096, 14336, True, "loop"),
+                 ("gemv", 1, 4096, 14336, False, "loop"), ("splitk", 8, 4096, 14336, False, "plan"),
                  ("splitk", 8, 4096, 14336, True, "plan")]
 
 
@@ -716,15 +718,16 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed, option):
     import re
 
     cfg = tkp.w8a16_decode_config(path, M, N, K, 132)
-    if option == "chunk":
-        cfg = tkp.gemv_split_options(N, K, 132)[0]["cfg"]
+    if option == "loop":
+        cfg = tkp.gemv_split_options(N, K, 132)[-1]["cfg"]
     consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
     if cfg["kernel"] == "splitk":
         consts.pop("K_HALVES", None)
-    assert triton.cdiv(K, cfg["K_PER_SPLIT"]) > 1
     splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+    assert (splits > 1) == (option == "plan")
     block, unroll = tkp.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
-    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
+    consts.update(HAS_BIAS=True, SPLIT=splits > 1, FUSED=splits > 1, EVEN_K=K % cfg["K_PER_SPLIT"] == 0,
+                  DOT_FP32=False,
                   REDUCE_BLOCK=block, REDUCE_UNROLL=unroll, PACKED=packed,
                   WHOLE_PACK=packed and N % 16 == 0 and K % 512 == 0)
     if cfg["kernel"] == "gemv":  # as the launcher passes it
@@ -733,13 +736,17 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed, option):
     ptx, sass, res, shared = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
     assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
     assert not re.search(r"\b(?:STL|LDL)\b", sass)
-    assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
-    # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
-    # trip, not one (masked loads were serialised on predicate registers: one load per addition)
     ins = _sass_lines(sass)
-    first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
-    ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
-    assert sum("LDG.E.STRONG.GPU" in x for x in ins[first:first + ahead]) >= min(unroll, 8), ins[first:first + ahead]
+    if splits == 1:  # no workspace, no ticket, no reduce
+        assert "atom.global" not in ptx and "ld.global.cg" not in ptx
+    else:
+        assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
+        # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
+        # trip, not one (masked loads were serialised on predicate registers: one load per addition)
+        first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
+        ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
+        issued = ins[first:first + ahead]
+        assert sum("LDG.E.STRONG.GPU" in x for x in issued) >= min(unroll, 8), issued
     assert "ld.global.b8" not in ptx  # aligned: no byte loads at all
     if cfg["kernel"] == "gemv":
         assert int(res[1]) <= tkp.GEMV_REGISTERS
@@ -762,7 +769,7 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed, option):
         assert "ld.global.b8" in ptx_unaligned
 
 
-@pytest.mark.parametrize("option", ["chunk", "plan"])
+@pytest.mark.parametrize("option", ["chunk", "loop"])
 def test_w8a16_pdl_compiles_for_sm90_only(option):
     """PDL (programmatic dependent launch, the ``PDL`` constexpr the launcher sets with ``launch_pdl=True`` on sm_90):
     the offline sm_90 compile has ``griddepcontrol.wait`` and ``.launch_dependents``; before the wait only L2
@@ -770,19 +777,19 @@ def test_w8a16_pdl_compiles_for_sm90_only(option):
     of anything else, no store, no atomic (PTX and SASS: ``ACQBULK`` is the wait); registers within the plan's
     budget, no spills. Without PDL (the default, the interpreter's and sm_80's) no griddepcontrol at all, and the
     sm_80 compile of the same config succeeds (griddepcontrol is sm_90 PTX). 1 Llama-3-8B down shape, M = 1:
-    the per-chunk GEMV and the planned K loop."""
+    the per-chunk GEMV (28 splits: workspace and tickets after the wait) and the K loop (one split)."""
     import re
 
     N, K = 4096, 14336
-    cfg = tkp.gemv_split_options(N, K, 132)[0]["cfg"] if option == "chunk" else tkp.w8a16_decode_config(
-        "gemv", 1, N, K, 132)
+    cfg = tkp.gemv_split_options(N, K, 132)[0 if option == "chunk" else -1]["cfg"]
+    splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
     consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
     if cfg["kernel"] == "splitk":
         consts.pop("K_HALVES", None)
     else:
         consts["N_EDGE"] = False
-    block, unroll = tkp.reduce_shape(1, cfg["BLOCK_N"] * cfg["N_TILES"], triton.cdiv(K, cfg["K_PER_SPLIT"]))
-    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=True, DOT_FP32=False, REDUCE_BLOCK=block,
+    block, unroll = tkp.reduce_shape(1, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
+    consts.update(HAS_BIAS=True, SPLIT=splits > 1, FUSED=splits > 1, EVEN_K=True, DOT_FP32=False, REDUCE_BLOCK=block,
                   REDUCE_UNROLL=unroll, PACKED=True, WHOLE_PACK=True)
     kernel = f"w8a16_{cfg['kernel']}_kernel"
     ptx, sass, res, _ = _compile_sm90(kernel, dict(consts, PDL=True), cfg["num_warps"], cfg["num_stages"])

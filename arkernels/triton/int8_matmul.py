@@ -28,13 +28,20 @@ W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once
   arkernels/ops/int8_matmul_layout.py (PACKED: 16-row groups of 512-column chunks, each program's tile contiguous
   per row group; :func:`_packed_w_ptrs`), which every w8a16 kernel reads; WHOLE_PACK makes the in-group strides
   constants when no group or chunk is partial.
-- 5 <= M <= 16: ``w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT.
+- 5 <= M <= 16: ``w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT. The GEMV
+  class also runs it (32 x 256 tiles, 3 stages, one split over all of K) where N alone fills the machine.
 - Grids (:func:`w8a16_decode_config`): a pure function of (path, M, N, K, SM count), never autotuned (the bits do
-  not depend on which config a sweep picked; decode never sweeps), planned in whole waves of the programs an SM
-  holds at once (GEMV: :func:`resident_programs` of its registers and shared memory; split-K: PROGRAMS_PER_SM):
-  among the N_TILES (GEMV) or split counts (split-K) the shape allows, the fewest programs within WAVE_SLACK of
-  the best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3
-  splits). The per-shape figures: docs/kernels.md.
+  not depend on which config a sweep picked; decode never sweeps). GEMV class: K is split (one split per 512
+  columns) only where N alone cannot fill the machine, i.e. give every SM the programs that hold LITTLE_BYTES of
+  weight loads in flight (:func:`resident_programs` of registers and shared memory bounds them), balanced over the
+  SMs; the LM heads and the fused gate/up run unsplit (no workspace, no ticket). Its per-chunk GEMV's N_TILES, and
+  split-K's split counts (PROGRAMS_PER_SM), are planned in whole waves: the fewest programs within WAVE_SLACK of the
+  best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3 splits).
+  The per-shape figures: docs/kernels.md.
+- Programmatic dependent launch (``PDL``, sm_90, launched with ``launch_pdl=True``; :func:`_pdl_start`): before
+  ``gdc_wait`` a program only prefetches its first weight tiles into L2 (the weights are no upstream kernel's
+  output, and a prefetch returns no data), x and every write come after it. Estimate, no GPU: the first ~16 KB of
+  weight and the launch overlap the previous kernel's tail, ~0.5-1 us per launch; ~60 SASS per program.
 - Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
   workspace; each program then takes a ticket for its output tile (``tickets.last_program``: an int64 atomic
   tagged with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K

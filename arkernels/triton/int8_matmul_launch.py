@@ -146,7 +146,7 @@ def _check_packed_tiles(w, block_n: int, k_tile: int) -> None:
                          f"divide {PACK_K}; got BLOCK_N {block_n}, K tile {k_tile}")
 
 
-def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused"):
+def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused", pdl=None):
     """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]`` or packed ``[N, K // 16, 16]``
     (arkernels/ops/int8_matmul_layout.py), w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
     -> ``[M, N]`` in x's dtype. The kernel follows M (:func:`w8a16_path`); ``path`` forces one of "gemv",
@@ -154,7 +154,10 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
     ``path="gemv"`` / ``"splitk"``; without a path, the tiled kernel's tile sizes as for
     :func:`int8_matmul_triton` (that kernel at any M). ``reduce``: how a decode path adds its K splits,
     ``"fused"`` (the last program of each tile, one launch) or ``"launch"`` (a second kernel; the benchmark's
-    baseline); both add in split order and give the same bits."""
+    baseline); both add in split order and give the same bits. ``config`` may name the decode kernel (``"kernel"``:
+    ``"gemv"`` or ``"splitk"``, the GEMV class's K loop; default the path's). ``pdl``: False turns programmatic
+    dependent launch off for this call (the benchmark's baseline); None (default) and True: where
+    :func:`pdl_enabled`."""
     if reduce not in REDUCES:
         raise ValueError(f"w8a16_matmul: reduce must be one of {REDUCES}, got {reduce!r}")
     M, K = x.shape
@@ -168,7 +171,7 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
         path = "tiled" if config is not None else w8a16_path(M, x.dtype)
     dot_fp32 = x.dtype == torch.float32 or interpreting()
     if path != "tiled":
-        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce)
+        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce, pdl is not False)
         return out
     args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
             *_weight_strides(w), out.stride(0), out.stride(1))
@@ -229,7 +232,7 @@ def _tickets(device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
     return _TICKETS.setdefault((device, stream), _Tickets()).take(device, tiles)
 
 
-def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fused"):
+def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fused", pdl=True):
     M, K = x.shape
     N = w.shape[0]
     cfg = dict(config) if config is not None else w8a16_decode_config(path, M, N, K, _num_sms(x.device))
@@ -257,7 +260,7 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
                  DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
                  **_pack_flags(w, N, K))
-    if pdl_enabled(x.device):  # the constexpr and the launch attribute together: never one without the other
+    if pdl and pdl_enabled(x.device):  # the constexpr and the launch attribute together, never one alone
         flags["PDL"] = launch["launch_pdl"] = True
     if kernel == "gemv":
         # only the packed addressing reads it: the plain weight keeps one specialization

@@ -165,10 +165,13 @@ def gemv_loop_smem(block_n: int = GEMV_LOOP["BLOCK_N"], block_k: int = GEMV_LOOP
 
 
 def gemv_split_options(N: int, K: int, num_sms: int) -> list[dict]:
-    """Every plan the GEMV class (M <= 4) may take for an ``N x K`` weight: the per-chunk GEMV (one split per
-    PACK_K chunk) and the K loop over ``c`` chunks per split, every ``c > 1`` that divides the chunk count
-    (equal splits; fewer of them, down to one). Each option
-    carries its ``splits``, ``programs``, weight bytes ``in_flight`` per program, programs ``resident`` per SM
+    """The plans the GEMV class (M <= 4) may take for an ``N x K`` weight: the per-chunk GEMV (one split per PACK_K
+    chunk), and, where K has more than one chunk, the K loop over all of them (one split: no workspace, no ticket,
+    no reduce). No split count in between: the loop re-stages its x tile every 256 columns (cp.async + LDS) and
+    recomputes its addresses, 367 SASS per warp per 8 KB step against the per-chunk GEMV's 559 per 16 KB tile
+    (offline sm_90, packed): ~0.18-0.22 warp-instructions per weight byte against ~0.167, of the ~0.24 that HBM
+    speed allows. Only removing the whole reduce pays for that (docs/kernels.md). Each option carries its
+    ``splits``, ``programs``, weight bytes ``in_flight`` per program, programs ``resident`` per SM
     (:func:`resident_programs` of its register budget and shared memory) and ``cfg``."""
     chunk = _gemv_chunk_config(N, K, num_sms)
     chunks = triton.cdiv(K, chunk["K_PER_SPLIT"]) if K > 0 else 1
@@ -177,29 +180,27 @@ def gemv_split_options(N: int, K: int, num_sms: int) -> list[dict]:
                     in_flight=chunk["N_TILES"] * tile, cfg=chunk,
                     resident=resident_programs(GEMV_REGISTERS, gemv_smem(chunk["N_TILES"], chunk["BLOCK_N"],
                                                                          chunk["K_PER_SPLIT"]), 4))]
-    loop_resident = resident_programs(GEMV_LOOP_REGISTERS, gemv_loop_smem(), 4)
-    block_n, block_k = GEMV_LOOP["BLOCK_N"], GEMV_LOOP["BLOCK_K"]
-    for c in range(2, chunks + 1):
-        if chunks % c:  # splits of equal length only: the balance below counts programs as equal
-            continue
-        splits = chunks // c
-        cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=c * chunk["K_PER_SPLIT"],
+    if chunks > 1:
+        block_n, block_k = GEMV_LOOP["BLOCK_N"], GEMV_LOOP["BLOCK_K"]
+        cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=chunks * chunk["K_PER_SPLIT"],
                    num_warps=4, num_stages=GEMV_LOOP["num_stages"], kernel="splitk")
-        options.append(dict(splits=splits, programs=triton.cdiv(N, block_n) * splits,
-                            in_flight=(GEMV_LOOP["num_stages"] - 1) * block_k * block_n, cfg=cfg,
-                            resident=loop_resident))
+        options.append(dict(splits=1, programs=triton.cdiv(N, block_n), cfg=cfg,
+                            in_flight=(GEMV_LOOP["num_stages"] - 1) * block_k * block_n,
+                            resident=resident_programs(GEMV_LOOP_REGISTERS, gemv_loop_smem(), 4)))
     return options
 
 
 def _gemv_config(N: int, K: int, num_sms: int) -> dict:
-    """The GEMV class's plan: split K only where N alone cannot fill the machine. An option *fills* it when the
+    """The GEMV class's plan: split K only where N alone cannot fill the machine (the LM heads: 128256 x 4096 on 132
+    SMs is 4008 programs of 32 columns, 30 per SM). An option *fills* it when the
     programs resident at once give every SM at least the LITTLE_BYTES of weight loads in flight that saturate HBM:
     ``need = cdiv(LITTLE_BYTES, bytes in flight per program)`` programs per SM, no more than the SM holds
     (``resident``), and ``programs >= num_sms x need``. Its balance is how evenly whole programs spread over the SMs
     (:func:`wave_efficiency` at SM granularity: with HBM saturated by every SM's resident programs, the SM that gets
     the most programs sets the time). Among the options that fill, those within WAVE_SLACK of the best balance; of
-    those, the fewest splits (less workspace, fewer tickets and prologues), the per-chunk GEMV first on a tie. None
-    fills (k/v-sized N): the per-chunk GEMV, whose grid has the most programs."""
+    those, the fewest splits (no workspace, no tickets), the per-chunk GEMV first on a tie. None fills (every
+    projection of Llama-3-8B: N / 32 column tiles <= 448 for 132 SMs x 2 needed per SM... see docs/kernels.md): the
+    per-chunk GEMV, whose grid has the most programs."""
     options = gemv_split_options(N, K, num_sms)
     need = {id(o): triton.cdiv(LITTLE_BYTES, o["in_flight"]) for o in options}
     full = [o for o in options if need[id(o)] <= o["resident"] and o["programs"] >= num_sms * need[id(o)]]
