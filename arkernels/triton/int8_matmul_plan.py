@@ -26,9 +26,9 @@ GEMV_N_TILES = (2, 4)  # weight tiles per program, all in flight at once: num_st
 # num_stages - 1 tiles in flight; one tile is a folded loop, no pipeline, so no cp.async at all)
 LITTLE_BYTES = 23 * 1024  # loads in flight per SM that saturate HBM (~4.3 TB/s x ~0.7 us / 132 SMs: Little's law)
 # The GEMV class's K loop (several PACK_K chunks per split): w8a16_splitk_kernel at these tiles. 2 x 8 KB of weight
-# in flight per program; 32 KB of shared memory, so 6 programs per SM (shared memory binds; registers would allow 9)
+# in flight per program; 32 KB of shared memory, so 6 programs per SM (shared memory binds; 80 registers allow 6)
 GEMV_LOOP = dict(BLOCK_N=32, BLOCK_K=256, num_stages=3)
-GEMV_LOOP_REGISTERS = 56  # its register budget (offline sm_90: 43 packed, 50 plain; a test checks at or under)
+GEMV_LOOP_REGISTERS = 80  # budget (offline sm_90, K = 14336 in one split: 57 packed, 72 plain; tests check <=)
 GEMV_SMEM_EXTRA = 2048  # the epilogue's scratch, beside the weight tiles and the x slice (offline sm_90 compile)
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
 REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
@@ -168,9 +168,11 @@ def gemv_split_options(N: int, K: int, num_sms: int) -> list[dict]:
     """The plans the GEMV class (M <= 4) may take for an ``N x K`` weight: the per-chunk GEMV (one split per PACK_K
     chunk), and, where K has more than one chunk, the K loop over all of them (one split: no workspace, no ticket,
     no reduce). No split count in between: the loop re-stages its x tile every 256 columns (cp.async + LDS) and
-    recomputes its addresses, 367 SASS per warp per 8 KB step against the per-chunk GEMV's 559 per 16 KB tile
-    (offline sm_90, packed): ~0.18-0.22 warp-instructions per weight byte against ~0.167, of the ~0.24 that HBM
-    speed allows. Only removing the whole reduce pays for that (docs/kernels.md). Each option carries its
+    recomputes its addresses, 314 SASS per warp per 8 KB step in one split, 367 with a split's workspace and ticket,
+    against the per-chunk GEMV's 559 per 16 KB tile (offline sm_90, packed); over a whole 4096-deep K that is ~0.16
+    warp-instructions per weight byte (the per-chunk GEMV's ~0.167), but ~0.20-0.23 at 2-4 splits, where each
+    program's prologue and ticket cover only 4-8 steps, of the ~0.24 that HBM speed allows (docs/kernels.md). Each
+    option carries its
     ``splits``, ``programs``, weight bytes ``in_flight`` per program, programs ``resident`` per SM
     (:func:`resident_programs` of its register budget and shared memory) and ``cfg``."""
     chunk = _gemv_chunk_config(N, K, num_sms)
