@@ -273,9 +273,13 @@ def fused_for_call(model: nn.Module, fuse, compiled: bool, op: str = "generate")
     compiled step traced on the fused model is reused by the next call's new fused modules (dynamo guards on their
     types and attributes, not their identity: tests/test_fuse.py counts the graphs)."""
     on = wants_fusion(model, fuse, compiled, op) and getattr(model, _FUSE_ATTR, None) is None
-    handle = fuse_projections(model) if on else None
+    # outside inference mode (generate runs under it): the concatenations and undo's copies would otherwise be
+    # inference tensors, and the caller's parameters would come back unusable by autograd
+    with torch.inference_mode(False):
+        handle = fuse_projections(model) if on else None
     try:
         yield handle
     finally:
         if handle is not None:
-            handle.undo()
+            with torch.inference_mode(False):
+                handle.undo()

@@ -278,10 +278,13 @@ def _snapshot(model) -> tuple[dict, dict]:
 
 
 def _assert_unchanged(model, snapshot):
+    """The same module and parameter objects, the same values, none of them turned into an inference tensor (the
+    call runs under inference mode: tensors made there could not be used by autograd afterwards)."""
     objects, state = snapshot
     now, now_state = _snapshot(model)
     assert now.keys() == objects.keys() and all(now[n] is objects[n] for n in objects)
     assert now_state.keys() == state.keys() and all(torch.equal(now_state[k], state[k]) for k in state)
+    assert not any(p.is_inference() for p in model.parameters())
     assert getattr(model, "_arkernels_fuse", None) is None
 
 
@@ -348,8 +351,12 @@ def test_fuse_default_off_on_the_eager_path_and_opt_out(monkeypatch):
     ref = arkernels.generate(model, FAMILY_PROMPTS, **kw)
     arkernels.generate(model, FAMILY_PROMPTS, cuda_graphs=True, fuse=False, **kw)
     assert not rec.handles
+    snap = _snapshot(model)
     assert arkernels.generate(model, FAMILY_PROMPTS, fuse=True, **kw).tokens == ref.tokens
     assert len(rec.handles) == 1 and not rec.handles[0].active
+    _assert_unchanged(model, snap)
+    model(input_ids=INPUT_IDS[:1]).logits.sum().backward()  # autograd still takes the restored parameters
+    model.zero_grad(set_to_none=True)
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="generate: fuse must be 'auto', True or False"):
             arkernels.generate(model, FAMILY_PROMPTS, fuse=bad, **kw)
