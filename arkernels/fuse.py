@@ -19,9 +19,16 @@ outputs are right whatever order or inputs the forward uses; only the saving dep
 Memory stays 1x: the original modules are kept by the handle, their tensors turned into views of the fused ones.
 ``undo()`` puts the original module objects back, with the same parameter / buffer objects, holding copies of the
 fused tensors' current values (so a ``model.to(...)`` in between is followed).
+
+Default (``fuse="auto"`` of ``arkernels.generate`` and ``arkernels.patch``, :func:`wants_fusion`): on where the decode
+step is compiled or captured (``generate(cuda_graphs=True)`` / ``compile=True`` for the call, undone after it;
+``patch(compile=True)`` while patched), where a launch saved is worth most and the numerics already differ from the
+eager step's; off on the eager paths, which keep stock's per-part GEMMs. ``fuse=False`` opts out, ``True`` fuses on
+any path. tests/test_fuse.py checks fused against unfused tokens on every family the capability check accepts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -195,12 +202,9 @@ def fuse_projections(model: nn.Module) -> FuseHandle:
     """
     if getattr(model, _FUSE_ATTR, None) is not None:
         raise RuntimeError("arkernels.fuse_projections: this model is already fused; undo() the first handle")
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            # tensor-parallel Linears are sharded per part with their own collectives: a concatenation would mix shards
-            raise NotImplementedError("arkernels.fuse_projections: the model is tensor-parallel (DTensor parameters)")
+    if _tensor_parallel(model):
+        # tensor-parallel Linears are sharded per part with their own collectives: a concatenation would mix shards
+        raise NotImplementedError("arkernels.fuse_projections: the model is tensor-parallel (DTensor parameters)")
     groups, names, skipped = [], [], {}
     for mname, module in list(model.named_modules()):
         for parts, fused_name in GROUPS:
@@ -224,12 +228,58 @@ def fuse_projections(model: nn.Module) -> FuseHandle:
                     mine = getattr(m, t)
                     if mine is not None:
                         mine.data = getattr(fused, t)[a:b]  # a view: the originals cost no memory while fused
+            # new modules are built in training mode: they take the parts' mode, or the model would look like it
+            # is training (patch then runs the call as stock: arkernels.hf.stock_call.in_training)
+            fused.train(mods[0].training)
             setattr(module, fused_name, fused)
             shared = _Shared(fused, len(parts))
             for i, (p, (a, b)) in enumerate(zip(parts, ranges)):
-                setattr(module, p, ProjectionSlice(shared, i, a, b, p))
+                setattr(module, p, ProjectionSlice(shared, i, a, b, p).train(mods[i].training))
             groups.append(_Fused(module, fused_name, parts, mods, ranges))
             names.append(where)
     handle = FuseHandle(model, groups, names, skipped)
     model.__dict__[_FUSE_ATTR] = handle
     return handle
+
+
+FUSE_CHOICES = ("auto", True, False)
+
+
+def _tensor_parallel(model: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def wants_fusion(model: nn.Module, fuse, compiled: bool, op: str) -> bool:
+    """Whether ``op`` (``"generate"`` / ``"patch"``) fuses ``model``'s projections: ``fuse`` True always, False never,
+    "auto" (the default) where the decode step is compiled or captured (``compiled``) and the model is neither fused
+    already (by the caller: left as it is) nor tensor-parallel (which fuse_projections refuses). Anything else is
+    refused, naming ``op``."""
+    if not (fuse is True or fuse is False or (isinstance(fuse, str) and fuse == "auto")):
+        raise ValueError(f"{op}: fuse must be 'auto', True or False, got {fuse!r}")
+    if fuse == "auto":
+        return compiled and getattr(model, _FUSE_ATTR, None) is None and not _tensor_parallel(model)
+    return fuse
+
+
+@contextlib.contextmanager
+def fused_for_call(model: nn.Module, fuse, compiled: bool, op: str = "generate"):
+    """The model with its projections fused for one call where :func:`wants_fusion` says so (yields the
+    :class:`FuseHandle`, or None), undone on the way out, an exception included: the caller's model is the same
+    module and parameter objects afterwards. generate(fuse=True) on a model the caller fused leaves it as it is. A
+    compiled step traced on the fused model is reused by the next call's new fused modules (dynamo guards on their
+    types and attributes, not their identity: tests/test_fuse.py counts the graphs)."""
+    on = wants_fusion(model, fuse, compiled, op) and getattr(model, _FUSE_ATTR, None) is None
+    # outside inference mode (generate runs under it): the concatenations and undo's copies would otherwise be
+    # inference tensors, and the caller's parameters would come back unusable by autograd
+    with torch.inference_mode(False):
+        handle = fuse_projections(model) if on else None
+    try:
+        yield handle
+    finally:
+        if handle is not None:
+            with torch.inference_mode(False):
+                handle.undo()

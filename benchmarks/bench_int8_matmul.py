@@ -25,6 +25,11 @@ never sweep. ``--shapes 14336x4096 --ms 1 16 4096`` is the short form that cover
 ``Int8Linear(mode="w8a16")`` stores), checked to give the plain layout's bits at M <= 16 (one plan, the same
 sums) and the reference's values at any M; ``w8a16`` is the plain ``[N, K]`` weight.
 
+GEMV plan rows (M <= 4, packed weight, issue 34): ``w8a16-chunk`` (one split per 512 columns), ``w8a16-loop`` (the
+K loop, one split: no workspace, no tickets), ``w8a16-nopdl`` (the planned call without programmatic dependent
+launch; PDL overlaps a launch's weight prefetch with the previous launch's tail, which back-to-back timed calls
+show). The plan takes the loop only for N that fills the machine alone (``--shapes 128256x4096``, the LM head).
+
 Fused vs two-launch split-K reduce (decode rows, M <= 16): ``w8a16-fused`` and ``w8a16-2launch`` call the Triton
 decode kernels directly with ``reduce="fused"`` (the last program of each tile adds the splits: one launch) and
 ``reduce="launch"`` (the previous design: partial sums, then a reduce kernel); both are checked to give the same
@@ -61,6 +66,8 @@ QUICK_SHAPES = [(1024, 512), (512, 1024)]
 MS_QUICK = [1, 16, 128]
 ROTATE_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
 DECODE_REDUCE_ROWS = ("w8a16-fused", "w8a16-2launch")  # the Triton decode kernels, reduce="fused" / "launch"
+# the GEMV class's options on the packed weight (M <= 4): per-chunk GEMV, K loop (one split), the plan without PDL
+GEMV_PLAN_ROWS = ("w8a16-chunk", "w8a16-loop", "w8a16-nopdl")
 
 
 def _check_rows(M):
@@ -116,6 +123,29 @@ def decode_reduce_impls(x, w_q, w_s, dtype, nbytes):
     return {name: (fn, nbytes) for name, fn in fns.items()}
 
 
+def gemv_plan_impls(x, w_q, w_p, w_s, dtype, nbytes):
+    """The GEMV class's options (M <= 4, packed weight ``w_p``; arkernels/triton/int8_matmul_plan.py): the per-chunk
+    GEMV (one split per 512 columns: workspace, tickets, fused reduce), the K loop over all of K (one split: none of
+    them; only where K has more than one chunk) and the planned call with programmatic dependent launch off, each
+    checked against the reference before it is timed. The plan picks the loop only where N alone fills the machine
+    (the LM heads, the fused gate/up): these rows show what each choice costs at every shape."""
+    N, K = w_q.shape
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    options = tkp.gemv_split_options(N, K, sms)
+    cfgs = {"w8a16-chunk": options[0]["cfg"]}
+    if len(options) > 1:
+        cfgs["w8a16-loop"] = options[-1]["cfg"]
+    fns = {name: (lambda ws, c=cfg: tkl.w8a16_matmul_triton(x, ws[3], ws[2], path="gemv", config=c))
+           for name, cfg in cfgs.items()}
+    fns["w8a16-nopdl"] = lambda ws: tkl.w8a16_matmul_triton(x, ws[3], ws[2], path="gemv", pdl=False)
+    rows = _check_rows(x.shape[0])
+    xr, wq, wsc = x[rows].cpu(), w_q.cpu(), w_s.cpu()
+    for name, fn in fns.items():
+        _assert_close(fn((None, None, w_s, w_p))[rows], w8a16_matmul_ref(xr, wq, wsc), dtype,
+                      w8a16_matmul_ref(xr.double().abs(), wq.double().abs(), wsc), name)
+    return {name: (fn, nbytes) for name, fn in fns.items()}
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy rate in GB/s (bytes read + bytes written), the roofline for memory-bound rows."""
     n = (1 << 30) if device == "cuda" else (64 << 20)
@@ -163,9 +193,12 @@ def bench_shape(M, N, K, dtype, device, torch_wo, copy_gbps):
         impls["torch._int_mm"] = (lambda ws: torch._int_mm(x_q, ws[1].t()), M * K + N * K + 4 * M * N)
     if M <= tkp.DECODE_MAX_M and (device == "cuda" or tkl.interpreting()):
         impls.update(decode_reduce_impls(x, w_q, w_s, dtype, e * M * K + N * K + 4 * N + e * M * N))
+        if M <= tkp.GEMV_MAX_M:
+            impls.update(gemv_plan_impls(x, w_q, w_p, w_s, dtype, e * M * K + N * K + 4 * N + e * M * N))
     # the interpreter's decode rows: one timed call each (a call is ~0.5 s there; --quick stays quick)
     slow = dict(warmup=0, iters=1) if device != "cuda" else {}
-    times = {name: timeit(lambda fn=fn: fn(pick()), device=device, **(slow if name in DECODE_REDUCE_ROWS else {}))
+    interpreted = DECODE_REDUCE_ROWS + GEMV_PLAN_ROWS
+    times = {name: timeit(lambda fn=fn: fn(pick()), device=device, **(slow if name in interpreted else {}))
              for name, (fn, _) in impls.items()}
     rows = []
     for name, (_, nbytes) in impls.items():

@@ -122,6 +122,12 @@ for graphs in (False, True):
   # device time; graph_search: the on-chip draw off, issue 34 item 4's before; graph_nopdl: batch 1 without
   # programmatic dependent launch), then its full sweep below
   step bench_sampling_headline 75 $PY benchmarks/bench_sampling.py --headline --out "$LOG/bench"
+  # w8a16 GEMV plan (issue 34): M = 1 and 4 on the LM head (128256x4096: N alone fills the machine, the plan runs the
+  # K loop with no split) and the fused gate/up (28672x4096, the same) against the per-chunk GEMV's 8 splits (rows
+  # w8a16-loop / w8a16-chunk), and PDL on / off (w8a16-packed / w8a16-nopdl: back-to-back calls overlap a launch's
+  # weight prefetch with the previous one's tail)
+  step bench_int8_gemv_plan 60 $PY benchmarks/bench_int8_matmul.py --shapes 128256x4096 28672x4096 --ms 1 4 \
+    --out "$LOG/bench_gemv_plan"
   for b in paged_kv window_attention sampling int8_matmul cb decode spec_sampling spec; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086

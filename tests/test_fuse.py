@@ -1,14 +1,16 @@
 """arkernels.fuse_projections on tiny random models of every supported family (fp32): logits and greedy tokens of the
 fused model equal the unfused one (model.generate, arkernels.generate, with arkernels.patch), one fused call per group
 per forward, undo restores the original module and parameter objects; Int8Linear parts (w8a16, w8a8) fused equal
-unfused; groups that cannot be fused are left alone with a reason."""
+unfused; groups that cannot be fused are left alone with a reason. The default (fuse="auto": on for the compiled /
+captured decode steps): every family the capability check accepts gives the unfused tokens, the model unchanged."""
 import pytest
 import torch
 from torch import nn
 
 import arkernels
 from arkernels.fuse import GROUPS, ProjectionSlice
-from arkernels.hf.tiny import FAMILIES, tiny_model
+from arkernels.hf.capability import check_model
+from arkernels.hf.tiny import FAMILIES, CannotBuild, build_family, causal_lm_types, tiny_model
 from arkernels.quant import W8A8_MIN_M, Int8Linear
 
 # batch 2, row 0 left padded by 3; 11 positions > the tiny window of 5; prefill has 22 rows >= W8A8_MIN_M (17), so
@@ -245,3 +247,160 @@ def test_fuse_static_step():
     ref = arkernels.generate(model, PROMPTS, **kw).tokens
     with arkernels.fuse_projections(model):
         assert arkernels.generate(model, PROMPTS, **kw).tokens == ref
+
+
+# ---- the default: fused on the compiled / captured decode steps (fuse="auto") ---------------------------------------
+FAMILY_PROMPTS = [[5, 6, 7, 8, 9], [(7 * i + 3) % 250 + 3 for i in range(13)]]  # 13 tokens: past the windows (8)
+FAMILY_NEW = 6
+
+
+class _FuseRecorder:
+    """Wraps arkernels.fuse.fuse_projections: the handles the default made, and whether each was undone."""
+
+    def __init__(self, monkeypatch):
+        import arkernels.fuse as fuse_module
+
+        self.handles = []
+        inner = fuse_module.fuse_projections
+
+        def recorded(model):
+            self.handles.append(inner(model))
+            return self.handles[-1]
+
+        monkeypatch.setattr(fuse_module, "fuse_projections", recorded)
+
+
+def _snapshot(model) -> tuple[dict, dict]:
+    """Module and parameter objects by name, and a copy of the state_dict: what "unchanged" means."""
+    objects = {n: m for n, m in model.named_modules()}
+    objects.update({f"param {n}": p for n, p in model.named_parameters()})
+    return objects, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_unchanged(model, snapshot):
+    """The same module and parameter objects, the same values, none of them turned into an inference tensor (the
+    call runs under inference mode: tensors made there could not be used by autograd afterwards)."""
+    objects, state = snapshot
+    now, now_state = _snapshot(model)
+    assert now.keys() == objects.keys() and all(now[n] is objects[n] for n in objects)
+    assert now_state.keys() == state.keys() and all(torch.equal(now_state[k], state[k]) for k in state)
+    assert not any(p.is_inference() for p in model.parameters())
+    assert getattr(model, "_arkernels_fuse", None) is None
+
+
+@pytest.mark.parametrize("model_type", causal_lm_types())
+def test_fuse_default_static_step_every_accepted_family(model_type, monkeypatch):
+    """Every model type the installed transformers ships that the capability check accepts (the refused ones are
+    tests/test_hf_families.py's): ``generate(cuda_graphs=True)`` fuses q/k/v and gate/up by default for the call and
+    gives the tokens of ``fuse=False``, and the model is the same module and parameter objects, with the same values,
+    afterwards. On the CPU the static step runs eagerly (no capture), the fused layer is the same nn.Linear math."""
+    try:
+        model = build_family(model_type)
+    except CannotBuild as e:
+        pytest.skip(f"transformers cannot build a tiny {model_type}: {e}")
+    try:
+        check_model(model, "arkernels.generate")
+    except NotImplementedError as e:
+        pytest.skip(f"refused by the capability check (tests/test_hf_families.py): {e}")
+    kw = dict(max_new_tokens=FAMILY_NEW, eos_token_id=[], block_size=4, cuda_graphs=True)
+    snap = _snapshot(model)
+    try:
+        ref = arkernels.generate(model, FAMILY_PROMPTS, fuse=False, **kw)
+    except Exception as e:  # noqa: BLE001  (the unfused static step itself fails: not this test's subject)
+        pytest.skip(f"the unfused static step fails on a tiny {model_type}: {type(e).__name__}: {e}")
+    rec = _FuseRecorder(monkeypatch)
+    res = arkernels.generate(model, FAMILY_PROMPTS, **kw)
+    assert len(rec.handles) == 1 and not rec.handles[0].active  # fused for the call, undone after it
+    assert res.tokens == ref.tokens, f"{model_type}: fused {res.tokens} != unfused {ref.tokens}"
+    _assert_unchanged(model, snap)
+    has_groups = any(all(hasattr(m, p) for p in parts) for m in model.modules() for parts, _ in GROUPS)
+    assert bool(rec.handles[0].fused or rec.handles[0].skipped) == has_groups
+
+
+def test_fuse_default_compiled_step(monkeypatch):
+    """``generate(compile=True)`` fuses by default: the tokens of the unfused static step, one dynamo graph (no
+    graph break), and a second call, fused anew (new module objects), reuses that graph: dynamo guards on the fused
+    modules' types and attributes, not on their identity. The model is unchanged after each call."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    kw = dict(max_new_tokens=FAMILY_NEW, eos_token_id=[], block_size=4)
+    ref = arkernels.generate(model, FAMILY_PROMPTS, cuda_graphs=True, fuse=False, **kw)
+    snap = _snapshot(model)
+    rec = _FuseRecorder(monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for call in range(2):
+            res = arkernels.generate(model, FAMILY_PROMPTS, compile=True, **kw)
+            assert res.tokens == ref.tokens
+            assert len(rec.handles) == call + 1 and len(rec.handles[-1].fused) == 2 * model.config.num_hidden_layers
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+            _assert_unchanged(model, snap)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_fuse_default_off_on_the_eager_path_and_opt_out(monkeypatch):
+    """The eager decode path keeps the model's own projections unless ``fuse=True``; ``fuse=False`` opts the static
+    step out; a model the caller fused stays fused (their handle) through a static call; other values are refused
+    before anything runs, naming the argument."""
+    model = tiny_model("qwen2")
+    rec = _FuseRecorder(monkeypatch)
+    kw = dict(max_new_tokens=3, eos_token_id=[], block_size=4)
+    ref = arkernels.generate(model, FAMILY_PROMPTS, **kw)
+    arkernels.generate(model, FAMILY_PROMPTS, cuda_graphs=True, fuse=False, **kw)
+    assert not rec.handles
+    snap = _snapshot(model)
+    assert arkernels.generate(model, FAMILY_PROMPTS, fuse=True, **kw).tokens == ref.tokens
+    assert len(rec.handles) == 1 and not rec.handles[0].active
+    _assert_unchanged(model, snap)
+    model(input_ids=INPUT_IDS[:1]).logits.sum().backward()  # autograd still takes the restored parameters
+    model.zero_grad(set_to_none=True)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="generate: fuse must be 'auto', True or False"):
+            arkernels.generate(model, FAMILY_PROMPTS, fuse=bad, **kw)
+        with pytest.raises(ValueError, match="generate: fuse must be"):
+            arkernels.generate(model, FAMILY_PROMPTS, fuse=bad, **dict(kw, max_new_tokens=0))
+    mine = arkernels.fuse_projections(model)
+    rec.handles.clear()
+    try:
+        assert arkernels.generate(model, FAMILY_PROMPTS, cuda_graphs=True, **kw).tokens == ref.tokens
+        assert not rec.handles and mine.active and isinstance(model.model.layers[0].self_attn.q_proj, ProjectionSlice)
+    finally:
+        mine.undo()
+
+
+def test_fuse_default_with_patch():
+    """patch(compile=True) fuses by default (its calls compile from the first), undone with the patch; the tiered
+    default (compile="auto") and compile=False do not, nor fuse=False; a bad value is refused before any change."""
+    model = tiny_model("llama")
+    q = model.model.layers[0].self_attn.q_proj
+    for kw, fused in ((dict(compile=True), True), (dict(), False), (dict(compile=False), False),
+                      (dict(compile=True, fuse=False), False), (dict(fuse=True), True)):
+        with arkernels.patch(model, block_size=4, **kw):
+            assert isinstance(model.model.layers[0].self_attn.q_proj, ProjectionSlice) == fused, kw
+        assert model.model.layers[0].self_attn.q_proj is q
+    with pytest.raises(ValueError, match="arkernels.patch: fuse must be 'auto', True or False"):
+        arkernels.patch(model, fuse="always")
+    assert model.model.layers[0].self_attn.q_proj is q and "generate" not in model.__dict__
+
+
+def test_fused_modules_take_the_models_mode():
+    """The fused layer and the slices are new modules: they take the parts' train / eval mode. Left in training mode
+    (nn.Module's default) they made an eval model look like it was training, and patch then served every fused call
+    as the stock model (arkernels.hf.stock_call.in_training): a patched, fused greedy call really runs on the paged
+    cache."""
+    from arkernels.hf.cache import PagedCache
+
+    model = tiny_model("llama")
+    with arkernels.fuse_projections(model):
+        assert not any(m.training for m in model.modules())
+    model.train()
+    with arkernels.fuse_projections(model):
+        assert all(m.training for m in model.modules())
+    model.eval()
+    with arkernels.patch(model, block_size=4, fuse=True):
+        out = model.generate(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=3, do_sample=False,
+                             eos_token_id=None, return_dict_in_generate=True)
+    assert isinstance(getattr(out, "cache", None) or out.past_key_values, PagedCache)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 import arkernels
 from arkernels.ops.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token, w8a16_matmul
+from arkernels.ops import int8_matmul_layout as layout
 from arkernels.ops.int8_matmul_layout import pack_weight
 from arkernels.reference.int8_matmul import (dequantize_rowwise_ref, int8_matmul_ref, quantize_rowwise_ref,
                                              sqnr_db, unpack_weight_ref, w8a16_matmul_ref)
@@ -328,7 +329,11 @@ def test_w8a16_decode_paths(dtype, path, M, K, N, with_bias, strided):
 
 # Packed weights through every w8a16 kernel: N = 130 ends in a 2-row group, K = 1040 in a 16-column chunk (the
 # general addressing); 64 x 1024 has only whole groups and chunks (WHOLE_PACK's constant strides).
-PACKED_CASES = [("gemv", 1, 1040, 130, GEMV_CFG), ("gemv", 4, 1024, 64, None), ("splitk", 9, 1040, 130, SPLITK_CFG),
+# The GEMV class's K loop (the split-K kernel at the plan's GEMV_LOOP tiles), two chunks per split: 2 splits of K = 1040
+GEMV_LOOP_CFG = dict(BLOCK_M=16, BLOCK_N=tkp.GEMV_LOOP["BLOCK_N"], BLOCK_K=tkp.GEMV_LOOP["BLOCK_K"], N_TILES=1,
+                     K_PER_SPLIT=1024, num_warps=4, num_stages=tkp.GEMV_LOOP["num_stages"], kernel="splitk")
+PACKED_CASES = [("gemv", 1, 1040, 130, GEMV_CFG), ("gemv", 4, 1024, 64, None), ("gemv", 2, 1040, 130, GEMV_LOOP_CFG),
+                ("splitk", 9, 1040, 130, SPLITK_CFG),
                 ("splitk", 16, 1024, 64, None), ("tiled", 20, 1040, 130, MID_TILE), ("tiled", 33, 1024, 64, None)]
 
 
@@ -355,14 +360,17 @@ def test_w8a16_packed_layout_triton(path, M, K, N, cfg):
 
 
 @pytest.mark.parametrize("path", ["gemv", "splitk"])
-def test_w8a16_decode_deterministic_and_default_config(path):
+def test_w8a16_decode_deterministic_and_default_config(path, monkeypatch):
     """The same call twice gives the same bits (fixed split order: the ticket only decides which program adds),
-    with the shape-derived config."""
+    with the shape-derived config (GEMV: the plan for 132 SMs, where N = 40 alone cannot fill the machine, so K
+    splits; split-K: the interpreter's one SM, where 2 splits fill its 2 slots)."""
+    sms = 132 if path == "gemv" else 1
+    monkeypatch.setattr(tkl, "_num_sms", lambda device: sms)
     gen = torch.Generator().manual_seed(21)
     M = 3 if path == "gemv" else 11
     x, w, w_scale, bias = _w8a16_case(M, 2000, 40, torch.bfloat16, gen)
     d = lambda t: t.to(TRITON_DEVICE)  # noqa: E731
-    cfg = tkp.w8a16_decode_config(path, M, 40, 2000, tkl._num_sms(torch.device(TRITON_DEVICE)))
+    cfg = tkp.w8a16_decode_config(path, M, 40, 2000, sms)
     assert triton.cdiv(2000, cfg["K_PER_SPLIT"]) > 1  # the reduction runs
     first = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
     second = tkl.w8a16_matmul_triton(d(x), d(w), d(w_scale), d(bias), path=path)
@@ -397,6 +405,20 @@ def test_w8a16_path_follows_m(monkeypatch):
 
 
 LLAMA_8B_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
+# N x K of Llama-3-8B's projections (q and o, k and v, gate and up, down, the LM head; fused q/k/v and gate/up, what
+# generate's compiled / graph steps run by default) and SmolLM2-135M's (hidden 576, intermediate 1536, 3 KV heads of
+# 64, vocabulary 49152), with the splits the GEMV class's plan gives on 132 SMs (H100 / H200) and the kernel that runs
+# them. N alone fills the machine (>= 2 programs of 32 columns per SM, balanced) for the LM heads and the fused
+# gate/up (28672: 896 programs); q/o (128 column tiles, fewer than the SMs), k/v, gate/up alone (448 programs: 3.4 per
+# SM, 0.85 balanced), down and the fused q/k/v (192) keep the per-chunk GEMV's 8 / 28 splits. SmolLM2's layers are
+# too small to fill it.
+GEMV_PLANS_132 = {
+    (4096, 4096): ("gemv", 8), (1024, 4096): ("gemv", 8), (14336, 4096): ("gemv", 8), (4096, 14336): ("gemv", 28),
+    (128256, 4096): ("splitk", 1), (6144, 4096): ("gemv", 8), (28672, 4096): ("splitk", 1),
+    (576, 576): ("gemv", 2), (192, 576): ("gemv", 2), (1536, 576): ("gemv", 2), (576, 1536): ("gemv", 3),
+    (49152, 576): ("splitk", 1),
+}
+ODD_NK = [(971, 34), (1, 4099), (130, 1040), (152064, 3584), (40, 2000), (6144, 4096), (100003, 4099)]
 
 
 def _plan(M, N, K, num_sms):
@@ -406,15 +428,61 @@ def _plan(M, N, K, num_sms):
     return path, cfg, splits, triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]) * splits
 
 
+def _fills(option, num_sms):
+    need = triton.cdiv(tkp.LITTLE_BYTES, option["in_flight"])
+    return need <= option["resident"] and option["programs"] >= need * num_sms
+
+
+@pytest.mark.parametrize("N,K", list(GEMV_PLANS_132) + ODD_NK)
+def test_w8a16_gemv_split_plan(N, K, monkeypatch):
+    """The GEMV class (M <= 4) splits K only where N alone cannot fill the machine, sized by the programs resident
+    per SM and the SM count (pure Python: shapes -> splits and grid; no device query, equal inputs give equal
+    plans, the same plan for every M in 1..4). Brute force over every option (the per-chunk GEMV, the K loop over all
+    of K): the plan fills the machine if any option does; its balance over the SMs is within WAVE_SLACK of the best
+    filling option's, and no such option has fewer splits. Splits are whole PACK_K chunks (the packed layout's
+    contract), K tiles divide them. The Llama-3-8B and SmolLM2 projections get the splits GEMV_PLANS_132 lists on
+    132 SMs."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the plan queried a device"))
+    for num_sms in (132, 114, 78, 1):
+        plans = {M: _plan(M, N, K, num_sms) for M in (1, 2, 3, 4)}
+        path, cfg, splits, programs = plans[1]
+        assert path == "gemv" and all(p == plans[1] for p in plans.values())
+        options = tkp.gemv_split_options(N, K, num_sms)
+        chosen = next(o for o in options if o["cfg"] == cfg)
+        assert (chosen["splits"], chosen["programs"]) == (splits, programs)
+        chunk = options[0]["cfg"]
+        assert chunk["kernel"] == "gemv" and options[0]["splits"] == triton.cdiv(K, chunk["K_PER_SPLIT"])
+        for o in options[1:]:
+            c = o["cfg"]
+            assert c["kernel"] == "splitk" and c["K_PER_SPLIT"] % layout.PACK_K == 0
+            assert c["K_PER_SPLIT"] % c["BLOCK_K"] == 0 and layout.PACK_K % c["BLOCK_K"] == 0
+            assert triton.cdiv(K, layout.PACK_K) % (c["K_PER_SPLIT"] // layout.PACK_K) == 0  # equal splits
+            assert o["splits"] == triton.cdiv(K, c["K_PER_SPLIT"]) == 1 < options[0]["splits"]
+        full = [o for o in options if _fills(o, num_sms)]
+        if not full:
+            assert chosen is options[0]
+            continue
+        assert _fills(chosen, num_sms)
+        best = max(tkp.wave_efficiency(o["programs"], num_sms) for o in full)
+        assert tkp.wave_efficiency(programs, num_sms) >= best - tkp.WAVE_SLACK
+        assert not [o for o in full if o["splits"] < splits
+                    and tkp.wave_efficiency(o["programs"], num_sms) >= best - tkp.WAVE_SLACK]
+    if (N, K) in GEMV_PLANS_132:
+        path, cfg, splits, programs = _plan(1, N, K, 132)
+        assert (cfg["kernel"], splits) == GEMV_PLANS_132[(N, K)], (N, K, cfg)
+        if splits == 1:  # no workspace, no ticket: the kernel stores the output itself
+            assert cfg["K_PER_SPLIT"] >= K
+
+
 @pytest.mark.parametrize("N,K", LLAMA_8B_NK + [(971, 34), (152064, 3584)])
 def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
     """The plan is a pure function of (shape, SM count): no device query (any would raise here), equal inputs give
-    equal plans. GEMV: every program's tiles are all in flight at once (num_stages = N_TILES + 1, N_TILES >= 2
-    where the columns allow), its waves are counted with the residency of its own registers and shared memory,
-    and on 132 SMs (H100 / H200) the Llama-8B shapes keep >= LITTLE_BYTES of weight loads in flight per SM even
-    in their last, partial wave (so that wave still saturates HBM). Every plan is within WAVE_SLACK of the best
-    option (brute force here); splits start on K-tile boundaries; the workspace stays under 10% of the weight
-    bytes."""
+    equal plans. The per-chunk GEMV option: every program's tiles are all in flight at once (num_stages = N_TILES +
+    1, N_TILES >= 2 where the columns allow), its waves are counted with the residency of its own registers and
+    shared memory, and on 132 SMs (H100 / H200) the Llama-8B shapes keep >= LITTLE_BYTES of weight loads in flight
+    per SM even in their last, partial wave (so that wave still saturates HBM). Split-K (M 5..16): every plan is
+    within WAVE_SLACK of the best option (brute force here); splits start on K-tile boundaries; the workspace stays
+    under 10% of the weight bytes."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("the plan queried a device"))
     for num_sms in (132, 114, 78):
         for M in (1, 4, 5, 8, 16):
@@ -424,6 +492,9 @@ def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
             if N * K >= 4096 * 4096:
                 assert 2 * splits * M * N * 4 <= 0.1 * N * K, (M, path, cfg)
             if path == "gemv":
+                cfg = tkp.gemv_split_options(N, K, num_sms)[0]["cfg"]  # the per-chunk GEMV option
+                splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+                programs = triton.cdiv(N, cfg["BLOCK_N"] * cfg["N_TILES"]) * splits
                 assert cfg["num_stages"] == cfg["N_TILES"] + 1 and cfg["N_TILES"] in tkp.GEMV_N_TILES
                 resident = {t: tkp.resident_programs(tkp.GEMV_REGISTERS, tkp.gemv_smem(t, cfg["BLOCK_N"],
                                                                                       cfg["K_PER_SPLIT"]), 4)
@@ -444,8 +515,9 @@ def test_w8a16_decode_config_whole_waves(N, K, monkeypatch):
                 options = [triton.cdiv(N, 64) * triton.cdiv(K, triton.cdiv(k_blocks, s) * cfg["BLOCK_K"])
                            for s in range(1, max(1, min(k_blocks, K // (80 * M))) + 1)]
                 assert eff >= max(tkp.wave_efficiency(p, wave) for p in options) - tkp.WAVE_SLACK, (M, N, K, cfg)
-    assert _plan(1, 4096, 14336, 132)[3] == 1792  # 28 splits x 64 pairs of column tiles, 4 resident per SM
-    assert _plan(1, 4096, 14336, 132)[1]["N_TILES"] == 2  # 4 tiles: as many waves, but 2 programs (8 warps) per SM
+    chunk = tkp.gemv_split_options(4096, 14336, 132)[0]
+    assert chunk["programs"] == 1792  # 28 splits x 64 pairs of column tiles, 4 resident per SM
+    assert chunk["cfg"]["N_TILES"] == 2  # 4 tiles: as many waves, but 2 programs (8 warps) per SM
     assert tkp.wave_efficiency(896, 528) == pytest.approx(896 / 1056)
 
 
@@ -514,14 +586,21 @@ def test_w8a16_fused_reduce_same_bits(path, M, cfg):
 
 def test_w8a16_decode_same_bits_across_m_in_the_gemv_class():
     """A row's output does not depend on the other rows of its GEMV batch (M = 1..4: one plan, rows padded to the
-    same 16-row dot): row r of an M = 4 call has the bits of the M = 1 call on row r alone. The split-K class (5..16)
-    is deterministic per M (test above); its split count follows M (the workspace bound), so its bits may not."""
+    same 16-row dot): row r of an M = 4 call has the bits of the M = 1 call on row r alone, for every option the
+    GEMV class's plan may take (the per-chunk GEMV's 3 splits, the K loop's one split of 3 chunks; the default at one
+    SM is the loop). The split-K class (5..16) is deterministic per M (test above); its split count follows M (the
+    workspace bound), so its bits may not."""
     x, w, w_scale, bias = _decode_inputs(4, 1100, 70, seed=3)
-    full = tkl.w8a16_matmul_triton(x, w, w_scale, bias, path="gemv")
-    assert triton.cdiv(1100, tkp.w8a16_decode_config("gemv", 4, 70, 1100, 1)["K_PER_SPLIT"]) == 3  # 3 splits
-    for m in range(4):
-        assert torch.equal(tkl.w8a16_matmul_triton(x[m:m + 1], w, w_scale, bias, path="gemv")[0], full[m])
-    assert torch.equal(tkl.w8a16_matmul_triton(x[1:3], w, w_scale, bias, path="gemv"), full[1:3])
+    options = tkp.gemv_split_options(70, 1100, 1)
+    assert [(o["cfg"]["kernel"], o["splits"]) for o in options] == [("gemv", 3), ("splitk", 1)]
+    assert tkp.w8a16_decode_config("gemv", 4, 70, 1100, 1) == options[1]["cfg"]
+    for cfg in [None] + [o["cfg"] for o in options]:
+        full = tkl.w8a16_matmul_triton(x, w, w_scale, bias, path="gemv", config=cfg)
+        for m in range(4):
+            assert torch.equal(tkl.w8a16_matmul_triton(x[m:m + 1], w, w_scale, bias, path="gemv", config=cfg)[0],
+                               full[m])
+        assert torch.equal(tkl.w8a16_matmul_triton(x[1:3], w, w_scale, bias, path="gemv", config=cfg), full[1:3])
+        _check_w8a16(full.cpu(), x.cpu(), w.cpu(), w_scale.cpu(), bias.cpu())
 
 
 @pytest.mark.parametrize("path,M,cfg", FUSED_CASES[1:3])
@@ -553,11 +632,11 @@ def test_w8a16_tickets_survive_an_aborted_launch(path, M, cfg):
     live.zero_()
 
 
-def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
+def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True, arch=90):
     """Offline compile of a decode kernel for sm_90 (no GPU needed: triton's own ptxas), in a subprocess without
     TRITON_INTERPRET (under it the kernels are interpreted functions, which do not compile) -> (PTX, SASS,
     resource-usage match, dynamic shared memory bytes). ``aligned``: the divisibility-by-16 facts Triton's launcher
-    specializes an aligned weight on."""
+    specializes an aligned weight on. ``arch``: 90, or 80 (the sm_80 build a PDL-free kernel must still compile to)."""
     import json
     import os
     import re
@@ -568,7 +647,7 @@ def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
     if not os.path.exists(os.path.join(bin_dir, "cuobjdump")):
         pytest.skip("triton's wheel ships no cuobjdump here")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    job = json.dumps([kernel_name, consts, num_warps, num_stages, aligned])
+    job = json.dumps([kernel_name, consts, num_warps, num_stages, aligned, arch])
     done = subprocess.run([sys.executable, __file__, job], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
@@ -576,7 +655,7 @@ def _compile_sm90(kernel_name, consts, num_warps, num_stages, aligned=True):
             got["shared"])
 
 
-def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
+def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned, arch=90):
     """The subprocess side of :func:`_compile_sm90`: prints {ptx, sass, res} as one JSON line."""
     import inspect
     import json
@@ -597,7 +676,7 @@ def _compile_sm90_here(kernel_name, consts, num_warps, num_stages, aligned):
     hinted = {n for n in ptrs} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "K_PER_SPLIT"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n] != "constexpr" and n in hinted and (aligned or n not in ("w_ptr", "stride_wn", "K"))}
-    k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 64),
+    k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -617,45 +696,59 @@ def _sass_lines(sass):
     return [x.split(";")[0].split("*/")[-1] for x in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", x)]
 
 
-@pytest.mark.parametrize("path,M,N,K,packed", [("gemv", 1, 4096, 14336, False), ("gemv", 1, 4096, 14336, True),
-                                               ("gemv", 1, 14336, 4096, True), ("splitk", 8, 4096, 14336, False),
-                                               ("splitk", 8, 4096, 14336, True)])
-def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed):
+# (path, M, N, K, packed, option): "plan" is the planned config; "loop" the GEMV class's K loop (one split: no reduce)
+COMPILE_CASES = [("gemv", 1, 4096, 14336, False, "plan"), ("gemv", 1, 4096, 14336, True, "plan"),
+                 ("gemv", 1, 14336, 4096, True, "plan"), ("gemv", 1, 4096, 14336, True, "loop"),
+                 ("gemv", 1, 4096, 14336, False, "loop"), ("splitk", 8, 4096, 14336, False, "plan"),
+                 ("splitk", 8, 4096, 14336, True, "plan")]
+
+
+@pytest.mark.parametrize("path,M,N,K,packed,option", COMPILE_CASES)
+def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed, option):
     """The fused decode kernels compile offline for sm_90 with the planned config: no local memory (no spills,
     STL/LDL), the ticket's atomics and the partials' L2 (.cg) loads present, the weight read by 16-byte cp.async
     when aligned, and (plain layout) byte loads without the divisibility facts (GEMV: ld.global.b8; the silent 4x
     the op warns about and Int8Linear refuses; a packed weight is contiguous with K % 16 == 0 by construction).
-    GEMV: at most GEMV_REGISTERS registers and the shared memory gemv_smem counts (so resident_programs counts
-    what the hardware holds), and every weight load of the program (N_TILES tiles) is a cp.async issued before the
-    first wait on any of them (DEPBAR): all of the program's weight bytes in flight at once, no second DRAM round
-    trip. ~10-20 s of compiles per case on 2 cores."""
+    Per-chunk GEMV: at most GEMV_REGISTERS registers and the shared memory gemv_smem counts (so resident_programs
+    counts what the hardware holds), and every weight load of the program (N_TILES tiles) is a cp.async issued
+    before the first wait on any of them (DEPBAR): all of the program's weight bytes in flight at once, no second
+    DRAM round trip. The GEMV class's K loop (the split-K kernel at GEMV_LOOP): at most GEMV_LOOP_REGISTERS and
+    gemv_loop_smem, and num_stages - 1 stages of weight and x cp.async issued before the first wait. ~10-20 s of
+    compiles per case on 2 cores."""
     import re
 
     cfg = tkp.w8a16_decode_config(path, M, N, K, 132)
+    if option == "loop":
+        cfg = tkp.gemv_split_options(N, K, 132)[-1]["cfg"]
     consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
-    if path == "splitk":
+    if cfg["kernel"] == "splitk":
         consts.pop("K_HALVES", None)
-    assert triton.cdiv(K, cfg["K_PER_SPLIT"]) > 1
     splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+    assert (splits > 1) == (option == "plan")
     block, unroll = tkp.reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
-    consts.update(HAS_BIAS=True, SPLIT=True, FUSED=True, EVEN_K=K % cfg["K_PER_SPLIT"] == 0, DOT_FP32=False,
+    consts.update(HAS_BIAS=True, SPLIT=splits > 1, FUSED=splits > 1, EVEN_K=K % cfg["K_PER_SPLIT"] == 0,
+                  DOT_FP32=False,
                   REDUCE_BLOCK=block, REDUCE_UNROLL=unroll, PACKED=packed,
                   WHOLE_PACK=packed and N % 16 == 0 and K % 512 == 0)
-    if path == "gemv":  # as the launcher passes it
+    if cfg["kernel"] == "gemv":  # as the launcher passes it
         consts["N_EDGE"] = not packed or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
-    kernel = "w8a16_gemv_kernel" if path == "gemv" else "w8a16_splitk_kernel"
+    kernel = f"w8a16_{cfg['kernel']}_kernel"
     ptx, sass, res, shared = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"])
     assert res and int(res[2]) == 0 and int(res[4]) == 0, res  # STACK 0, LOCAL 0
     assert not re.search(r"\b(?:STL|LDL)\b", sass)
-    assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
-    # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
-    # trip, not one (masked loads were serialised on predicate registers: one load per addition)
     ins = _sass_lines(sass)
-    first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
-    ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
-    assert sum("LDG.E.STRONG.GPU" in x for x in ins[first:first + ahead]) >= min(unroll, 8), ins[first:first + ahead]
+    if splits == 1:  # no workspace, no ticket, no reduce
+        assert "atom.global" not in ptx and "ld.global.cg" not in ptx
+    else:
+        assert "atom.global" in ptx and "cas" in ptx and "ld.global.cg" in ptx
+        # the reduce issues its partial loads (strong .cg loads in SASS) before it adds: UNROLL splits per L2 round
+        # trip, not one (masked loads were serialised on predicate registers: one load per addition)
+        first = next(i for i, x in enumerate(ins) if "LDG.E.STRONG.GPU" in x)
+        ahead = next(i for i, x in enumerate(ins[first:]) if "FADD" in x)
+        issued = ins[first:first + ahead]
+        assert sum("LDG.E.STRONG.GPU" in x for x in issued) >= min(unroll, 8), issued
     assert "ld.global.b8" not in ptx  # aligned: no byte loads at all
-    if path == "gemv":
+    if cfg["kernel"] == "gemv":
         assert int(res[1]) <= tkp.GEMV_REGISTERS
         assert shared == tkp.gemv_smem(cfg["N_TILES"], cfg["BLOCK_N"], cfg["K_PER_SPLIT"]), shared
         copies = cfg["N_TILES"] * cfg["BLOCK_N"] * cfg["K_PER_SPLIT"] // (16 * 32 * cfg["num_warps"])  # per thread
@@ -665,10 +758,85 @@ def test_w8a16_fused_kernels_compile_for_sm90(path, M, N, K, packed):
         assert sum("LDG.E.128" in x for x in ins) == x_loads  # no weight byte through registers
     else:
         assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > 0
+    if path == "gemv" and cfg["kernel"] == "splitk":  # the GEMV class's K loop: the residency its plan counts
+        assert int(res[1]) <= tkp.GEMV_LOOP_REGISTERS and shared == tkp.gemv_loop_smem(), (res[1], shared)
+        per_stage = cfg["BLOCK_K"] * (cfg["BLOCK_N"] + 16 * 2) // (16 * 32 * cfg["num_warps"])  # w + x, per thread
+        wait = next(i for i, x in enumerate(ins) if "DEPBAR.LE" in x)
+        assert sum("LDGSTS.E" in x for x in ins[:wait]) == (cfg["num_stages"] - 1) * per_stage, ins[:wait]
     if not packed:
         ptx_unaligned = _compile_sm90(kernel, consts, cfg["num_warps"], cfg["num_stages"], aligned=False)[0]
         assert len(re.findall(WIDE_GLOBAL_LOAD, ptx)) > len(re.findall(WIDE_GLOBAL_LOAD, ptx_unaligned))
         assert "ld.global.b8" in ptx_unaligned
+
+
+@pytest.mark.parametrize("option", ["chunk", "loop"])
+def test_w8a16_pdl_compiles_for_sm90_only(option):
+    """PDL (programmatic dependent launch, the ``PDL`` constexpr the launcher sets with ``launch_pdl=True`` on sm_90):
+    the offline sm_90 compile has ``griddepcontrol.wait`` and ``.launch_dependents``; before the wait only L2
+    prefetches of the program's first weight tiles (``prefetch.global.L2``: SASS ``CCTL.E.PF2``), no load of x nor
+    of anything else, no store, no atomic (PTX and SASS: ``ACQBULK`` is the wait); registers within the plan's
+    budget, no spills. Without PDL (the default, the interpreter's and sm_80's) no griddepcontrol at all, and the
+    sm_80 compile of the same config succeeds (griddepcontrol is sm_90 PTX). 1 Llama-3-8B down shape, M = 1:
+    the per-chunk GEMV (28 splits: workspace and tickets after the wait) and the K loop (one split)."""
+    import re
+
+    N, K = 4096, 14336
+    cfg = tkp.gemv_split_options(N, K, 132)[0 if option == "chunk" else -1]["cfg"]
+    splits = triton.cdiv(K, cfg["K_PER_SPLIT"])
+    consts = {k: v for k, v in cfg.items() if k.isupper() and k != "K_PER_SPLIT"}
+    if cfg["kernel"] == "splitk":
+        consts.pop("K_HALVES", None)
+    else:
+        consts["N_EDGE"] = False
+    block, unroll = tkp.reduce_shape(1, cfg["BLOCK_N"] * cfg["N_TILES"], splits)
+    consts.update(HAS_BIAS=True, SPLIT=splits > 1, FUSED=splits > 1, EVEN_K=True, DOT_FP32=False, REDUCE_BLOCK=block,
+                  REDUCE_UNROLL=unroll, PACKED=True, WHOLE_PACK=True)
+    kernel = f"w8a16_{cfg['kernel']}_kernel"
+    ptx, sass, res, _ = _compile_sm90(kernel, dict(consts, PDL=True), cfg["num_warps"], cfg["num_stages"])
+    assert int(res[2]) == 0 and int(res[4]) == 0, res
+    budget = tkp.GEMV_REGISTERS if cfg["kernel"] == "gemv" else tkp.GEMV_LOOP_REGISTERS
+    assert int(res[1]) <= budget
+    lines = [x.strip() for x in ptx.splitlines()]
+    wait = next(i for i, x in enumerate(lines) if x.startswith("griddepcontrol.wait"))
+    assert any(x.startswith("griddepcontrol.launch_dependents") for x in lines[wait:])
+    before = lines[:wait]
+    prefetches = sum(x.startswith("prefetch.global.L2") for x in before)
+    tiles = cfg["N_TILES"] if cfg["kernel"] == "gemv" else 2
+    assert prefetches == tiles, before  # one per thread per tile: 128 threads x 128 B = a 16 KB / 8 KB tile's lines
+    assert not [x for x in before if re.search(r"\b(?:(?:ld|st)\.(?:global|shared|local)|cp\.async|atom\.|red\.)", x)]
+    ins = _sass_lines(sass)
+    acq = next(i for i, x in enumerate(ins) if "ACQBULK" in x)
+    assert sum("CCTL.E.PF2" in x for x in ins[:acq]) == prefetches
+    assert not [x for x in ins[:acq] if re.search(r"\b(?:LDG|LDGSTS|STG|ATOMG|RED|LDS|STS)\b", x)], ins[:acq]
+    assert "PREEXIT" in "".join(ins[acq:])  # launch_dependents
+    off = dict(consts, PDL=False)
+    assert "griddepcontrol" not in _compile_sm90(kernel, off, cfg["num_warps"], cfg["num_stages"])[0]
+    assert "griddepcontrol" not in _compile_sm90(kernel, off, cfg["num_warps"], cfg["num_stages"], arch=80)[0]
+
+
+def test_w8a16_pdl_launch_flags(monkeypatch):
+    """The launcher sets the PDL constexpr and ``launch_pdl`` together, only where :func:`pdl_enabled` holds (sm_90
+    and later, not under the interpreter, not with ARKERNELS_PDL=0): mocked device and kernels, no GPU here."""
+    monkeypatch.setattr(tkl, "_pdl_capable", lambda device: True)
+    monkeypatch.setattr(tkl, "interpreting", lambda: False)
+    assert tkl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("ARKERNELS_PDL", "0")
+    assert not tkl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.delenv("ARKERNELS_PDL")
+    gemv, splitk = _Recorder(), _Recorder()
+    monkeypatch.setattr(tkl, "w8a16_gemv_kernel", gemv)
+    monkeypatch.setattr(tkl, "w8a16_splitk_kernel", splitk)
+    x, w, w_scale = torch.zeros(1, 1024, dtype=torch.float16), torch.zeros(64, 1024, dtype=torch.int8), torch.ones(64)
+    for cfg, rec in ((GEMV_CFG, gemv), (GEMV_LOOP_CFG, splitk)):
+        tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=cfg)
+        assert rec.calls[-1]["PDL"] is True and rec.calls[-1]["launch_pdl"] is True
+    monkeypatch.setattr(tkl, "interpreting", lambda: True)
+    tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=GEMV_CFG)
+    assert "PDL" not in gemv.calls[-1] and "launch_pdl" not in gemv.calls[-1]
+    monkeypatch.setattr(tkl, "interpreting", lambda: False)
+    monkeypatch.setattr(tkl, "_pdl_capable", lambda device: False)  # sm_80
+    tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=GEMV_CFG)
+    assert "PDL" not in gemv.calls[-1] and "launch_pdl" not in gemv.calls[-1]
 
 
 class _FakeConfig:

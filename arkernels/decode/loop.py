@@ -26,6 +26,7 @@ from arkernels.decode.drafts import make_drafter, speculative_sampling
 from arkernels.decode.spec import decode_spec
 from arkernels.decode.spec_step import SpecStep
 from arkernels.decode.step import DecodeStep, StaticDecode, register_static
+from arkernels.fuse import fused_for_call
 
 
 @torch.inference_mode()
@@ -42,7 +43,7 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
              bad_words_ids: Sequence[Sequence[int]] | None = None, suppress_tokens: Sequence[int] | None = None,
              logprobs: int | None = None, logprobs_mode: str = "raw", prompt_lookup_num_tokens: int | None = None,
              max_matching_ngram_size: int | None = None, assistant_model=None,
-             num_assistant_tokens: int | None = None) -> GenerateResult:
+             num_assistant_tokens: int | None = None, fuse: bool | str = "auto") -> GenerateResult:
     """Generate from ragged prompts with a paged cache and the fused sampler.
 
     Args:
@@ -107,6 +108,9 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
             decoder ``check_model`` accepts, with the target's vocabulary size, on the same device, proposes
             ``num_assistant_tokens`` (default 5, fixed) greedy tokens per step on its own paged cache; the target
             verifies them as above (the same tokens as without a draft model).
+        fuse: merge q/k/v and gate/up into one matmul each for this call (``arkernels.fuse_projections``, undone
+            after it: the model is unchanged afterwards). "auto" (default): with ``cuda_graphs`` / ``compile`` (3
+            launches fewer per layer in the captured step); True: on every path; False: never.
 
     Every argument is checked before the prefill runs (a ValueError naming it; TypeError for a model dtype the
     kernels do not take). A prompt + ``max_new_tokens`` past ``max_position_embeddings`` warns, as stock does.
@@ -130,8 +134,9 @@ def generate(model, prompts_or_input_ids=None, *, input_ids=None, attention_mask
     result = GenerateResult([[] for _ in range(B)], None, plan.prompt_lens, finished_by_eos=[False] * B)
     if logprobs is not None:
         result.logprobs = [[] for _ in range(B)]
-    if max_new_tokens > 0:
-        _run(model, plan, result)
+    with fused_for_call(model, fuse, plan.cuda_graphs and max_new_tokens > 0):  # fuse checked either way
+        if max_new_tokens > 0:
+            _run(model, plan, result)
     return _finish(result, tokenizer)
 
 

@@ -116,9 +116,9 @@ def _hook_attention(model, state: dict, sampler) -> tuple[str, list[str], dict]:
 
 
 def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str = "auto", *, block_size: int = 16,
-          fuse: bool = False, kv_cache_dtype: str | torch.dtype = "auto", k_scale: float | list[float] | None = None,
-          v_scale: float | list[float] | None = None, compile: bool | str = "auto",
-          compile_after: int | None = COMPILE_AFTER):
+          fuse: bool | str = "auto", kv_cache_dtype: str | torch.dtype = "auto",
+          k_scale: float | list[float] | None = None, v_scale: float | list[float] | None = None,
+          compile: bool | str = "auto", compile_after: int | None = COMPILE_AFTER):
     """Route ``model.generate`` through arkernels' attention, paged cache and sampler.
 
     Args:
@@ -139,8 +139,10 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
             composed of more torch ops than the stock warpers it replaces), keep transformers' processors: stock's
             tokens at stock's cost. True: the fused draw for every call it can serve exactly, greedy ones with token rules
             included, on every device (arkernels' seeded draws everywhere). False: never.
-        fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``; opt-in, undone with
-            the rest).
+        fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``, undone with the
+            rest). "auto" (default): with ``compile=True`` and the cache (greedy / sampling calls compiled from the first), not
+            with the tiered "auto" or False, nor on a model already fused or tensor-parallel; True: always; False:
+            never. While fused, ``model.state_dict()`` holds ``qkv_proj`` / ``gate_up_proj``: undo before saving.
         kv_cache_dtype: the ``PagedCache``'s storage: "auto" (the model's dtype) or "fp8" (float8_e4m3fn with a K
             and a V scale per layer, vLLM's convention), read by the CPU and the CUDA attention kernels.
         k_scale, v_scale: fp8 only: a float, one float per layer, or None (default): calibrated per layer on each
@@ -168,10 +170,11 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
     """
     _check_patch_args(model, block_size, attention, cache, sampler, compile, compile_after, kv_cache_dtype, k_scale,
                       v_scale)
-    fuse_handle = None
-    if fuse:  # first: it is the only piece that can refuse (a model already fused), before anything is changed
-        from arkernels.fuse import fuse_projections
+    from arkernels.fuse import fuse_projections, wants_fusion
 
+    fuse_handle = None
+    if wants_fusion(model, fuse, compile is True and cache, "arkernels.patch"):
+        # first: it is the only piece that can refuse (fuse=True on a model already fused), before anything changes
         fuse_handle = fuse_projections(model)
     # mode: this call's generation mode (the cache hook runs before the logits-processor hook); tier: the "auto"
     # rule's count of eager decode steps (see Tier); stock: this call runs as the unpatched model (stock_call)

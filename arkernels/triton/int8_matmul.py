@@ -28,13 +28,20 @@ W8A16 decode (M <= 16, fp16/bf16 x, :func:`w8a16_path`): the weight streams once
   arkernels/ops/int8_matmul_layout.py (PACKED: 16-row groups of 512-column chunks, each program's tile contiguous
   per row group; :func:`_packed_w_ptrs`), which every w8a16 kernel reads; WHOLE_PACK makes the in-group strides
   constants when no group or chunk is partial.
-- 5 <= M <= 16: ``w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT.
+- 5 <= M <= 16: ``w8a16_splitk_kernel``, a tensor-core tile of 16 rows over a K range of K_PER_SPLIT. The GEMV
+  class also runs it (32 x 256 tiles, 3 stages, one split over all of K) where N alone fills the machine.
 - Grids (:func:`w8a16_decode_config`): a pure function of (path, M, N, K, SM count), never autotuned (the bits do
-  not depend on which config a sweep picked; decode never sweeps), planned in whole waves of the programs an SM
-  holds at once (GEMV: :func:`resident_programs` of its registers and shared memory; split-K: PROGRAMS_PER_SM):
-  among the N_TILES (GEMV) or split counts (split-K) the shape allows, the fewest programs within WAVE_SLACK of
-  the best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3
-  splits). The per-shape figures: docs/kernels.md.
+  not depend on which config a sweep picked; decode never sweeps). GEMV class: K is split (one split per 512
+  columns) only where N alone cannot fill the machine, i.e. give every SM the programs that hold LITTLE_BYTES of
+  weight loads in flight (:func:`resident_programs` of registers and shared memory bounds them), balanced over the
+  SMs; the LM heads and the fused gate/up run unsplit (no workspace, no ticket). Its per-chunk GEMV's N_TILES, and
+  split-K's split counts (PROGRAMS_PER_SM), are planned in whole waves: the fewest programs within WAVE_SLACK of the
+  best wave efficiency. Split-K keeps its workspace under 10% of the weight bytes (K = 4096 at M = 16: 3 splits).
+  The per-shape figures: docs/kernels.md.
+- Programmatic dependent launch (``PDL``, sm_90, launched with ``launch_pdl=True``; :func:`_pdl_start`): before
+  ``gdc_wait`` a program only prefetches its first weight tiles into L2 (the weights are no upstream kernel's
+  output, and a prefetch returns no data), x and every write come after it. Estimate, no GPU: the first ~16 KB of
+  weight and the launch overlap the previous kernel's tail, ~0.5-1 us per launch; ~60 SASS per program.
 - Split-K reduction, fused (``reduce="fused"``, the default): partial fp32 sums go to a ``[SPLIT_K, M, N]``
   workspace; each program then takes a ticket for its output tile (``tickets.last_program``: an int64 atomic
   tagged with a per-launch epoch, so an aborted launch cannot poison later ones) and the last of the tile's SPLIT_K
@@ -66,6 +73,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from arkernels.ops import int8_matmul_layout as layout
 from arkernels.triton.tickets import last_program
@@ -386,6 +394,57 @@ def _reduce_splits(part_ptr, col0, M, N, w_scale_ptr, bias_ptr, out_ptr, stride_
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the line holding each element of ``ptrs``: no data returned, no register held, no
+    wait; the line is in L2 when a later load asks for it."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_weight(w_ptr, n0, k0, N, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PACKED: tl.constexpr, WHOLE_PACK: tl.constexpr):
+    """L2 prefetch of the weight tile ``[k0, k0 + BLOCK_K) x [n0, n0 + BLOCK_N)`` (BLOCK_K >= 128), one prefetch
+    per 128 bytes of a row (a line when the row is contiguous: both layouts with K-contiguous rows), addresses
+    clamped into the weight (rows past N to the tile's first, columns past K to K - 1): never outside it."""
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = k0 + tl.arange(0, BLOCK_K // 128) * 128
+    rk = tl.where(rk < K, rk, K - 1)
+    if PACKED:  # one K chunk per prefetch row: k0 is a multiple of BLOCK_K, which divides PACK_K
+        jl = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
+        ptrs = _packed_w_ptrs(w_ptr, jl, n0, k0, rk - k0, N, K, WHOLE_PACK)
+    else:
+        ln = tl.where(rn < N, rn, n0)
+        ptrs = w_ptr + ln[None, :].to(tl.int64) * stride_wn + rk[:, None].to(tl.int64) * stride_wk
+    _prefetch_l2(ptrs)
+
+
+@triton.jit
+def _pdl_start(w_ptr, n0, k0, N, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               TILES: tl.constexpr, TILE_STEP: tl.constexpr, PACKED: tl.constexpr, WHOLE_PACK: tl.constexpr):
+    """Programmatic dependent launch (sm_90, launched with ``launch_pdl=True``): this grid may start while the
+    previous kernel of the stream still runs, so everything it reads from that kernel waits for ``gdc_wait``.
+    Before it: only an L2 prefetch of the program's first TILES weight tiles (``[BLOCK_K, BLOCK_N]`` at ``k0``,
+    ``k0 + TILE_STEP``, ... along K when TILE_STEP > 0, else along N: ``n0``, ``n0 + BLOCK_N``, ...). The weights
+    are never written by a kernel upstream in the stream (quantize / load_state_dict finish long before a decode
+    step), and even if one were, a prefetch returns no data: the real loads after the wait read L2, the point of
+    coherence, where that kernel's stores are. After it: x (the previous kernel's output), and every write (out,
+    the split-K workspace, the tickets): that kernel may still read a buffer the allocator handed us, or be our own
+    previous launch on the same tickets. Every program waits (a grid that finishes is then ordered after its
+    predecessors, transitively), then lets the next PDL launch start its own prologue: that launch can begin only
+    once all of our programs are resident or done, so it never takes the slots our later waves need."""
+    if K > 0:  # K = 0: an empty weight, nothing to prefetch (its pointer may be anything)
+        if BLOCK_K >= 128:
+            for t in tl.static_range(TILES):
+                kt = k0 + t * TILE_STEP if TILE_STEP > 0 else k0
+                nt = n0 if TILE_STEP > 0 else n0 + t * BLOCK_N
+                if (kt < K) & (nt < N):  # tiles wholly past the weight's edge: none
+                    _prefetch_weight(w_ptr, nt, kt, N, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K, PACKED,
+                                     WHOLE_PACK)
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+@triton.jit
 def _packed_w_ptrs(w_ptr, jl, n0, k, rk, N, K, WHOLE: tl.constexpr):
     """Pointers ``[BLOCK_K, len(jl)]`` into a packed weight (arkernels/ops/int8_matmul_layout.py) at rows ``n0 + jl``
     (``jl``: rows of the tile that starts at row ``n0``, a multiple of PACK_ROWS; all valid) and columns ``k + rk``
@@ -453,12 +512,16 @@ def w8a16_gemv_kernel(
     PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; K_HALVES x BLOCK_K <= PACK_K)
     WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
     N_EDGE: tl.constexpr = True,  # some tile has columns past N (False: N_TILES x BLOCK_N divides N, no clamp)
+    PDL: tl.constexpr = False,  # launched with launch_pdl (sm_90 only; never under the interpreter): _pdl_start
 ):
     """Grid ``(cdiv(N, BLOCK_N * N_TILES), cdiv(K, K_HALVES * BLOCK_K))``: program (i, s) holds the x slice of
     split s in registers and computes columns ``[i * N_TILES * BLOCK_N, (i + 1) * N_TILES * BLOCK_N)`` of it, one
     ``[K_HALVES * BLOCK_K, BLOCK_N]`` weight tile at a time."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PDL:  # the program's N_TILES weight tiles prefetched, then the wait: x only after it
+        _pdl_start(w_ptr, pid_n * (N_TILES * BLOCK_N), pid_k * (K_HALVES * BLOCK_K), N, K, stride_wn, stride_wk,
+                   BLOCK_N, K_HALVES * BLOCK_K, N_TILES, 0, PACKED, WHOLE_PACK)
     rm = tl.arange(0, BLOCK_M)
     rk0 = pid_k * (K_HALVES * BLOCK_K) + tl.arange(0, BLOCK_K)
     rk1 = rk0 + BLOCK_K
@@ -501,6 +564,7 @@ def w8a16_splitk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
     PACKED: tl.constexpr = False,  # w in the packed layout (int8_matmul_layout.py; BLOCK_K divides PACK_K)
     WHOLE_PACK: tl.constexpr = False,  # packed, N % PACK_ROWS == K % PACK_K == 0: constant strides (_packed_w_ptrs)
+    PDL: tl.constexpr = False,  # launched with launch_pdl (sm_90 only; never under the interpreter): _pdl_start
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(K, K_PER_SPLIT))``: program (i, s) multiplies the (at most 16) rows of x by
     N tile i over K range s on the tensor cores. Rows past M are masked (zeros), not clamped: no duplicate reads."""
@@ -511,6 +575,9 @@ def w8a16_splitk_kernel(
     rk = tl.arange(0, BLOCK_K)
     ln = tl.where(rn < N, tl.arange(0, BLOCK_N), 0)
     k0 = pid_k * K_PER_SPLIT
+    if PDL:  # the first 2 K tiles of the split prefetched (the prologue's stages), then the wait: x only after it
+        _pdl_start(w_ptr, pid_n * BLOCK_N, k0, N, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K, 2, BLOCK_K, PACKED,
+                   WHOLE_PACK)
     x_ptrs = x_ptr + k0.to(tl.int64) * stride_xk + (rm[:, None] * stride_xm + rk[None, :] * stride_xk)
     w_ptrs = (w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn + k0.to(tl.int64) * stride_wk) + (
         ln[None, :] * stride_wn + rk[:, None] * stride_wk)

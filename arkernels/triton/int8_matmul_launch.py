@@ -146,7 +146,7 @@ def _check_packed_tiles(w, block_n: int, k_tile: int) -> None:
                          f"divide {PACK_K}; got BLOCK_N {block_n}, K tile {k_tile}")
 
 
-def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused"):
+def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, reduce="fused", pdl=None):
     """x ``[M, K]`` fp16|bf16|fp32, w int8 ``[N, K]`` or packed ``[N, K // 16, 16]``
     (arkernels/ops/int8_matmul_layout.py), w_scale fp32 ``[N]``, bias ``[N]``? (checked by the caller)
     -> ``[M, N]`` in x's dtype. The kernel follows M (:func:`w8a16_path`); ``path`` forces one of "gemv",
@@ -154,7 +154,10 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
     ``path="gemv"`` / ``"splitk"``; without a path, the tiled kernel's tile sizes as for
     :func:`int8_matmul_triton` (that kernel at any M). ``reduce``: how a decode path adds its K splits,
     ``"fused"`` (the last program of each tile, one launch) or ``"launch"`` (a second kernel; the benchmark's
-    baseline); both add in split order and give the same bits."""
+    baseline); both add in split order and give the same bits. ``config`` may name the decode kernel (``"kernel"``:
+    ``"gemv"`` or ``"splitk"``, the GEMV class's K loop; default the path's). ``pdl``: False turns programmatic
+    dependent launch off for this call (the benchmark's baseline); None (default) and True: where
+    :func:`pdl_enabled`."""
     if reduce not in REDUCES:
         raise ValueError(f"w8a16_matmul: reduce must be one of {REDUCES}, got {reduce!r}")
     M, K = x.shape
@@ -168,7 +171,7 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
         path = "tiled" if config is not None else w8a16_path(M, x.dtype)
     dot_fp32 = x.dtype == torch.float32 or interpreting()
     if path != "tiled":
-        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce)
+        _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce, pdl is not False)
         return out
     args = (x, w, w_scale, w_scale if bias is None else bias, out, M, N, K, x.stride(0), x.stride(1),
             *_weight_strides(w), out.stride(0), out.stride(1))
@@ -177,6 +180,19 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
         _check_packed_tiles(w, config["BLOCK_N"], config["BLOCK_K"])
     _launch(_w8a16_matmul_tuned, w8a16_matmul_kernel, M, N, K, args, flags, config)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch for the w8a16 decode kernels: on sm_90 and later (``griddepcontrol`` is sm_90
+    PTX; an sm_80 build compiles it out), never under the interpreter, unless ``ARKERNELS_PDL=0``. The kernel
+    (``PDL``: ``_pdl_start`` in arkernels/triton/int8_matmul.py) may then start while the previous kernel of the
+    stream finishes: its weight prefetch overlaps that kernel's tail."""
+    return not interpreting() and os.environ.get("ARKERNELS_PDL", "1") != "0" and _pdl_capable(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,13 +232,14 @@ def _tickets(device: torch.device, tiles: int) -> tuple[torch.Tensor, int]:
     return _TICKETS.setdefault((device, stream), _Tickets()).take(device, tiles)
 
 
-def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fused"):
+def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fused", pdl=True):
     M, K = x.shape
     N = w.shape[0]
     cfg = dict(config) if config is not None else w8a16_decode_config(path, M, N, K, _num_sms(x.device))
     launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
+    kernel = cfg.pop("kernel", path)  # the GEMV class's plan may run the split-K kernel's K loop (fewer splits)
     k_per_split = cfg.pop("K_PER_SPLIT", cfg["BLOCK_K"])
-    if path == "gemv":
+    if kernel == "gemv":
         assert k_per_split == cfg["BLOCK_K"] * cfg["K_HALVES"], "gemv: one x slice of K_HALVES * BLOCK_K per program"
     else:
         cfg.pop("K_HALVES", None)
@@ -236,14 +253,16 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
     tickets, epoch = _tickets(x.device, grid[0]) if fused else (part, 0)  # never read without FUSED
     bias_arg = w_scale if bias is None else bias  # never read without HAS_BIAS
-    _check_packed_tiles(w, cfg["BLOCK_N"], k_per_split if path == "gemv" else cfg["BLOCK_K"])
+    _check_packed_tiles(w, cfg["BLOCK_N"], k_per_split if kernel == "gemv" else cfg["BLOCK_K"])
     args = (x, w, w_scale, bias_arg, out, part, tickets, epoch, M, N, K, x.stride(0), x.stride(1),
             *_weight_strides(w), out.stride(0), out.stride(1))
     block, unroll = reduce_shape(M, cfg["BLOCK_N"] * cfg["N_TILES"], split_k, launch.get("num_warps", 4))
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
                  DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
                  **_pack_flags(w, N, K))
-    if path == "gemv":
+    if pdl and pdl_enabled(x.device):  # the constexpr and the launch attribute together, never one alone
+        flags["PDL"] = launch["launch_pdl"] = True
+    if kernel == "gemv":
         # only the packed addressing reads it: the plain weight keeps one specialization
         flags["N_EDGE"] = not flags["PACKED"] or N % (cfg["BLOCK_N"] * cfg["N_TILES"]) != 0
         w8a16_gemv_kernel[grid](*args, **flags, **cfg, **launch)

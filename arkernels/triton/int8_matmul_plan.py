@@ -25,6 +25,10 @@ GEMV_REGISTERS = 64
 GEMV_N_TILES = (2, 4)  # weight tiles per program, all in flight at once: num_stages = N_TILES + 1 (triton keeps
 # num_stages - 1 tiles in flight; one tile is a folded loop, no pipeline, so no cp.async at all)
 LITTLE_BYTES = 23 * 1024  # loads in flight per SM that saturate HBM (~4.3 TB/s x ~0.7 us / 132 SMs: Little's law)
+# The GEMV class's K loop (several PACK_K chunks per split): w8a16_splitk_kernel at these tiles. 2 x 8 KB of weight
+# in flight per program; 32 KB of shared memory, so 6 programs per SM (shared memory binds; 80 registers allow 6)
+GEMV_LOOP = dict(BLOCK_N=32, BLOCK_K=256, num_stages=3)
+GEMV_LOOP_REGISTERS = 80  # budget (offline sm_90, K = 14336 in one split: 57 packed, 72 plain; tests check <=)
 GEMV_SMEM_EXTRA = 2048  # the epilogue's scratch, beside the weight tiles and the x slice (offline sm_90 compile)
 WAVE_SLACK = 0.05  # plans within this much wave efficiency of the best one count as equal: the fewest programs wins
 REDUCE_LOADS_PER_THREAD = 32  # the fused reduce's partial loads in flight per thread (registers: the GEMV uses ~56)
@@ -130,40 +134,103 @@ def _fewest_programs_near_best(candidates: list[tuple[int, dict]], wave: int) ->
     return candidates[min(near)[1]][1]
 
 
+def _gemv_chunk_config(N: int, K: int, num_sms: int) -> dict:
+    """The per-chunk GEMV (``w8a16_gemv_kernel``): one split per PACK_K chunk of K, N_TILES from GEMV_N_TILES, each
+    counted with the waves of its own residency; near the best wave efficiency, the most resident programs (warps to
+    hide the dot's latencies: 2 programs of 4 warps leave 2 warps per scheduler), then the fewest programs."""
+    block_k = max(32, min(256, triton.next_power_of_2(K)))
+    halves = 2 if K > block_k else 1
+    block_n = max(16, min(32, triton.next_power_of_2(N)))
+    n_blocks = triton.cdiv(N, block_n)
+    split_k = max(1, triton.cdiv(K, halves * block_k))  # K = 0: one split of nothing
+    plans = []
+    for t in GEMV_N_TILES:
+        if t > 1 and t >= 2 * n_blocks and plans:
+            break  # no tile group wider than twice the columns
+        resident = resident_programs(GEMV_REGISTERS, gemv_smem(t, block_n, halves * block_k), 4)
+        programs = triton.cdiv(n_blocks, t) * split_k
+        plans.append((wave_efficiency(programs, resident * num_sms), resident, -programs, t))
+    best = max(p[0] for p in plans)
+    n_tiles = max(p[1:] for p in plans if p[0] >= best - WAVE_SLACK)[-1]
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
+                K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=n_tiles + 1, kernel="gemv")
+
+
+def gemv_loop_smem(block_n: int = GEMV_LOOP["BLOCK_N"], block_k: int = GEMV_LOOP["BLOCK_K"],
+                   stages: int = GEMV_LOOP["num_stages"], block_m: int = 16, x_bytes: int = 2) -> int:
+    """Shared memory of the GEMV class's K loop (``w8a16_splitk_kernel`` at GEMV_LOOP) as triton lays it out (offline
+    sm_90 compile; a test compares): num_stages - 1 buffers of one int8 ``[BLOCK_K, BLOCK_N]`` weight tile and one
+    ``[BLOCK_M, BLOCK_K]`` x tile (the epilogue's scratch reuses them). 3 stages of 256 x 32: 32768 B."""
+    return (stages - 1) * block_k * (block_n + block_m * x_bytes)
+
+
+def gemv_split_options(N: int, K: int, num_sms: int) -> list[dict]:
+    """The plans the GEMV class (M <= 4) may take for an ``N x K`` weight: the per-chunk GEMV (one split per PACK_K
+    chunk), and, where K has more than one chunk, the K loop over all of them (one split: no workspace, no ticket,
+    no reduce). No split count in between: the loop re-stages its x tile every 256 columns (cp.async + LDS) and
+    recomputes its addresses, 314 SASS per warp per 8 KB step in one split, 367 with a split's workspace and ticket,
+    against the per-chunk GEMV's 559 per 16 KB tile (offline sm_90, packed); over a whole 4096-deep K that is ~0.16
+    warp-instructions per weight byte (the per-chunk GEMV's ~0.167), but ~0.20-0.23 at 2-4 splits, where each
+    program's prologue and ticket cover only 4-8 steps, of the ~0.24 that HBM speed allows (docs/kernels.md). Each
+    option carries its
+    ``splits``, ``programs``, weight bytes ``in_flight`` per program, programs ``resident`` per SM
+    (:func:`resident_programs` of its register budget and shared memory) and ``cfg``."""
+    chunk = _gemv_chunk_config(N, K, num_sms)
+    chunks = triton.cdiv(K, chunk["K_PER_SPLIT"]) if K > 0 else 1
+    tile = chunk["BLOCK_N"] * chunk["K_PER_SPLIT"]
+    options = [dict(splits=chunks, programs=triton.cdiv(N, chunk["BLOCK_N"] * chunk["N_TILES"]) * chunks,
+                    in_flight=chunk["N_TILES"] * tile, cfg=chunk,
+                    resident=resident_programs(GEMV_REGISTERS, gemv_smem(chunk["N_TILES"], chunk["BLOCK_N"],
+                                                                         chunk["K_PER_SPLIT"]), 4))]
+    if chunks > 1:
+        block_n, block_k = GEMV_LOOP["BLOCK_N"], GEMV_LOOP["BLOCK_K"]
+        cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=chunks * chunk["K_PER_SPLIT"],
+                   num_warps=4, num_stages=GEMV_LOOP["num_stages"], kernel="splitk")
+        options.append(dict(splits=1, programs=triton.cdiv(N, block_n), cfg=cfg,
+                            in_flight=(GEMV_LOOP["num_stages"] - 1) * block_k * block_n,
+                            resident=resident_programs(GEMV_LOOP_REGISTERS, gemv_loop_smem(), 4)))
+    return options
+
+
+def _gemv_config(N: int, K: int, num_sms: int) -> dict:
+    """The GEMV class's plan: split K only where N alone cannot fill the machine (the LM heads: 128256 x 4096 on 132
+    SMs is 4008 programs of 32 columns, 30 per SM). An option *fills* it when the
+    programs resident at once give every SM at least the LITTLE_BYTES of weight loads in flight that saturate HBM:
+    ``need = cdiv(LITTLE_BYTES, bytes in flight per program)`` programs per SM, no more than the SM holds
+    (``resident``), and ``programs >= num_sms x need``. Its balance is how evenly whole programs spread over the SMs
+    (:func:`wave_efficiency` at SM granularity: with HBM saturated by every SM's resident programs, the SM that gets
+    the most programs sets the time). Among the options that fill, those within WAVE_SLACK of the best balance; of
+    those, the fewest splits (no workspace, no tickets), the per-chunk GEMV first on a tie. None fills (every
+    projection of Llama-3-8B: N / 32 column tiles <= 448 for 132 SMs x 2 needed per SM... see docs/kernels.md): the
+    per-chunk GEMV, whose grid has the most programs."""
+    options = gemv_split_options(N, K, num_sms)
+    need = {id(o): triton.cdiv(LITTLE_BYTES, o["in_flight"]) for o in options}
+    full = [o for o in options if need[id(o)] <= o["resident"] and o["programs"] >= num_sms * need[id(o)]]
+    if not full:
+        return options[0]["cfg"]
+    best = max(wave_efficiency(o["programs"], num_sms) for o in full)
+    near = [o for o in full if wave_efficiency(o["programs"], num_sms) >= best - WAVE_SLACK]
+    return min(near, key=lambda o: o["splits"])["cfg"]  # min keeps the first (the per-chunk GEMV) on a tie
+
+
 def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict:
     """Tile sizes and split of a decode kernel, a pure function of (path, M, N, K, SM count): no autotuning and
-    no device query, so the bits do not depend on a sweep and the plan is testable without a GPU.
+    no device query, so the bits do not depend on a sweep and the plan is testable without a GPU. The ``kernel``
+    key names the jit kernel that runs it (``"gemv"``: ``w8a16_gemv_kernel``, ``"splitk"``: ``w8a16_splitk_kernel``).
 
-    gemv: weight tiles of 2 x 256 (K) by 32 (N) (16 KB, two dots sharing an accumulator); SPLIT_K = cdiv(K, 512)
-    (one chunk of the packed layout per split); N_TILES (weight tiles per program, sharing its x slice, all of
-    them in flight at once on a num_stages = N_TILES + 1 cp.async pipeline) from GEMV_N_TILES, each counted with
-    the waves of its own residency (:func:`resident_programs` from GEMV_REGISTERS and :func:`gemv_smem`): among
-    those within WAVE_SLACK of the best wave efficiency, the most resident programs, then the fewest programs.
-    BLOCK_M 16 (the dot's smallest; rows past M are never read). The figures per shape are in docs/kernels.md. The
-    workspace is 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
+    gemv (M <= 4, the same plan for every M there, so a row's bits do not depend on its batch; :func:`_gemv_config`):
+    split K only where N alone cannot fill the machine. Either the per-chunk GEMV: weight tiles of 2 x 256 (K) by 32
+    (N) (16 KB, two dots sharing an accumulator), SPLIT_K = cdiv(K, 512) (one chunk of the packed layout per split),
+    N_TILES weight tiles per program sharing its x slice, all in flight at once on a num_stages = N_TILES + 1
+    cp.async pipeline; or the K loop (the split-K kernel at GEMV_LOOP's 32-column tiles, 256 deep, 3 stages)
+    over whole chunks, down to one split. BLOCK_M 16 (the dot's smallest; rows past M are never read). The figures
+    per shape are in docs/kernels.md. The workspace is at most 1.6% (M = 1) to 6.2% (M = 4) of the weight bytes.
     splitk: 16 x 64 x 128 tensor-core tiles, 4 stages; SPLIT_K the count, up to the K tiles, whose grid of
     cdiv(N, 64) x SPLIT_K fills whole waves of 2 x SMs best, unless the workspace would pass 10% of the weight
     bytes (K = 4096 at M = 16: 3 splits, 192 programs).
     """
     if path == "gemv":
-        block_k = max(32, min(256, triton.next_power_of_2(K)))
-        halves = 2 if K > block_k else 1
-        block_n = max(16, min(32, triton.next_power_of_2(N)))
-        n_blocks = triton.cdiv(N, block_n)
-        split_k = max(1, triton.cdiv(K, halves * block_k))  # K = 0: one split of nothing
-        plans = []
-        for t in GEMV_N_TILES:
-            if t > 1 and t >= 2 * n_blocks and plans:
-                break  # no tile group wider than twice the columns
-            resident = resident_programs(GEMV_REGISTERS, gemv_smem(t, block_n, halves * block_k), 4)
-            programs = triton.cdiv(n_blocks, t) * split_k
-            plans.append((wave_efficiency(programs, resident * num_sms), resident, -programs, t))
-        best = max(p[0] for p in plans)
-        # near the best: the most resident programs (warps to hide the dot's latencies: 2 programs of 4 warps leave
-        # 2 warps per scheduler), then the fewest programs
-        n_tiles = max(p[1:] for p in plans if p[0] >= best - WAVE_SLACK)[-1]
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=n_tiles, K_HALVES=halves,
-                    K_PER_SPLIT=halves * block_k, num_warps=4, num_stages=n_tiles + 1)
+        return _gemv_config(N, K, num_sms)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = 64
     k_blocks = max(1, triton.cdiv(K, block_k))
@@ -178,4 +245,4 @@ def w8a16_decode_config(path: str, M: int, N: int, K: int, num_sms: int) -> dict
     k_per_split = _fewest_programs_near_best([(p, kps) for kps, p in plans.items()],
                                              PROGRAMS_PER_SM["splitk"] * num_sms)
     return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, N_TILES=1, K_PER_SPLIT=k_per_split, num_warps=4,
-                num_stages=4)
+                num_stages=4, kernel="splitk")
