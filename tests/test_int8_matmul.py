@@ -815,13 +815,15 @@ def test_w8a16_pdl_compiles_for_sm90_only(option):
 
 
 def test_w8a16_pdl_launch_flags(monkeypatch):
-    """The launcher sets the PDL constexpr and ``launch_pdl`` together, only where :func:`pdl_enabled` holds (sm_90
+    """The launcher sets the PDL constexpr and ``launch_pdl`` together, only where ``pdl_supported`` holds (sm_90
     and later, not under the interpreter, not with ARKERNELS_PDL=0): mocked device and kernels, no GPU here."""
-    monkeypatch.setattr(tkl, "_pdl_capable", lambda device: True)
-    monkeypatch.setattr(tkl, "interpreting", lambda: False)
-    assert tkl.pdl_enabled(torch.device("cpu"))
+    from arkernels.triton import pdl
+
+    monkeypatch.setattr(pdl, "pdl_capable", lambda device: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl.pdl_supported(torch.device("cpu"))
     monkeypatch.setenv("ARKERNELS_PDL", "0")
-    assert not tkl.pdl_enabled(torch.device("cpu"))
+    assert not pdl.pdl_supported(torch.device("cpu"))
     monkeypatch.delenv("ARKERNELS_PDL")
     gemv, splitk = _Recorder(), _Recorder()
     monkeypatch.setattr(tkl, "w8a16_gemv_kernel", gemv)
@@ -830,11 +832,11 @@ def test_w8a16_pdl_launch_flags(monkeypatch):
     for cfg, rec in ((GEMV_CFG, gemv), (GEMV_LOOP_CFG, splitk)):
         tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=cfg)
         assert rec.calls[-1]["PDL"] is True and rec.calls[-1]["launch_pdl"] is True
-    monkeypatch.setattr(tkl, "interpreting", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=GEMV_CFG)
     assert "PDL" not in gemv.calls[-1] and "launch_pdl" not in gemv.calls[-1]
-    monkeypatch.setattr(tkl, "interpreting", lambda: False)
-    monkeypatch.setattr(tkl, "_pdl_capable", lambda device: False)  # sm_80
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(pdl, "pdl_capable", lambda device: False)  # sm_80
     tkl.w8a16_matmul_triton(x, w, w_scale, path="gemv", config=GEMV_CFG)
     assert "PDL" not in gemv.calls[-1] and "launch_pdl" not in gemv.calls[-1]
 

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from arkernels.triton.pdl import pdl_enter
 
 from arkernels.ops import int8_matmul_layout as layout
 from arkernels.triton.tickets import last_program
@@ -440,8 +440,7 @@ def _pdl_start(w_ptr, n0, k0, N, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr,
                 if (kt < K) & (nt < N):  # tiles wholly past the weight's edge: none
                     _prefetch_weight(w_ptr, nt, kt, N, K, stride_wn, stride_wk, BLOCK_N, BLOCK_K, PACKED,
                                      WHOLE_PACK)
-    gdc_wait()
-    gdc_launch_dependents()
+    pdl_enter(True)  # gdc_wait, then gdc_launch_dependents
 
 
 @triton.jit

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from arkernels.ops.int8_matmul_layout import PACK_K, PACK_ROWS, is_packed
+from arkernels.triton.pdl import pdl_supported
 from arkernels.triton.tickets import EPOCH_MAX
 from arkernels.triton.int8_matmul import (ALL_CONFIGS, FP32_LARGER_M, FP32_SMALL_M, INTERPRET_CONFIGS,
                                           int8_matmul_kernel, quantize_rowwise_kernel, splitk_reduce_kernel,
@@ -157,7 +158,7 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
     baseline); both add in split order and give the same bits. ``config`` may name the decode kernel (``"kernel"``:
     ``"gemv"`` or ``"splitk"``, the GEMV class's K loop; default the path's). ``pdl``: False turns programmatic
     dependent launch off for this call (the benchmark's baseline); None (default) and True: where
-    :func:`pdl_enabled`."""
+    :func:`arkernels.triton.pdl.pdl_supported`."""
     if reduce not in REDUCES:
         raise ValueError(f"w8a16_matmul: reduce must be one of {REDUCES}, got {reduce!r}")
     M, K = x.shape
@@ -180,19 +181,6 @@ def w8a16_matmul_triton(x, w, w_scale, bias=None, *, config=None, path=None, red
         _check_packed_tiles(w, config["BLOCK_N"], config["BLOCK_K"])
     _launch(_w8a16_matmul_tuned, w8a16_matmul_kernel, M, N, K, args, flags, config)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic dependent launch for the w8a16 decode kernels: on sm_90 and later (``griddepcontrol`` is sm_90
-    PTX; an sm_80 build compiles it out), never under the interpreter, unless ``ARKERNELS_PDL=0``. The kernel
-    (``PDL``: ``_pdl_start`` in arkernels/triton/int8_matmul.py) may then start while the previous kernel of the
-    stream finishes: its weight prefetch overlaps that kernel's tail."""
-    return not interpreting() and os.environ.get("ARKERNELS_PDL", "1") != "0" and _pdl_capable(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,7 +248,7 @@ def _w8a16_decode(path, x, w, w_scale, bias, out, dot_fp32, config, reduce="fuse
     flags = dict(HAS_BIAS=bias is not None, SPLIT=split, FUSED=fused, EVEN_K=K > 0 and K % k_per_split == 0,
                  DOT_FP32=dot_fp32, REDUCE_BLOCK=block if fused else 1, REDUCE_UNROLL=unroll if fused else 1,
                  **_pack_flags(w, N, K))
-    if pdl and pdl_enabled(x.device):  # the constexpr and the launch attribute together, never one alone
+    if pdl and pdl_supported(x.device):  # the constexpr and the launch attribute together, never one alone
         flags["PDL"] = launch["launch_pdl"] = True
     if kernel == "gemv":
         # only the packed addressing reads it: the plain weight keeps one specialization

@@ -8,6 +8,7 @@ included) then ``griddepcontrol.launch_dependents`` (the kernel after it may lau
 orders every access after this kernel's completion). Compiled out (``PDL`` is a constexpr) under TRITON_INTERPRET,
 before sm_90 and on a Triton without grid dependency control: ``pdl_supported`` decides on the host.
 """
+import functools
 import os
 
 import torch
@@ -28,9 +29,15 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@functools.lru_cache(maxsize=None)
+def pdl_capable(device: torch.device) -> bool:
+    """A CUDA device of compute capability >= 9 (``griddepcontrol`` is sm_90 PTX) and a Triton that has it."""
+    return gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may launch with PDL: a CUDA device of compute capability >= 9, Triton's grid
-    dependency control present, not interpreted, and not switched off (``ARKERNELS_PDL=0``)."""
-    if gdc_wait is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    """Whether kernels on ``device`` may launch with PDL: ``pdl_capable``, not interpreted, and not switched off
+    (``ARKERNELS_PDL=0``). Every Triton launcher asks this one function."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return os.environ.get("ARKERNELS_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+    return os.environ.get("ARKERNELS_PDL", "1") != "0" and pdl_capable(device)
