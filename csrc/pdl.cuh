@@ -49,6 +49,7 @@ namespace dev {
 __device__ __forceinline__ void pdl_wait() {
 #if defined(ARKERNELS_SIMT)
   ::simt::pdl_wait();
+// FAULT(pdl_ptx_wait)
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
@@ -136,6 +137,7 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
 template <typename... KArgs, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
                        Args&&... args) {
+  // FAULT(pdl_simt_launch)
   ::simt::launch_pdl(pdl_allowed_by_env() && ::simt::device().cc_major >= 9, grid, block, smem, kernel,
                      std::forward<Args>(args)...);
   return cudaSuccess;
