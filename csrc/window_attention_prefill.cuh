@@ -666,8 +666,8 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       // FAULT(prefill_refill_sync)
       if constexpr (!kFp8) __syncthreads();
     }
-    // PDL (pdl.cuh): this query tile's key loop is over (a CTA's first tile is normally its only one); the successor's
-    // launch and prologue may overlap the write-out and the CTAs still in their loops.
+    // PDL (pdl.cuh): this query tile's key loop is over (a CTA's first tile is normally its only one); once every CTA
+    // has come here or exited, the successor's launch and prologue may overlap the write-outs.
     dev::pdl_launch_dependents();
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
     // FAULT(prefill_out_scale)
