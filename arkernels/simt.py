@@ -147,7 +147,8 @@ class _Emulate(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def emulate(device: str | None = None, block_order: int | None = None, visibility: bool | None = None):
+def emulate(device: str | None = None, block_order: int | None = None, visibility: bool | None = None,
+            pdl: bool | None = None):
     """Within the block, arkernels' CUDA ops called on CPU tensors run their CUDA source in the emulator.
 
     ``device``: "sm_80", "sm_89" or "sm_90" (default: the current one, initially sm_90): the SM count and shared
@@ -155,17 +156,23 @@ def emulate(device: str | None = None, block_order: int | None = None, visibilit
     in a permutation drawn from that seed (default: the current setting, initially 0). ``visibility``: True (the
     initial setting) makes a block's global stores visible to the blocks after it only once the storing thread
     executed ``__threadfence`` (unfenced stores land when the launch ends); False: every store at once.
+    ``pdl``: True (the initial setting) makes the kernels' launches programmatic dependent launches on an sm_90 device
+    (csrc/pdl.cuh), in which a thread's global access before its ``griddepcontrol.wait``, or a thread that exits
+    without one, is reported; False: plain launches (ARKERNELS_PDL=0 at process start does the same).
     Every tensor an emulated op allocates (outputs, scratch) starts out poisoned (0xFF bytes: NaN).
     """
     load()
     ns = getattr(torch.ops, NAMESPACE)
     previous, previous_order, previous_vis = ns.get_device(), ns.get_block_order(), ns.get_visibility()
+    previous_pdl = ns.get_pdl()
     if device is not None:
         ns.set_device(device)
     if block_order is not None:
         ns.set_block_order(block_order)
     if visibility is not None:
         ns.set_visibility(visibility)
+    if pdl is not None:
+        ns.set_pdl(pdl)
     try:
         with _Emulate():
             yield
@@ -173,6 +180,7 @@ def emulate(device: str | None = None, block_order: int | None = None, visibilit
         ns.set_device(previous)
         ns.set_block_order(previous_order)
         ns.set_visibility(previous_vis)
+        ns.set_pdl(previous_pdl)
 
 
 def mma_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -211,9 +219,11 @@ def traffic_map(name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def launches() -> list[dict[str, object]]:
     """The kernel launches of the last emulated op call, in order: ``{"grid": (x, y, z), "threads": n, "smem": dynamic
-    shared-memory bytes}`` each (what tests check the launch planning against)."""
+    shared-memory bytes, "pdl": a programmatic dependent launch (csrc/pdl.cuh), "triggered": CTAs that executed
+    griddepcontrol.launch_dependents}`` each (what tests check the launch planning against)."""
     flat = getattr(torch.ops, NAMESPACE).launch_log()
-    return [{"grid": tuple(flat[i:i + 3]), "threads": flat[i + 3], "smem": flat[i + 4]} for i in range(0, len(flat), 5)]
+    return [{"grid": tuple(flat[i:i + 3]), "threads": flat[i + 3], "smem": flat[i + 4], "pdl": bool(flat[i + 5]),
+             "triggered": flat[i + 6]} for i in range(0, len(flat), 7)]
 
 
 def _main(argv=None) -> int:

@@ -95,6 +95,60 @@ for graphs in (False, True):
 '
   step decode_syncs 90 $PY -c "$DECODE_SYNCS"
 
+  # Programmatic dependent launch (csrc/pdl.cuh, issue 34): on sm_90 each of our kernels' launch and prologue overlaps
+  # the kernel before it. The chain of one decode layer's arkernels launches at batch 1 (append the token's K/V, then
+  # decode attention over 4k keys; Llama-8B shapes), 32 layers in one CUDA graph, per-layer time of a replay, in a
+  # process with PDL on and one with ARKERNELS_PDL=0 (read once per process): the difference is the overlap (review
+  # estimate: ~0.7 us per launch pair; no GPU has measured it). The same switch on the decode benchmark below.
+  PDL_CHAIN='
+import os, torch
+from arkernels.ops.paged_kv import paged_kv_append
+from arkernels.ops.window_attention import window_attention
+layers, hkv, hq, d, bs, n = 32, 8, 32, 128, 16, 4096
+caches = [(torch.randn(n // bs + 1, bs, hkv, d, device="cuda").bfloat16(),
+           torch.randn(n // bs + 1, bs, hkv, d, device="cuda").bfloat16()) for _ in range(layers)]
+table = torch.arange(n // bs + 1, dtype=torch.int32, device="cuda").view(1, -1)
+lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+slot = torch.tensor([n - 1], device="cuda")
+kv = torch.randn(1, hkv, d, device="cuda").bfloat16()
+q = torch.randn(1, hq, d, device="cuda").bfloat16()
+def chain():
+    for k, v in caches:
+        paged_kv_append(kv, kv, k, v, slot)
+        window_attention(q, k, v, table, lens)
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    chain()  # warm-up: plans, counters
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        chain()
+    for _ in range(20):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1e3 / 200 / layers
+    chain()
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(20):
+        chain()
+    t1.record()
+    torch.cuda.synchronize()
+    eager = t0.elapsed_time(t1) * 1e3 / 20 / layers
+pdl = os.environ.get("ARKERNELS_PDL", "1")
+print(f"ARKERNELS_PDL={pdl}: append + decode (B=1, 4k keys, 8/32 heads, D 128) "
+      f"per layer: CUDA graph {us:.2f} us, eager {eager:.2f} us")
+'
+  ARKERNELS_PDL=1 step pdl_chain_on 45 $PY -c "$PDL_CHAIN"
+  ARKERNELS_PDL=0 step pdl_chain_off 45 $PY -c "$PDL_CHAIN"
+
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget); its
   # 14336x4096 (N x K) M = 1 row is the w8a16 GEMV case of issue 34 (rows w8a16 / w8a16-packed: plain / packed layout)
@@ -133,6 +187,9 @@ for graphs in (False, True):
     # shellcheck disable=SC2086
     step "bench_$b" "${limit[$b]:-60}" $PY "benchmarks/bench_$b.py" --out "$LOG/bench" ${extra[$b]:-}
   done
+  # the decode benchmark's graph-replayed step at batch 1 with PDL off, against its PDL-on row above
+  ARKERNELS_PDL=0 step bench_decode_pdl_off 60 $PY benchmarks/bench_decode.py --out "$LOG/bench_pdl_off" \
+    --batches 1 --new-tokens 64 --methods arkernels+graphs
 fi
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$LOG"
 say "== done in $SECONDS s; logs in $OUT_DIR/logs.tar.gz =="

@@ -16,12 +16,15 @@
 // approximation, so the GPU, the emulator and the CPU kernel store the same bytes; cvt.rn.satfinite: round to nearest
 // even, clamped to +-448, NaN kept). A thread converts V elements: one 16-byte load, one V-byte store (else V = 1).
 // Gather stays a byte copy (1-byte units for fp8); dequantization is the reader's (window_attention, the wrapper).
+// Launches overlap the kernel before them on sm_90 (programmatic dependent launch, pdl.cuh): each kernel waits before
+// its first global access and lets its successor be scheduled right after.
 #pragma once
 
 #include <cstring>
 #include <type_traits>
 
 #include "device.cuh"
+#include "pdl.cuh"
 
 #include <cuda_fp8.h>  // __nv_cvt_float_to_fp8: cvt.rn.satfinite on sm_89+, the header's own software path elsewhere
 
@@ -61,6 +64,11 @@ __global__ void __launch_bounds__(kPagedKvThreads)
                            int rows_per_cta,
                            int64_t key_s0, int64_t key_s1,  // in units
                            int64_t val_s0, int64_t val_s1, int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {
+  // PDL (pdl.cuh): key, value and slot_mapping come from the kernels before this one, the caches may still be read by
+  // them. One pass, no reuse: the successor may be scheduled at once.
+  // FAULT(pdl_append)
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   paged_kv_for_each_unit(slot_mapping, num_tokens, num_slots, block_size, heads, units, 1, rows_per_cta, cache_s0,
                          cache_s1, cache_s2, [&](int64_t t, int h, int u, int64_t dst) {
                            dev::st_global(k_cache + dst, dev::ld_global(key + t * key_s0 + h * key_s1 + u));
@@ -102,6 +110,8 @@ __global__ void __launch_bounds__(kPagedKvThreads)
                                int64_t num_tokens, int64_t num_slots, int64_t block_size, int heads, int units,
                                int rows_per_cta, int64_t key_s0, int64_t key_s1, int64_t val_s0, int64_t val_s1,
                                int64_t cache_s0, int64_t cache_s1, int64_t cache_s2) {
+  dev::pdl_wait();  // as paged_kv_append_kernel: the scales too may be written upstream
+  dev::pdl_launch_dependents();
   const float ks = dev::ld_global(k_scale), vs = dev::ld_global(v_scale);
   paged_kv_for_each_unit(slot_mapping, num_tokens, num_slots, block_size, heads, units, V, rows_per_cta, cache_s0,
                          cache_s1, cache_s2, [&](int64_t t, int h, int u, int64_t dst) {
@@ -121,6 +131,11 @@ __global__ void __launch_bounds__(kPagedKvThreads)
                            int64_t cache_s0, int64_t cache_s1, int64_t cache_s2, int64_t vcache_s0, int64_t vcache_s1,
                            int64_t vcache_s2) {
   const int64_t b = blockIdx.y;
+  // PDL (pdl.cuh): the caches, block_table and seq_lens are written upstream; k_out / v_out are fresh allocations
+  // the predecessor may have used last. One pass: the successor may be scheduled at once.
+  // FAULT(pdl_gather)
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t len = dev::ld_global(seq_lens + b);
   const int work = rows_per_cta * heads * units;
   for (int i = threadIdx.x; i < work; i += blockDim.x) {

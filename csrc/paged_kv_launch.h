@@ -50,13 +50,12 @@ inline cudaError_t paged_kv_append_fp8_launch(const at::Tensor& key, const at::T
     auto launch = [&](const auto* slot_ptr) {
       using Slot = std::remove_cv_t<std::remove_pointer_t<decltype(slot_ptr)>>;
       auto kernel = paged_kv_append_fp8_kernel<Src, V, Slot>;
-      AK_LAUNCH(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Src*>(key.data_ptr()),
-                static_cast<const Src*>(value.data_ptr()), static_cast<uint8_t*>(k_cache.data_ptr()),
-                static_cast<uint8_t*>(v_cache.data_ptr()), slot_ptr, k_scale.data_ptr<float>(),
-                v_scale.data_ptr<float>(), n, num_slots, k_cache.size(1), static_cast<int>(heads), units,
-                plan.rows_per_cta, key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0),
-                k_cache.stride(1), k_cache.stride(2));
-      err = AK_LAST_ERROR();
+      err = launch_pdl(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Src*>(key.data_ptr()),
+                      static_cast<const Src*>(value.data_ptr()), static_cast<uint8_t*>(k_cache.data_ptr()),
+                      static_cast<uint8_t*>(v_cache.data_ptr()), slot_ptr, k_scale.data_ptr<float>(),
+                      v_scale.data_ptr<float>(), n, num_slots, k_cache.size(1), static_cast<int>(heads), units,
+                      plan.rows_per_cta, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2));
     };
     if (slots.scalar_type() == at::kInt) {
       launch(slots.data_ptr<int32_t>());
@@ -110,13 +109,12 @@ inline cudaError_t paged_kv_append_launch(const at::Tensor& key, const at::Tenso
     auto launch = [&](const auto* slot_ptr) {
       using Slot = std::remove_cv_t<std::remove_pointer_t<decltype(slot_ptr)>>;
       auto kernel = paged_kv_append_kernel<Unit, Slot>;
-      AK_LAUNCH(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Unit*>(key.data_ptr()),
-                static_cast<const Unit*>(value.data_ptr()), static_cast<Unit*>(k_cache.data_ptr()),
-                static_cast<Unit*>(v_cache.data_ptr()), slot_ptr, n, num_slots, k_cache.size(1),
-                static_cast<int>(heads), units, plan.rows_per_cta, key.stride(0) / k, key.stride(1) / k,
-                value.stride(0) / k, value.stride(1) / k, k_cache.stride(0) / k, k_cache.stride(1) / k,
-                k_cache.stride(2) / k);
-      err = AK_LAST_ERROR();
+      err = launch_pdl(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Unit*>(key.data_ptr()),
+                      static_cast<const Unit*>(value.data_ptr()), static_cast<Unit*>(k_cache.data_ptr()),
+                      static_cast<Unit*>(v_cache.data_ptr()), slot_ptr, n, num_slots, k_cache.size(1),
+                      static_cast<int>(heads), units, plan.rows_per_cta, key.stride(0) / k, key.stride(1) / k,
+                      value.stride(0) / k, value.stride(1) / k, k_cache.stride(0) / k, k_cache.stride(1) / k,
+                      k_cache.stride(2) / k);
     };
     if (slots.scalar_type() == at::kInt) {
       launch(slots.data_ptr<int32_t>());
@@ -155,13 +153,12 @@ inline cudaError_t paged_kv_gather_launch(const at::Tensor& k_cache, const at::T
     const int units = static_cast<int>(row_bytes / sizeof(Unit));
     const PagedKvPlan plan = plan_paged_kv_gather(batch, max_seq_len, heads, units);
     auto kernel = paged_kv_gather_kernel<Unit>;
-    AK_LAUNCH(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Unit*>(k_cache.data_ptr()),
-              static_cast<const Unit*>(v_cache.data_ptr()), table.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-              static_cast<Unit*>(k_out.data_ptr()), static_cast<Unit*>(v_out.data_ptr()), max_seq_len,
-              block_table.size(1), k_cache.size(0), k_cache.size(1), static_cast<int>(heads), units,
-              plan.rows_per_cta, k_cache.stride(0) / k, k_cache.stride(1) / k, k_cache.stride(2) / k,
-              v_cache.stride(0) / k, v_cache.stride(1) / k, v_cache.stride(2) / k);
-    err = AK_LAST_ERROR();
+    err = launch_pdl(kernel, plan.grid, plan.threads, 0, stream, static_cast<const Unit*>(k_cache.data_ptr()),
+                    static_cast<const Unit*>(v_cache.data_ptr()), table.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                    static_cast<Unit*>(k_out.data_ptr()), static_cast<Unit*>(v_out.data_ptr()), max_seq_len,
+                    block_table.size(1), k_cache.size(0), k_cache.size(1), static_cast<int>(heads), units,
+                    plan.rows_per_cta, k_cache.stride(0) / k, k_cache.stride(1) / k, k_cache.stride(2) / k,
+                    v_cache.stride(0) / k, v_cache.stride(1) / k, v_cache.stride(2) / k);
   });
   return err;
 }

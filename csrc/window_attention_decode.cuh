@@ -905,6 +905,9 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
     st_new = st_new + 1 == stages ? 0 : st_new + 1;
     vs_new = vs_new + 1 == vsets ? 0 : vs_new + 1;
   }
+  // PDL (pdl.cuh): the key loop is over; the successor's launch and prologue may overlap the merge, write-out, combine.
+  // FAULT(pdl_decode_trigger)
+  dev::pdl_launch_dependents();
 
   decode_merge_warps<D, kFp8>(smem, o, m_run, l_run);
   decode_write_out<T, D, kMulti>(p, smem, rows, split, nsplits, v_scale);
@@ -928,6 +931,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
   const int64_t b = blockIdx.z;
+  // PDL (pdl.cuh): Q, seq_lens, block tables, K/V pages, cu_seqlens_q are written upstream; out, lse, the partials and
+  // the split counters may still be read there. Nothing above this line touches global memory.
+  // FAULT(pdl_decode_wait)
+  dev::pdl_wait();
   if constexpr (!kMulti) {  // query row b, packed rows = the group's heads h0 .. h0 + hc - 1
     const DecodeRows rows{b, 1, kvh, chunk * kDecodeRows, min(kDecodeRows, p.group - chunk * kDecodeRows)};
     decode_attend<T, KV, D, false>(p, smem, stages, b, rows, split, p.num_splits);
@@ -1032,8 +1039,7 @@ cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t
     auto decode = window_attention_decode_kernel<T, KV, D, decltype(multi)::value>;
     const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
     if (err != cudaSuccess) return err;
-    AK_LAUNCH(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
-    return AK_LAST_ERROR();
+    return launch_pdl(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
   };
   if (!plan.multi) return go(std::false_type{});
   if constexpr (D <= kDecodeMaxQueryHeadDim) return go(std::true_type{});

@@ -17,6 +17,8 @@
 // Keys in a block whose id is out of range, and keys past the block table's capacity (a seq_len above
 // max_blocks * block_size), are masked and never read (check=False callers); queries keep the positions seq_lens gives
 // them, so such a query may see no key at all (zeros, lse -inf). Offsets are int64.
+// Launches overlap the kernel before them on sm_90 (programmatic dependent launch, pdl.cuh): both kernels wait before
+// their first global access and let their successor be scheduled when their key loop is over.
 //
 #pragma once
 
@@ -26,6 +28,7 @@
 
 #include "device.cuh"
 #include "device_mma.cuh"
+#include "pdl.cuh"
 #include "window_attention_mask.h"
 
 #include <cuda_fp8.h>  // e4m3 -> half (cvt on sm_89+; the header's software path elsewhere and in the emulator)

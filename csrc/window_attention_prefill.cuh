@@ -576,6 +576,10 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
+  // PDL (pdl.cuh): Q, cu_seqlens_q, seq_lens, block tables and K/V pages are written upstream, out and lse may still
+  // be read there. Nothing above this line touches global memory.
+  // FAULT(pdl_prefill_wait)
+  dev::pdl_wait();
   // FAULT(prefill_zero_unowned)
   if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);
   const int bs = static_cast<int>(p.block_size);
@@ -662,6 +666,9 @@ __global__ void __launch_bounds__(prefill_threads(D), 1)
       // FAULT(prefill_refill_sync)
       if constexpr (!kFp8) __syncthreads();
     }
+    // PDL (pdl.cuh): this query tile's key loop is over (a CTA's first tile is normally its only one); once every CTA
+    // has come here or exited, the successor's launch and prologue may overlap the write-outs.
+    dev::pdl_launch_dependents();
     dev::cp_async_wait<0>();  // the prologue's groups when no tile was visited (Q, empty groups)
     // FAULT(prefill_out_scale)
     const float out_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;  // fp8: value = stored * v_scale
@@ -680,8 +687,7 @@ cudaError_t run_prefill(const AttnParams& p, const PrefillPlan& plan, cudaStream
     auto prefill = window_attention_prefill_kernel<T, KV, D, BN>;
     const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(prefill, plan.smem);
     if (err != cudaSuccess) return err;
-    AK_LAUNCH(prefill, grid, prefill_threads(D), plan.smem, stream, p, plan.stages);
-    return AK_LAST_ERROR();
+    return launch_pdl(prefill, grid, prefill_threads(D), plan.smem, stream, p, plan.stages);
   };
   if constexpr (prefill_bn_max(D) == 64) {
     if (plan.bn == 64) return go(std::integral_constant<int, 64>{});

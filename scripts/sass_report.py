@@ -14,10 +14,14 @@ the SASS instructions that show the design:
   STL/LDL local memory stores/loads: register spills or local arrays. Any of them, or a nonzero frame, fails.
   TAIL    decode kernels: the split-KV combine issues its partial loads before it uses any (combine_order): "ok" or
           "BAD" (fails), "-" for other kernels.
+  PDL     programmatic dependent launch (csrc/pdl.cuh, pdl_order): "W/T ok" in sm_90+ cubins where the kernel has W
+          griddepcontrol.wait (ACQBULK) and T launch_dependents (PREEXIT), W, T >= 1, and no global (or generic)
+          memory access above its first wait in the code; "-" in older cubins, which must have neither; else "BAD"
+          (fails: every kernel here is launched with PDL on sm_90).
 Then, per prefill kernel, the key loop's dynamic SASS per warp and key tile (tile_paths): the unmasked tile, the same
 with the O rescale, and a masked tile.
-Exit status: 0 clean, 1 some kernel uses local memory or a decode combine waits before issuing its loads (listed),
-2 the tools or the cubins are missing.
+Exit status: 0 clean, 1 some kernel uses local memory, a decode combine waits before issuing its loads or a kernel's
+PDL column is BAD (listed), 2 the tools or the cubins are missing.
 
 Tools: cuobjdump and nvdisasm from $CUOBJDUMP (its folder must hold nvdisasm too), else Triton's wheel
 (triton/backends/nvidia/bin: the CUDA toolkit on our machines lacks both), else PATH / $CUDA_HOME/bin.
@@ -140,6 +144,9 @@ INSN_CLASSES = {
     "BAR": lambda op: op.split(".")[0] == "BAR",
     "STL": lambda op: op.split(".")[0] == "STL",
     "LDL": lambda op: op.split(".")[0] == "LDL",
+    # programmatic dependent launch (csrc/pdl.cuh), sm_90+: griddepcontrol.wait / .launch_dependents
+    "ACQBULK": lambda op: op.split(".")[0] == "ACQBULK",
+    "PREEXIT": lambda op: op.split(".")[0] == "PREEXIT",
 }
 
 
@@ -321,6 +328,24 @@ def combine_order(ops: list[str]) -> str:
     return "ok" if first_copy < first_use and first_copy < first_wait else "BAD"
 
 
+# Programmatic dependent launch: before griddepcontrol.wait (ACQBULK) a kernel may touch no global memory (pdl.cuh).
+# Generic loads / stores (LD, ST) may address global memory: they count too.
+_GLOBAL_ACCESS = {"LDG", "STG", "LDGSTS", "ATOMG", "ATOM", "RED", "REDG", "LD", "ST", "UTMALDG", "UBLKCP"}
+
+
+def pdl_order(ops: list[str], arch: str) -> str:
+    """'ok' in an sm_90+ cubin when the kernel waits (ACQBULK) and triggers (PREEXIT) and no global memory access comes
+    before its first ACQBULK in the code (static order: the emulator checks the executed order); '-' in an older
+    cubin with neither (pdl.cuh compiles both to nothing there); 'BAD' otherwise."""
+    names = [op.split(".")[0] for op in ops]
+    if int(re.sub(r"\D", "", arch) or 0) < 90:
+        return "-" if "ACQBULK" not in names and "PREEXIT" not in names else "BAD"
+    if "ACQBULK" not in names or "PREEXIT" not in names:
+        return "BAD"
+    first = names.index("ACQBULK")
+    return "BAD" if any(n in _GLOBAL_ACCESS for n in names[:first]) else "ok"
+
+
 # The prefill kernel's key loop (window_attention_prefill.cuh), per warp and key tile in steady state (the next tile's
 # cp.async issued), as dynamic SASS: the loop body is a DAG of forward branches once its inner loops (the rolled
 # QK^T k-steps; fp8: the conversion passes) are counted as their instructions times their trips, and each variant is a
@@ -423,7 +448,8 @@ def tile_paths(insns: list[tuple], shape: dict) -> dict | None:
 def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
     """`cuobjdump -sass`: {(arch, mangled): {class: static count}} for INSN_CLASSES, plus 'insns' (total),
     'stl_bytes' / 'ldl_bytes': the bytes the STL / LDL instructions move, each counted once (as ptxas -v counts
-    'bytes spill stores / loads', which the cubin does not record), and 'tail': combine_order of decode kernels."""
+    'bytes spill stores / loads', which the cubin does not record), 'tail': combine_order of decode kernels, and
+    'pdl': pdl_order of every kernel."""
     out: dict[tuple[str, str], dict[str, int]] = {}
     for arch, block in split_by_arch(text):
         counts = None
@@ -431,7 +457,7 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
             m = _SASS_FN.match(line)
             if m:
                 counts = out.setdefault((arch, m.group(1)), dict.fromkeys(SASS_KEYS, 0))
-                ops = counts.setdefault("ops", []) if "window_attention_decode_kernel" in m.group(1) else None
+                ops = counts.setdefault("ops", [])
                 shape = prefill_shape(m.group(1))
                 insns = counts.setdefault("insns_full", []) if shape else None
                 continue
@@ -453,8 +479,9 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
                         if k in ("STL", "LDL"):
                             counts[k.lower() + "_bytes"] += access_bytes(op)
     for (arch, fn), counts in out.items():
-        ops = counts.pop("ops", None)
-        counts["tail"] = combine_order(ops) if ops is not None else "-"
+        ops = counts.pop("ops", [])
+        counts["tail"] = combine_order(ops) if "window_attention_decode_kernel" in fn else "-"
+        counts["pdl"] = pdl_order(ops, arch)
         insns = counts.pop("insns_full", None)
         if insns is not None:
             counts["tile"] = tile_paths(insns, prefill_shape(fn)) or "?"
@@ -522,6 +549,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
             "threads": threads, "threads_from": threads_from if threads else "unknown",
             **{k.lower(): counts.get(k, 0) for k in SASS_KEYS},
             "tail": counts.get("tail", "-"),
+            "pdl": counts.get("pdl", "-"),
             "tile": counts.get("tile", "-"),
         }
         spec = GPU_SPECS.get(arch.rstrip("a"))
@@ -559,6 +587,7 @@ COLUMNS = [  # (header, width, row -> text)
     ("STL", 3, lambda r: str(r["stl"])),
     ("LDL", 3, lambda r: str(r["ldl"])),
     ("TAIL", 4, lambda r: r["tail"]),
+    ("PDL", 6, lambda r: r["pdl"] if r["pdl"] == "-" else f"{r['acqbulk']}/{r['preexit']} {r['pdl']}"),
 ]
 
 
@@ -667,6 +696,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad_tail:
         print(f"FAIL combine order: {r['arch']} {r['kernel']}: the split-KV combine waits for or uses a load before "
               "issuing all of its lse loads and its first partial copies")
+    bad_pdl = [r for r in rows if r["pdl"] == "BAD"]
+    for r in bad_pdl:
+        print(f"FAIL PDL: {r['arch']} {r['kernel']}: ACQBULK {r['acqbulk']}, PREEXIT {r['preexit']}: sm_90 cubins need "
+              "both, with no global access above the first ACQBULK; older cubins neither (csrc/pdl.cuh)")
     for r in bad:
         print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']} ({r['stl_bytes']} B), "
               f"LDL {r['ldl']} ({r['ldl_bytes']} B), stack {r['stack']} B, local {r['local']} B")
@@ -674,8 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary: {len(rows)} kernel cubins ({n_k} kernels x {len(archs)} archs), {len(bad)} with local memory "
           f"or spills, max regs {max((r['regs'] for r in rows), default=0)}, "
           f"HMMA in {sum(1 for r in rows if r['hmma'])}, LDGSTS in {sum(1 for r in rows if r['ldgsts'])}, "
-          f"LDSM in {sum(1 for r in rows if r['ldsm'])}, HGMMA in {sum(1 for r in rows if r['hgmma'])}")
-    return 1 if bad or bad_tail else 0
+          f"LDSM in {sum(1 for r in rows if r['ldsm'])}, HGMMA in {sum(1 for r in rows if r['hgmma'])}, "
+          f"PDL ok in {sum(1 for r in rows if r['pdl'] == 'ok')}, BAD in {len(bad_pdl)}")
+    return 1 if bad or bad_tail or bad_pdl else 0
 
 
 if __name__ == "__main__":

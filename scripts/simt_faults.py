@@ -565,6 +565,42 @@ FAULTS += [
 ]
 
 
+# Programmatic dependent launch (csrc/pdl.cuh, issue 34): every thread of a PDL launch waits (griddepcontrol.wait)
+# before its first global access, and the CTAs trigger their dependents. Caught by tests/test_pdl.py: the emulator's
+# sanitizer rule (an access before the wait, a thread that exits without one), the launch log (PDL on, CTAs that
+# triggered), and nvcc's PTX of pdl.cuh (the sm_90 instructions present, none for sm_80).
+_PDL_RUN = _kernel_run("every_launch", tests=("test_pdl.py",))
+_PDL_PTX_RUN = ("ARKERNELS_PTX_CSRC={src} PYTHONPATH={repo} {python} -m pytest -x -q -p no:cacheprovider "
+                "{repo}/tests/test_pdl.py -k ptx")
+_DECODE_ENTRY = "  if constexpr (!kMulti) {  // query row b, packed rows = the group's heads h0 .. h0 + hc - 1\n"
+_PREFILL_ZERO = "  if (b == 0 || b == int64_t(gridDim.z) - 1) prefill_zero_unowned_rows<T, D>(p, b, kvh);\n"
+_GATHER_LEN = "  const int64_t len = dev::ld_global(seq_lens + b);\n"
+
+
+def _pdl_fault(what: str, file: str, site: str, find: str, replace: str) -> Fault:
+    return Fault(f"pdl: {what}", file, site, find, replace, build=KERNEL_BUILD, run=_PDL_RUN)
+
+
+FAULTS += [
+    _pdl_fault("append: the wait dropped", "paged_kv_kernels.cuh", "pdl_append", "  dev::pdl_wait();\n", ""),
+    _pdl_fault("gather: seq_lens read above the wait", "paged_kv_kernels.cuh", "pdl_gather",
+               "  dev::pdl_wait();\n  dev::pdl_launch_dependents();\n" + _GATHER_LEN,
+               _GATHER_LEN + "  dev::pdl_wait();\n  dev::pdl_launch_dependents();\n"),
+    _pdl_fault("decode: the wait dropped", _DECODE_FILE, "pdl_decode_wait", "  dev::pdl_wait();\n", ""),
+    _pdl_fault("decode: the wait on the one-query path only (multi-query reads cu_seqlens_q unwaited)", _DECODE_FILE,
+               "pdl_decode_wait", "  dev::pdl_wait();\n" + _DECODE_ENTRY, _DECODE_ENTRY + "    dev::pdl_wait();\n"),
+    _pdl_fault("decode: its dependents never triggered", _DECODE_FILE, "pdl_decode_trigger",
+               "  dev::pdl_launch_dependents();\n", ""),
+    _pdl_fault("prefill: cu_seqlens_q read (unowned rows zeroed) above the wait", _PF, "pdl_prefill_wait",
+               "  dev::pdl_wait();\n  // FAULT(prefill_zero_unowned)\n" + _PREFILL_ZERO,
+               "  // FAULT(prefill_zero_unowned)\n" + _PREFILL_ZERO + "  dev::pdl_wait();\n"),
+    _pdl_fault("emulator: launch_pdl never makes a PDL launch (the rule silently off)", "pdl.cuh", "pdl_simt_launch",
+               "::simt::launch_pdl(pdl_allowed_by_env() && ", "::simt::launch_pdl(false && "),
+    Fault("pdl: PTX: griddepcontrol.wait compiled only from sm_100", "pdl.cuh", "pdl_ptx_wait",
+          "__CUDA_ARCH__ >= 900", "__CUDA_ARCH__ >= 1000", build="true", run=_PDL_PTX_RUN),
+]
+
+
 def main() -> int:
     global CSRC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

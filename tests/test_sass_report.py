@@ -128,6 +128,7 @@ compile_size = 64bit
 \t\tFunction : {PREFILL}
 \t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
 """ + "".join(_insn(16 * i, t) for i, t in enumerate([
+    "ACQBULK",  # griddepcontrol.wait (csrc/pdl.cuh)
     "LDG.E.128.CONSTANT R8, desc[UR16][R22.64]",
     "@P0 LDG.E.128 R28, desc[UR12][R32.64]",
     "LDG.E.U16 R4, desc[UR4][R2.64]",
@@ -139,6 +140,7 @@ compile_size = 64bit
     "LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64]",
     "BAR.SYNC.DEFER_BLOCKING 0x0",
     "SHFL.BFLY PT, R5, R4, 0x1, 0x1f",
+    "PREEXIT",  # griddepcontrol.launch_dependents
     "EXIT",
 ])) + f"""
 \t\tFunction : {SPILLY}
@@ -170,7 +172,8 @@ def test_parse_sass_counts():
     sass = sr.parse_sass(SASS)
     p, s = sass[("sm_90", PREFILL)], sass[("sm_90", SPILLY)]
     assert (p["LDG128"], p["STG128"], p["LDSM"], p["HMMA"], p["LDGSTS"], p["BAR"], p["SHFL"]) == (2, 1, 2, 1, 1, 1, 1)
-    assert (p["HGMMA"], p["STL"], p["LDL"], p["insns"]) == (0, 0, 0, 12)
+    assert (p["HGMMA"], p["STL"], p["LDL"], p["insns"]) == (0, 0, 0, 14)
+    assert (p["ACQBULK"], p["PREEXIT"], p["pdl"], s["pdl"]) == (1, 1, "ok", "BAD")
     assert (s["STL"], s["LDL"], s["HGMMA"], s["HMMA"], s["insns"]) == (1, 1, 1, 0, 4)
     assert (s["stl_bytes"], s["ldl_bytes"], p["stl_bytes"]) == (8, 4, 0)  # STL.64, LDL
 
@@ -288,6 +291,7 @@ case "$1" in -lelf) cat $d/lelf.txt;; -res-usage) cat $d/res.txt;; -elf) cat $d/
     assert sr.main(["--so", str(so), "--arch", "sm_90", "--json", str(out_json)]) == 1
     out = capsys.readouterr().out
     assert "FAIL local memory: sm_90 spilly_kernel: STL 1 (8 B), LDL 1 (4 B), stack 16 B" in out
+    assert "FAIL PDL: sm_90 spilly_kernel: ACQBULK 0, PREEXIT 0" in out and "FAIL PDL: sm_90 window" not in out
     assert "window_attention_prefill_kernel<__half, __half, 128, 64>" in out and "summary: 4 kernel cubins" in out
     rows = json.loads(out_json.read_text())["rows"]
     assert {r["arch"] for r in rows} == {"sm_90"} and len(rows) == 4
@@ -320,6 +324,21 @@ def test_combine_order():
     assert sr.combine_order(head + lse[:4] + ["LDGSTS.E.BYPASS.128"] + lse[4:] + ["STS", "DEPBAR.LE"]) == "BAD"
     assert sr.combine_order(head + lse + ["STS", "DEPBAR.LE"]) == "BAD"  # no cp.async at all
 
+
+
+def test_pdl_order():
+    """sm_90: a wait (ACQBULK) above every global access and a trigger (PREEXIT); sm_80: neither instruction."""
+    good = ["S2R", "LDC.64", "ULDC.64", "ACQBULK", "LDG.E.CONSTANT", "STG.E", "PREEXIT", "LDGSTS.E.BYPASS.128", "EXIT"]
+    assert sr.pdl_order(good, "sm_90") == "ok"
+    assert sr.pdl_order(good, "sm_90a") == "ok"
+    # a load hoisted above the wait, a generic load there, a cp.async there, a store there
+    for early in ("LDG.E.128", "LD.E", "LDGSTS.E.BYPASS.128", "STG.E.128", "ATOMG.E.ADD.64.STRONG.GPU"):
+        assert sr.pdl_order(["S2R", early, "ACQBULK", "PREEXIT", "EXIT"], "sm_90") == "BAD", early
+    assert sr.pdl_order([op for op in good if op != "ACQBULK"], "sm_90") == "BAD"  # no wait
+    assert sr.pdl_order([op for op in good if op != "PREEXIT"], "sm_90") == "BAD"  # never triggers
+    plain = [op for op in good if op not in ("ACQBULK", "PREEXIT")]
+    assert sr.pdl_order(plain, "sm_80") == "-"
+    assert sr.pdl_order(good, "sm_80") == "BAD"  # cannot happen with pdl.cuh's guard: the guard is what it checks
 
 
 def _synthetic_key_loop(n_fmul=4, with_rescale=True):

@@ -4,6 +4,8 @@
   __threadfence (csrc/simt/simt.h, g_visibility), so the publish / fence / count / last-block-reads protocol of
   decode's split-KV combine is wrong without the fence.
 - Poisoned allocations: what an op allocates (outputs, scratch) is NaN until written.
+- Programmatic dependent launch (csrc/pdl.cuh): on sm_90 a kernel's launch may overlap the one before it, so a global
+  access before griddepcontrol.wait, or a thread that exits without one, is reported; on sm_80 launches are plain.
 """
 import pytest
 import torch
@@ -56,3 +58,38 @@ def test_op_allocations_are_poisoned(device):
     arkernels.simt.load()
     for n in (1, 7, 4096):
         assert bool(torch.isnan(torch.ops.arkernels_simt.alloc_probe(n)).all())
+
+
+def _pdl_probe(order):
+    import arkernels.simt
+
+    arkernels.simt.load()
+    return torch.ops.arkernels_simt.pdl_probe(order)
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("order, what", [(1, "load"), (2, "store"), (3, "exited without griddepcontrol.wait")])
+def test_pdl_access_before_the_wait_is_reported_on_sm_90_only(device, order, what):
+    import arkernels.simt
+
+    with arkernels.simt.emulate(device="sm_90"):
+        with pytest.raises(RuntimeError, match=what):
+            _pdl_probe(order)
+        # plain launches (sm_80, or PDL off) have no predecessor to overlap: nothing to report
+        want = torch.zeros(32) if order == 3 else torch.arange(1, 33).float()
+        with arkernels.simt.emulate(pdl=False):
+            assert torch.equal(_pdl_probe(order), want)
+        assert not arkernels.simt.launches()[0]["pdl"]
+    with arkernels.simt.emulate(device="sm_80"):
+        assert torch.equal(_pdl_probe(order), want)
+        assert not arkernels.simt.launches()[0]["pdl"]
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+def test_pdl_wait_first_is_clean_and_the_trigger_counted(device):
+    import arkernels.simt
+
+    with arkernels.simt.emulate(device="sm_90"):
+        assert torch.equal(_pdl_probe(0), torch.arange(1, 33).float())
+        assert arkernels.simt.launches() == [{"grid": (1, 1, 1), "threads": 32, "smem": 0, "pdl": True,
+                                              "triggered": 1}]

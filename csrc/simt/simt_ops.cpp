@@ -7,6 +7,7 @@
 // code allocates (outputs, split partials) is poisoned, and emulator reports (divergent barriers aside, which abort)
 // become an error.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
@@ -178,7 +179,8 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
   writes.push_back(int64_t(::simt::g_other_write.load()));
   return {names, reads, writes};
 }
-// The last op call's launches, flattened: (grid x, y, z, threads, dynamic smem bytes) per launch.
+// The last op call's launches, flattened: (grid x, y, z, threads, dynamic smem bytes, PDL launch 0/1, CTAs that
+// executed griddepcontrol.launch_dependents) per launch.
 std::vector<int64_t> launch_log() {
   std::vector<int64_t> out;
   for (const auto& l : ::simt::g_launches) out.insert(out.end(), l.begin(), l.end());
@@ -196,6 +198,9 @@ void set_visibility(bool on) { ::simt::g_visibility = on; }
 // The next launch aborts on block `block` (linear id, x fastest): that block never runs (see simt.h, g_abort_block).
 void abort_block_of_next_launch(int64_t block) { ::simt::g_abort_block = static_cast<long>(block); }
 bool get_visibility() { return ::simt::g_visibility; }
+// True (default): launch_pdl makes PDL launches on an sm_90 device (see simt.h, g_pdl_enabled); false: plain ones.
+void set_pdl(bool on) { ::simt::g_pdl_enabled = on; }
+bool get_pdl() { return ::simt::g_pdl_enabled; }
 
 // ---- probes of the emulator's own model (tests/test_simt_emulator.py) ----
 // `blocks` blocks of 32 threads: each thread of block k stores k + 1 to slot[k * 32 + tid] and, when `fence`,
@@ -225,6 +230,31 @@ std::tuple<at::Tensor, at::Tensor> fence_probe(int64_t blocks, bool fence) {
     ::simt::launch(dim3(unsigned(blocks)), dim3(32), 0, fence_probe_kernel, slot.data_ptr<float>(),
                    counter.data_ptr<int32_t>(), out.data_ptr<float>(), fence);
     return std::make_tuple(out, slot);
+  });
+}
+// One block of 32 threads launched by launch_pdl (pdl.cuh): each thread copies src[tid] to dst[tid]; `order` 0 waits
+// (pdl_wait) first, 1 loads before the wait, 2 stores (a zero) before it, 3 returns at once (no access, no wait);
+// every thread then triggers its dependents.
+__global__ void pdl_probe_kernel(const float* src, float* dst, int order) {
+  const int tid = threadIdx.x;
+  if (order == 3) return;
+  if (order == 2) dev::st_global(dst + tid, 0.f);
+  if (order == 0 || order == 2) dev::pdl_wait();
+  const float v = dev::ld_global(src + tid);
+  if (order == 1) dev::pdl_wait();
+  dev::st_global(dst + tid, v);
+  dev::pdl_launch_dependents();
+}
+// -> dst (src's values 1 .. 32; zeros for order 3)
+at::Tensor pdl_probe(int64_t order) {
+  TORCH_CHECK(order >= 0 && order <= 3, "order: 0..3");
+  return emulated("pdl_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor src = at::arange(1, 33, at::kFloat), dst = at::zeros({32}, at::kFloat);
+    const cudaError_t err = launch_pdl(pdl_probe_kernel, dim3(1), dim3(32), 0, nullptr, src.data_ptr<float>(),
+                                       dst.data_ptr<float>(), int(order));
+    TORCH_CHECK(err == cudaSuccess, "pdl_probe: launch failed");
+    return dst;
   });
 }
 // An fp32 [n] tensor allocated inside an emulated call and never written: what an unwritten output holds.
@@ -312,6 +342,9 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("abort_block_of_next_launch(int block) -> ()", &arkernels::abort_block_of_next_launch);
   m.def("fence_probe(int blocks, bool fence) -> (Tensor, Tensor)", &arkernels::fence_probe);
   m.def("alloc_probe(int n) -> Tensor", &arkernels::alloc_probe);
+  m.def("set_pdl(bool on) -> ()", &arkernels::set_pdl);
+  m.def("get_pdl() -> bool", &arkernels::get_pdl);
+  m.def("pdl_probe(int order) -> Tensor", &arkernels::pdl_probe);
   m.def("mma_probe(Tensor a, Tensor b, Tensor c, bool bf16) -> Tensor", &arkernels::mma_probe);
   m.def("ldmatrix_probe(Tensor tile, int n, bool trans) -> Tensor", &arkernels::ldmatrix_probe);
 }
