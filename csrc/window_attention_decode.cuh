@@ -331,14 +331,16 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   const int64_t split_step = stride * D;  // floats from one split's partial to the next
   auto issue = [&](int s0) {  // this thread's slots of splits s0 .. s0 + per_round - 1 (at most ns)
     const int n = min(per_round, ns - s0);
-    int64_t at = s0 * split_step;
-    float* dst = part_s + 4 * tid;
-    for (int s = 0; s < n; ++s) {
 #pragma unroll
-      for (int k = 0; k < kSlots; ++k)
-        if (tid + k * kAttnThreads < row4) dev::cp_async_16(dst + 4 * k * kAttnThreads, src[k] + at, 16);
-      at += split_step;
-      dst += 4 * row4;
+    for (int k = 0; k < kSlots; ++k) {
+      if (tid + k * kAttnThreads >= row4) break;  // live slots are a prefix of k
+      const float* from = src[k] + s0 * split_step;
+      float* dst = part_s + 4 * (tid + k * kAttnThreads);
+      for (int s = 0; s < n; ++s) {  // a copy: the LDGSTS and two address adds
+        dev::cp_async_16(dst, from, 16);
+        from += split_step;
+        dst += 4 * row4;
+      }
     }
     dev::cp_async_commit();
   };
