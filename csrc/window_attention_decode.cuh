@@ -8,8 +8,11 @@
 // K/V move in 64-key tiles through a ring of 1..4 cp.async stages (rows of D + 8 elements, fp8: D + 16 bytes), each
 // warp owning 16 keys of a tile: S = Q K^T, online softmax and O += P V in registers; the 4 warps merge through shared
 // memory. num_splits comes from shapes only (one wave of CTAs, graph-capturable); with num_splits > 1 the last split
-// CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last).
-// fp8 caches are staged as stored and converted in the MMA operand registers.
+// CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last),
+// published by one thread's release after the CTA barrier and acquired by the last CTA's one thread (combine_arrive).
+// fp8 caches are staged as stored and converted in the MMA operand registers, into fp16 (bf16 queries: times a power
+// of two per CTA, folded into the score scale). The issue-34 arithmetic (SASS counts, estimates, no GPU):
+// docs/kernels.md, "Decode after issue 34": B = 1, 8k, 32/8 heads, D 128, bf16 est. 11-13.5 us (58-70% of copy).
 // Multi-query decode (cu_seqlens_q given, 1 <= max_q_len <= kDecodeMaxQueries: speculative verification): the same
 // kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the
 // k + 1 query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks =
@@ -216,7 +219,7 @@ __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long
 // 2^sink), out = sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without).
 // Publication is one thread's: __syncthreads, then thread 0's release add (decode_arrive), and in the last CTA thread
 // 0's acquire (fence.acq_rel.gpu) before the __syncthreads that lets every thread read (CUTLASS's GenericBarrier).
-// Two MEMBAR.SC.GPU + CCTL.IVALL by all 128 threads of every CTA did this before (~1 us of the tail).
+// Two MEMBAR.SC.GPU + CCTL.IVALL by all 128 threads of every CTA did this before (est. 0.5-1 us more tail).
 // The partials of other CTAs are read through L2 (ld.global.cg / cp.async.cg: L1 is not coherent across SMs), and
 // every load is issued before any is used, so the tail costs about one L2 round trip per round, not one per split:
 // the weights first (every split's lse of this CTA's rows: <= 64 x 16 scalar loads, 8 per thread, all in flight),
