@@ -154,8 +154,10 @@ def emulate(device: str | None = None, block_order: int | None = None, visibilit
     ``device``: "sm_80", "sm_89" or "sm_90" (default: the current one, initially sm_90): the SM count and shared
     memory limit launch planning sees. ``block_order``: 0 runs each grid's blocks in linear order, any other value
     in a permutation drawn from that seed (default: the current setting, initially 0). ``visibility``: True (the
-    initial setting) makes a block's global stores visible to the blocks after it only once the storing thread
-    executed ``__threadfence`` (unfenced stores land when the launch ends); False: every store at once.
+    initial setting) makes a block's global stores visible to the blocks after it only once a release ordered them
+    (``__threadfence`` or ``dev::atomic_add_release`` / ``dev::fence_acq_rel`` by the storing thread, or by another
+    thread of its block after a ``__syncthreads``; the rest land when the launch ends), and reports a load of another
+    block's published bytes that no acquire ordered (csrc/simt/simt.h); False: every store at once, no report.
     ``pdl``: True (the initial setting) makes the kernels' launches programmatic dependent launches on an sm_90 device
     (csrc/pdl.cuh), in which a thread's global access before its ``griddepcontrol.wait``, or a thread that exits
     without one, is reported; False: plain launches (ARKERNELS_PDL=0 at process start does the same).

@@ -148,6 +148,53 @@ print(f"ARKERNELS_PDL={pdl}: append + decode (B=1, 4k keys, 8/32 heads, D 128) "
 '
   ARKERNELS_PDL=1 step pdl_chain_on 45 $PY -c "$PDL_CHAIN"
   ARKERNELS_PDL=0 step pdl_chain_off 45 $PY -c "$PDL_CHAIN"
+  # decode kernel, issue 34 items 3 and 6: the SASS of the build (no MEMBAR.SC in any decode kernel, each fence one
+  # thread's: the FENCE column "1T x2") and the decode cases the change targets, each a CUDA graph of 20 calls over
+  # caches rotated past the 50 MB L2: B=1 8k bf16 (split-KV tail: est. 11-13.5 us, 58-70% of copy bandwidth; was
+  # 12.5-15.5), B=1 8k fp8 under bf16 queries (fp16 MMAs: est. 7.5-9.5 us; was 9.5-11.5) and B=32 8k fp8 (issue:
+  # est. 80-86%; was 72-82%). GQA 32/8, D 128, block size 16. Estimates, no GPU: docs/kernels.md "Decode after
+  # issue 34".
+  DECODE_TAIL='
+import subprocess, sys, torch, arkernels
+rep = subprocess.run([sys.executable, "scripts/sass_report.py", "--arch", "sm_90"], capture_output=True, text=True)
+rows = [l for l in rep.stdout.splitlines() if "decode_kernel" in l or "FAIL" in l or "TAIL" in l]
+print("\n".join(rows) or rep.stdout[-2000:] + rep.stderr[-2000:])
+dev, hq, hkv, d, bs = "cuda", 32, 8, 128, 16
+x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+y = torch.empty_like(x)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+y.copy_(x)
+s.record(); [y.copy_(x) for _ in range(5)]; e.record(); torch.cuda.synchronize()
+gbps_copy = 2 * 5 * x.numel() / (s.elapsed_time(e) * 1e6)
+for batch, fp8 in ((1, False), (1, True), (32, True)):
+    ctx, nb = 8192, 8192 // bs
+    kv_bytes = 2 * batch * ctx * hkv * d * (1 if fp8 else 2)
+    rot = max(2, -(-200 << 20) // kv_bytes)
+    q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    one = torch.ones(1, device=dev)
+    calls = []
+    for _ in range(rot):
+        k = torch.randn(batch * nb, bs, hkv, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        if fp8:
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        table = torch.randperm(batch * nb, device=dev, dtype=torch.int32).view(batch, nb)
+        kw = dict(k_scale=one, v_scale=one) if fp8 else {}
+        calls.append(lambda k=k, v=v, t=table, kw=kw: arkernels.window_attention(q, k, v, t, lens, check=False, **kw))
+    for c in calls: c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(20): calls[i % rot]()
+    g.replay(); torch.cuda.synchronize()
+    s.record(); [g.replay() for _ in range(5)]; e.record(); torch.cuda.synchronize()
+    us = s.elapsed_time(e) * 1e3 / 100
+    kind, gbps = "fp8/bf16q" if fp8 else "bf16", kv_bytes / us / 1e3
+    print(f"decode B={batch} 8k {kind}: {us:.2f} us/call, {gbps:.0f} GB/s, {100 * gbps / gbps_copy:.0f}% of copy "
+          f"({gbps_copy:.0f} GB/s)")
+'
+  step decode_tail 60 $PY -c "$DECODE_TAIL"
 
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget); its

@@ -8,6 +8,7 @@
 //   dev::ld_global / dev::st_global                        every global load and store of a kernel: a plain (vector)
 //                                                          access on the GPU, counted by the emulator's traffic meter
 //   dev::ld_global_cg, atomic_add, atomic_max, threadfence  the same for data blocks exchange within one launch
+//   dev::atomic_add_release, fence_acq_rel                  one thread's release / acquire at device scope (below)
 //   AK_TRACK_SCRATCH(name, ptr, bytes)                      names a launch's own scratch buffer for the emulator's
 //                                                          traffic meter (nothing on the GPU)
 //   dev::warp_all / dev::warp_any                           warp votes (__all_sync / __any_sync)
@@ -83,6 +84,35 @@ __device__ __forceinline__ void atomic_max(T* p, T v) {
   atomicMax(p, v);
 }
 __device__ __forceinline__ void threadfence() { __threadfence(); }
+
+// One thread's release and acquire at device scope, for blocks that publish data and count themselves done (CUTLASS's
+// GenericBarrier: __syncthreads, then one thread's red.release; one thread's acquire, then __syncthreads), instead of
+// a fence.sc (MEMBAR.SC.GPU) by every thread:
+// - atomic_add_release: atom.add.release.gpu. The release is cumulative: it orders before the add every store of this
+//   thread and every store another thread of the block made before a __syncthreads this thread passed since.
+// - fence_acq_rel: fence.acq_rel.gpu. After an atomic that read a count, it is the acquire of what the releases that
+//   count observed published: this thread's later loads see it, and another thread's after a __syncthreads both pass.
+// The emulator models both (csrc/simt/simt.h: stores no release published are invisible to later blocks; a load of
+// another block's published bytes with no acquire before it is reported).
+__device__ __forceinline__ unsigned long long atomic_add_release(unsigned long long* p, unsigned long long v) {
+#if defined(ARKERNELS_SIMT)
+  ::simt::on_global_atomic(p, sizeof(v));
+  ::simt::release_publishes();
+  return atomicAdd(p, v);
+#else
+  unsigned long long old;
+  asm volatile("atom.release.gpu.global.add.u64 %0, [%1], %2;\n" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+#endif
+}
+__device__ __forceinline__ void fence_acq_rel() {
+#if defined(ARKERNELS_SIMT)
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  ::simt::fence_publishes();
+#else
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+#endif
+}
 
 // Warp votes over all 32 lanes (every lane must call; the result is the same in every lane): one VOTE on the GPU; the
 // emulator forms them from xor shuffles, which check the mask and the lanes' convergence as a vote would.

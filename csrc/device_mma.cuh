@@ -9,7 +9,7 @@
 //                                 arithmetic in SASS (the src-size form costs ~5 more instructions per copy on sm_90)
 //   cp_async_commit() / cp_async_wait<N>() / cp_async_wait_all()   commit_group / wait_group N / wait_all
 //   bf16_f16_pow2(bits) / bf16x2_to_f16x2(w, 2^e) / warp_bf16_to_f16<R, C, LD>(rows)   bf16 operands into fp16
-//                                 MMAs times a power of two (below)
+//                                 MMAs times a power of two (below; bf16x2_abs_max_bits: the input of the first)
 // Fragment layouts (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"), g = lane/4, t = lane%4,
 // the lower 16 bits of a register hold the lower-indexed element:
 //   a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..2t+1]   a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
@@ -174,6 +174,11 @@ __device__ __forceinline__ int bf16_f16_pow2(uint32_t max_abs_bits) {
   const int e = 142 - ex;
   return e < -112 ? -112 : (e > 64 ? 64 : e);
 }
+// The larger |x| of a register's two bf16, as bits without the sign (the input of bf16_f16_pow2).
+__device__ __forceinline__ uint32_t bf16x2_abs_max_bits(uint32_t x) {
+  const uint32_t lo = x & 0x7fffu, hi = (x >> 16) & 0x7fffu;
+  return lo > hi ? lo : hi;
+}
 __device__ __forceinline__ float pow2f(int e) {  // 2^e for e in [-126, 127]
   const uint32_t bits = uint32_t(127 + e) << 23;
   float f;
@@ -203,7 +208,7 @@ __device__ __forceinline__ float warp_bf16_to_f16(uint16_t* rows) {
   int mx = 0;  // the largest |x| of the lane's chunks, as bf16 bits without the sign
   for (int i = lane; i < R * kChunks; i += 32) {
     const uint4 w = *reinterpret_cast<const uint4*>(rows + i / kChunks * LD + i % kChunks * 8);
-    for (const uint32_t x : {w.x, w.y, w.z, w.w}) mx = max(mx, int(max(x & 0x7fffu, (x >> 16) & 0x7fffu)));
+    for (const uint32_t x : {w.x, w.y, w.z, w.w}) mx = max(mx, int(bf16x2_abs_max_bits(x)));
   }
   for (int d = 1; d < 32; d *= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, d));
   const int e = bf16_f16_pow2(uint32_t(mx));

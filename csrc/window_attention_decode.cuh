@@ -8,8 +8,11 @@
 // K/V move in 64-key tiles through a ring of 1..4 cp.async stages (rows of D + 8 elements, fp8: D + 16 bytes), each
 // warp owning 16 keys of a tile: S = Q K^T, online softmax and O += P V in registers; the 4 warps merge through shared
 // memory. num_splits comes from shapes only (one wave of CTAs, graph-capturable); with num_splits > 1 the last split
-// CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last).
-// fp8 caches are staged as stored and converted in the MMA operand registers.
+// CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last),
+// published by one thread's release after the CTA barrier and acquired by the last CTA's one thread (combine_arrive).
+// fp8 caches are staged as stored and converted in the MMA operand registers, into fp16 (bf16 queries: times a power
+// of two per CTA, folded into the score scale). The issue-34 arithmetic (SASS counts, estimates, no GPU):
+// docs/kernels.md, "Decode after issue 34": B = 1, 8k, 32/8 heads, D 128, bf16 est. 11-13.5 us (58-70% of copy).
 // Multi-query decode (cu_seqlens_q given, 1 <= max_q_len <= kDecodeMaxQueries: speculative verification): the same
 // kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the
 // k + 1 query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks =
@@ -201,86 +204,70 @@ __device__ __forceinline__ DecodeRow decode_row(const AttnParams& p, const Decod
 // let the arrivals an aborted launch left behind count for the next one.) CUDA graphs: a captured launch's epoch is
 // frozen, so a capture allocates its own counters, zeroed by a memset node at every replay (split_counters): each
 // replay starts clean whatever the previous replay did.
+// The add is a release (atom.add.release.gpu): the caller, one thread after a __syncthreads, publishes every thread's
+// partials with it (a release is cumulative). The max stays relaxed: it carries no data.
 __device__ __forceinline__ bool decode_arrive(const AttnParams& p, unsigned long long* counter) {
   const unsigned long long base = p.epoch * kMaxSplits;
   // FAULT(split_arrive)
   dev::atomic_max(counter, base);
-  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;
+  // FAULT(split_release)
+  return dev::atomic_add_release(counter, 1ull) == base + p.num_splits - 1;
 }
 
 // Split-KV combine, fused: the split CTAs of one (sequence, KV head, head chunk) count themselves done on their
 // counter after publishing their partials (decode_arrive); the last one merges them -- lse = log2 (sum_s 2^lse_s +
 // 2^sink), out = sum_s 2^(lse_s - lse) out_s (sink: the head's attention sink in log2 units, -inf without).
+// Publication is one thread's: __syncthreads, then thread 0's release add (decode_arrive), and in the last CTA thread
+// 0's acquire (fence.acq_rel.gpu) before the __syncthreads that lets every thread read (CUTLASS's GenericBarrier).
+// Two MEMBAR.SC.GPU + CCTL.IVALL by all 128 threads of every CTA did this before (est. 0.5-1 us more tail).
 // The partials of other CTAs are read through L2 (ld.global.cg / cp.async.cg: L1 is not coherent across SMs), and
 // every load is issued before any is used, so the tail costs about one L2 round trip per round, not one per split:
-// the weights first (every split's lse of this CTA's heads: <= 64 x 16 scalar loads, 8 per thread, all in flight),
+// the weights first (every split's lse of this CTA's rows: <= 64 x 16 scalar loads, 8 per thread, all in flight),
 // then the outputs as 16-byte cp.async straight into shared memory (no registers held), as many splits per round as
 // the CTA's shared memory holds (smem_bytes: the CTA's dynamic shared memory, free again: every warp passed the
-// merge's reads); the weights are computed while the first round lands. Then each thread sums its 16-byte slots
-// (4 dims of one head) over the round's splits from shared memory (consecutive slots: conflict-free LDS.128).
+// merge's reads); the weights are computed while the first round lands.
+// Fixed ownership: thread tid owns the 16-byte slots tid + 128 k of the [hc][D] output (row slot / (D / 4), dims
+// 4 (slot % (D / 4)) .. + 3, a compile-time divisor, once per kernel); it copies exactly those slots of every split
+// (one 64-bit add, one LDGSTS per copy: the run-time division by hc D / 4 of a loop over every copy cost ~33 SASS per
+// copy, ~1100 issue slots per thread at 33 splits), sums them from shared memory (LDS.128, conflict-free) and writes
+// them: it reads only what it copied, so a round needs no barrier.
 // B = 1, 32/8 heads, D 128, bf16 (hc = 4 rows, 2 KB of partial per split): 52 splits per round in a 108.8 KB CTA, so
-// up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round); it was 64 dependent round trips (4 outputs
-// per thread x 64 splits, 4 loads per trip).
+// up to 64 splits take 2 rounds (the one-wave plan gives 33: 1 round, 33 copies per thread).
 // Every byte of every partial is read exactly once (tests/test_window_attention_decode_tail.py counts them).
 // Its header: the weights [64][16], then per row its (row, head) index (8 bytes), its head and its lse (4 + 4 bytes),
 // then the last-arrival flag.
 constexpr size_t kCombineHeader =
     ((kMaxSplits * kDecodeRows + 2 * kDecodeRows + 1) * 4 + kDecodeRows * 8 + 15) / 16 * 16;
-template <typename T, int D, bool kMulti>
-__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, const DecodeRows& rows,
-                                                unsigned char* smem, size_t smem_bytes) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int hc = rows.hc;
-  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16]: the splits' lse (log2), then their weights
-  int64_t* oh_s = reinterpret_cast<int64_t*>(w_s + kMaxSplits * kDecodeRows);  // [16] each row's (row, head) index
-  int* head_s = reinterpret_cast<int*>(oh_s + kDecodeRows);  // [16] each row's query head
-  float* lse_s = reinterpret_cast<float*>(head_s + kDecodeRows);  // [16] lse, log2 units
-  int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
-  float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc][D] fp32
+
+// Thread 0 counts the CTA done (decode_arrive, after the barrier: its release publishes every thread's partials) and
+// the last CTA's thread 0 acquires them; returns whether this CTA is the last, to every thread (after a barrier, which
+// also orders every thread's loads after the acquire). Each row's (row, head) index and head into oh_s / head_s.
+template <bool kMulti>
+__device__ __forceinline__ bool combine_arrive(const AttnParams& p, int64_t b, const DecodeRows& rows, int64_t* oh_s,
+                                               int* head_s, int* last_s) {
+  const int tid = threadIdx.x;
   // FAULT(split_fence)
-  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts itself done
-  __syncthreads();     // every thread's partials are (and the merge's shared-memory reads are over)
-  if (tid == 0) *last_s = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
-  if (tid < hc) {
+  __syncthreads();  // every thread's partials are stored (and the merge's shared-memory reads are over)
+  if (tid == 0) {
+    const bool last = decode_arrive(p, p.counters + b * gridDim.y + blockIdx.y);
+    // FAULT(split_acquire)
+    if (last) dev::fence_acq_rel();  // the acquire: the partials every release before the count published
+    *last_s = last;
+  }
+  if (tid < rows.hc) {
     const DecodeRow row = decode_row<kMulti>(p, rows, tid);
     oh_s[tid] = row.oh;
     head_s[tid] = row.head;
   }
-  __syncthreads();
-  if (!*last_s) return;
-  dev::threadfence();  // order this CTA's reads of the partials after the count that saw them all published
-  const int ns = p.num_splits;
-  const int64_t stride = p.rows * p.hq;  // part_*[s][oh_s[r]]: split s, row r
-  // Weights first: entry idx = (split idx / hc, head idx % hc), 8 per thread.
-  constexpr int kLse = kMaxSplits * kDecodeRows / kAttnThreads;
-  float lv[kLse];
-#pragma unroll
-  for (int k = 0; k < kLse; ++k) {
-    const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
-    lv[k] = s < ns ? dev::ld_global_cg(p.part_lse + s * stride + oh_s[r]) : neg_inf();
-  }
-  // Then the outputs of the first round: split s's hc rows of D contiguous fp32 each (decode: the hc rows are
-  // contiguous too, heads h0 .. h0 + hc - 1 of one query row).
-  const int row4 = hc * D / 4;  // 16-byte chunks of one split's partial
-  const int per_round = min(ns, int((smem_bytes - kCombineHeader) / (size_t(row4) * 16)));
-  auto issue = [&](int s0) {
-    const int n = min(per_round, ns - s0) * row4;
-    for (int idx = tid; idx < n; idx += kAttnThreads) {
-      const int s = idx / row4, c = idx - s * row4, r = c / (D / 4);
-      // FAULT(mq_combine_rows)
-      dev::cp_async_16(part_s + 4 * idx, p.part_out + ((s0 + s) * stride + oh_s[r]) * D + 4 * (c - r * (D / 4)),
-                       16);
-    }
-    dev::cp_async_commit();
-  };
-  issue(0);
-  // The weights, while the round lands: one warp per head, lanes over splits.
-#pragma unroll
-  for (int k = 0; k < kLse; ++k) {
-    const int idx = tid + k * kAttnThreads, s = idx / hc, r = idx - s * hc;
-    if (s < ns) w_s[s * kDecodeRows + r] = lv[k];
-  }
-  __syncthreads();
+  __syncthreads();  // the flag, the rows, and every thread's loads after thread 0's acquire
+  return *last_s != 0;
+}
+
+// The weights of the splits for the CTA's hc rows from their lse in w_s [ns][16] (log2), in place, and each row's lse
+// into lse_s: one warp per row, lanes over splits.
+__device__ __forceinline__ void combine_weights(const AttnParams& p, int hc, int ns, float* w_s, const int* head_s,
+                                                float* lse_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < hc; r += kDecodeWarps) {
     float m = neg_inf();
     for (int s = lane; s < ns; s += 32) m = fmaxf(m, w_s[s * kDecodeRows + r]);
@@ -305,15 +292,78 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
     }
     if (lane == 0) lse_s[r] = lse;
   }
-  // Thread slots: slot = tid + k * 128 is head slot / (D / 4), dims 4 (slot % (D / 4)) .. + 3.
+}
+
+template <typename T, int D, bool kMulti>
+__device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, const DecodeRows& rows,
+                                                unsigned char* smem, size_t smem_bytes) {
+  const int tid = threadIdx.x;
+  const int hc = rows.hc;
+  float* w_s = reinterpret_cast<float*>(smem);   // [num_splits][16]: the splits' lse (log2), then their weights
+  int64_t* oh_s = reinterpret_cast<int64_t*>(w_s + kMaxSplits * kDecodeRows);  // [16] each row's (row, head) index
+  int* head_s = reinterpret_cast<int*>(oh_s + kDecodeRows);  // [16] each row's query head
+  float* lse_s = reinterpret_cast<float*>(head_s + kDecodeRows);  // [16] lse, log2 units
+  int* last_s = reinterpret_cast<int*>(lse_s + kDecodeRows);
+  float* part_s = reinterpret_cast<float*>(smem + kCombineHeader);  // [splits of a round][hc D / 4] 16-byte slots
+  if (!combine_arrive<kMulti>(p, b, rows, oh_s, head_s, last_s)) return;
+  const int ns = p.num_splits;
+  const int64_t stride = p.rows * p.hq;  // part_*[s][oh]: split s, (row, head) index oh
+  // Weights first: entry (split tid / 16 + 8 k, row tid % 16) of w_s [64][16], 8 per thread (rows past hc: none).
+  constexpr int kLse = kMaxSplits * kDecodeRows / kAttnThreads;
+  const int lr = tid % kDecodeRows, ls0 = tid / kDecodeRows;
+  const bool lrow = lr < hc;
+  const float* lse_src = p.part_lse + (lrow ? oh_s[lr] : 0);
+  float lv[kLse];
+#pragma unroll
+  for (int k = 0; k < kLse; ++k) {
+    const int s = ls0 + k * (kAttnThreads / kDecodeRows);
+    lv[k] = lrow && s < ns ? dev::ld_global_cg(lse_src + s * stride) : neg_inf();
+  }
+  // This thread's slots: slot tid + 128 k (live: < hc D / 4) is row slot / (D / 4), dims 4 (slot % (D / 4)) .. + 3;
+  // src[k]: its place in split 0's partial.
   constexpr int kSlots = (kDecodeRows * D / 4 + kAttnThreads - 1) / kAttnThreads;
+  const int row4 = hc * D / 4;  // 16-byte slots of one split's partial
+  const float* src[kSlots];
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int slot = tid + k * kAttnThreads, r = slot / (D / 4);
+    // FAULT(mq_combine_rows)
+    src[k] = p.part_out + (slot < row4 ? oh_s[r] * D + 4 * (slot - r * (D / 4)) : 0);
+  }
+  const int per_round = min(ns, int((smem_bytes - kCombineHeader) / (size_t(row4) * 16)));
+  const int64_t split_step = stride * D;  // floats from one split's partial to the next
+  auto issue = [&](int s0) {  // this thread's slots of splits s0 .. s0 + per_round - 1 (at most ns)
+    const int n = min(per_round, ns - s0);
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      if (tid + k * kAttnThreads >= row4) break;  // live slots are a prefix of k
+      const float* from = src[k] + s0 * split_step;
+      float* dst = part_s + 4 * (tid + k * kAttnThreads);
+      for (int s = 0; s < n; ++s) {  // a copy: the LDGSTS and two address adds
+        dev::cp_async_16(dst, from, 16);
+        from += split_step;
+        dst += 4 * row4;
+      }
+    }
+    dev::cp_async_commit();
+  };
+  issue(0);
+  // The weights, while the round lands.
+#pragma unroll
+  for (int k = 0; k < kLse; ++k) {
+    const int s = ls0 + k * (kAttnThreads / kDecodeRows);
+    if (lrow && s < ns) w_s[s * kDecodeRows + lr] = lv[k];
+  }
+  __syncthreads();  // every split's lse
+  combine_weights(p, hc, ns, w_s, head_s, lse_s);
+  __syncthreads();  // the weights and the rows' lse
   float acc[kSlots][4];
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
   for (int s0 = 0; s0 < ns; s0 += per_round) {
+    // Only this thread's copies are read: its wait suffices, and the next round overwrites only slots it has read.
     if (s0 > 0) issue(s0);
     dev::cp_async_wait_all();
-    __syncthreads();  // the round (everyone's copies) and the weights are in shared memory
     const int n = min(per_round, ns - s0);
 #pragma unroll
     for (int k = 0; k < kSlots; ++k) {
@@ -334,7 +384,6 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
         }
       }
     }
-    __syncthreads();  // the round is read before the next one overwrites it
   }
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
@@ -552,6 +601,37 @@ __device__ __forceinline__ void decode_issue_tile(const AttnParams& p, const Dec
                           cta.voff_s + vslot * kDecodeTileKeys, live);
 }
 
+// fp8 caches under bf16 queries: the MMAs run in fp16 with Q times 2^e, one e per CTA (every warp reads every query
+// row), chosen by prefill's rule (dev::bf16_f16_pow2: the largest |q| into fp16's top binade, all 8 significant bits
+// of every value down to 2^-29 of it kept) and 2^-e folded into the score scale: exact, a power of two. In registers,
+// before the query tile is stored, so no pass over shared memory and no barrier beyond the prologue's:
+// decode_q_max (before it) puts each warp's largest |q| (bf16 bits) into max_s[warp]; decode_q_to_f16 (after it)
+// converts this thread's chunks and returns 2^-e.
+template <int QPer>
+__device__ __forceinline__ void decode_q_max(const uint4 (&qv)[QPer], int* max_s) {
+  int mx = 0;
+#pragma unroll
+  for (int k = 0; k < QPer; ++k)
+    for (const uint32_t x : {qv[k].x, qv[k].y, qv[k].z, qv[k].w}) mx = max(mx, int(dev::bf16x2_abs_max_bits(x)));
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  if (threadIdx.x % 32 == 0) max_s[threadIdx.x / 32] = mx;
+}
+template <int QPer>
+__device__ __forceinline__ float decode_q_to_f16(uint4 (&qv)[QPer], const int* max_s) {
+  int mx = max_s[0];
+#pragma unroll
+  // FAULT(decode_q_cta_max)
+  for (int w = 1; w < kDecodeWarps; ++w) mx = max(mx, max_s[w]);
+  const int e = dev::bf16_f16_pow2(uint32_t(mx));
+  const float up = dev::pow2f(e);
+#pragma unroll
+  for (int k = 0; k < QPer; ++k)
+    qv[k] = make_uint4(dev::bf16x2_to_f16x2(qv[k].x, up), dev::bf16x2_to_f16x2(qv[k].y, up),
+                       dev::bf16x2_to_f16x2(qv[k].z, up), dev::bf16x2_to_f16x2(qv[k].w, up));
+  return dev::pow2f(-e);
+}
+
 // The query tile [16][LD] from its registers (decode_load_q's chunks); fp8: each dim at its mma column (fp8_k_col),
 // the order in which the K fragments hold the dims.
 template <typename T, int D, bool kFp8, int QPer>
@@ -578,20 +658,25 @@ __device__ __forceinline__ void decode_store_q(const uint4 (&qv)[QPer], T* q_s) 
 // S = Q K^T for this warp's 16 keys of the staged K tile k_s: two 8-key blocks, s[nb] = {S[g][8nb + 2t4 + {0,1}],
 // S[g+8][8nb + 2t4 + {0,1}]}. Q's A fragments from registers (qf) or, at D = 256, from the query tile (q_lane).
 // k_row, k_col: this lane's ldmatrix row and column in a 16-bit K tile; v_row, f_col: in an fp8 tile.
+// Four accumulation chains, not two: key block nb's even k-steps accumulate in s[nb], its odd ones in s1[nb], and
+// S = s + s1 at the end (each score: the fp32 sum over the even 16-dim k-steps plus the sum over the odd ones), so
+// the 2 x D / 16 dependent HMMA of a tile become 4 chains of D / 32 (D 128: ~250 -> ~125 clk of chain latency).
 template <typename T, typename KV, int D, int QF>
 __device__ __forceinline__ void decode_qk(float (&s)[2][4], const uint32_t (&qf)[QF][4], const T* q_lane,
                                           const KV* k_s, int k_row, int k_col, int v_row, int f_col) {
   constexpr bool kFp8 = sizeof(KV) == 1, kQInRegs = kDecodeQInRegs<D>;
   constexpr int SLD = decode_layout(D, 1, kFp8).stage_ld, kKSteps = D / 16;
+  float s1[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   auto qk = [&](int ks, const uint32_t (&b0)[2], const uint32_t (&b1)[2]) {
+    float (&acc)[2][4] = ks % 2 == 0 ? s : s1;  // ks is a compile-time constant once unrolled
     if constexpr (kQInRegs) {
-      dev::mma_m16n8k16<T>(s[0], qf[ks], b0, s[0]);
-      dev::mma_m16n8k16<T>(s[1], qf[ks], b1, s[1]);
+      dev::mma_m16n8k16<T>(acc[0], qf[ks], b0, acc[0]);
+      dev::mma_m16n8k16<T>(acc[1], qf[ks], b1, acc[1]);
     } else {
       uint32_t a[4];
       dev::ldmatrix_x4(a, q_lane + ks * 16);
-      dev::mma_m16n8k16<T>(s[0], a, b0, s[0]);
-      dev::mma_m16n8k16<T>(s[1], a, b1, s[1]);
+      dev::mma_m16n8k16<T>(acc[0], a, b0, acc[0]);
+      dev::mma_m16n8k16<T>(acc[1], a, b1, acc[1]);
     }
   };
   if constexpr (kFp8) {  // two k-steps per ldmatrix.x4 (registers: {key block 0, 1} x {k-step ks, ks + 1})
@@ -625,27 +710,30 @@ __device__ __forceinline__ void decode_qk(float (&s)[2][4], const uint32_t (&qf)
       qk(ks, b0, b1);
     }
   }
-}
-
-// Online softmax over one tile for rows g and g + 8 (log2 units): S scaled by qk_scale, softcapped and masked (ko:
-// the warp's 16 key offsets, negative when masked; k0: the index of its first key in the split, and a key outside the
-// row's own range, cta.rlo / cta.rhi, is masked too), the running max m_run and this thread's partial sum l_run
-// updated, O rescaled by 2^(m_old - m_new), and P = 2^(S - m) packed as the A fragment pa of O += P V (16 heads x
-// 16 keys).
-template <typename T, bool kMulti, int NB>
-__device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float (&s)[2][4], float (&o)[NB][4],
-                                                      float (&m_run)[2], float (&l_run)[2], const int64_t* ko,
-                                                      int k0, const DecodeCta& cta, float qk_scale,
-                                                      uint32_t (&pa)[4]) {
-  const int tid = threadIdx.x, t4 = tid % 32 % 4;
-  // Scale (log2 units), softcap, mask; row max over the quad.
-  float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      float v = s[nb][x] * qk_scale;
-      if (p.softcap > 0.f) v = cap_score(v, p.softcap) * kLog2e;
+      // FAULT(decode_qk_chains)
+      s[nb][x] += s1[nb][x];
+    }
+}
+
+// One tile's scores for rows g and g + 8 in log2 units: times mul, softcapped (kCapped: cap tanh(s mul), cap the
+// softcap times log2(e), mul the scale over the softcap) and masked (ko: the warp's 16 key offsets, negative when
+// masked; k0: the index of its first key in the split, and a key outside the row's own range, cta.rlo / cta.rhi, is
+// masked too); mx: the rows' maxima over this thread's scores. The softcap is a compile-time variant chosen once per
+// tile by a uniform branch (prefill's way): with it off no tanh / division takes an issue slot.
+template <bool kCapped, bool kMulti>
+__device__ __forceinline__ void decode_scores(float (&s)[2][4], float (&mx)[2], const int64_t* ko, int k0,
+                                              const DecodeCta& cta, float mul, float cap) {
+  const int t4 = threadIdx.x % 32 % 4;
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      float v = s[nb][x] * mul;
+      if constexpr (kCapped) v = cap * tanhf(v);
       // Key k0 + c of the split (c: this element's column) is staged (its offset's sign) and, multi-query, in the
       // row's own range.
       const int c = nb * 8 + 2 * t4 + (x & 1), r = x / 2;
@@ -658,6 +746,22 @@ __device__ __forceinline__ void decode_online_softmax(const AttnParams& p, float
       s[nb][x] = v;
       mx[x / 2] = fmaxf(mx[x / 2], v);
     }
+}
+
+// Online softmax over one tile for rows g and g + 8 (log2 units): S scored (decode_scores: mul, cap), the running max
+// m_run and this thread's partial sum l_run updated, O rescaled by 2^(m_old - m_new), and P = 2^(S - m) packed as the
+// A fragment pa of O += P V (16 heads x 16 keys).
+template <typename T, bool kMulti, int NB>
+__device__ __forceinline__ void decode_online_softmax(float (&s)[2][4], float (&o)[NB][4], float (&m_run)[2],
+                                                      float (&l_run)[2], const int64_t* ko, int k0,
+                                                      const DecodeCta& cta, float mul, float cap, uint32_t (&pa)[4]) {
+  float mx[2] = {neg_inf(), neg_inf()};
+  // FAULT(decode_softcap)
+  if (cap > 0.f) {
+    decode_scores<true, kMulti>(s, mx, ko, k0, cta, mul, cap);
+  } else {
+    decode_scores<false, kMulti>(s, mx, ko, k0, cta, mul, cap);
+  }
   float alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -828,6 +932,10 @@ template <typename T, typename KV, int D, bool kMulti>
 __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char* smem, const int stages, int64_t b,
                                               const DecodeRows& rows, int split, int nsplits) {
   constexpr bool kFp8 = sizeof(KV) == 1;
+  // The MMA operands' type: fp8 caches run in fp16 whatever T (e4m3 -> f16x2 is one cvt per pair, into bf16 four;
+  // P in fp16 is finer than in bf16), bf16 queries scaled into fp16 (decode_q_to_f16), as prefill does.
+  using MmaT = std::conditional_t<kFp8, __half, T>;
+  constexpr bool kQToFp16 = !std::is_same_v<MmaT, T>;
   constexpr DecodeLayout L = decode_layout(D, 1, kFp8);
   constexpr int LD = L.ld, SLD = L.stage_ld;
   constexpr int kKSteps = D / 16;  // k-steps of Q K^T, and pairs of 8-column blocks of P V
@@ -843,17 +951,22 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
 
   // Prologue: the offsets of tiles 0 .. stages-2 resolved together (their block-table loads all in flight: one round
   // trip, not one per tile), the query tile [16][LD] stored from its registers, then every prologue tile's copies.
+  // bf16 queries of fp8 caches: each warp's largest |q| into the Q tile's row-0 padding (never read by ldmatrix).
+  int* q_max_s = reinterpret_cast<int*>(q_s + D);
+  if constexpr (kQToFp16) decode_q_max(qv, q_max_s);
   for (int idx = tid; idx < (stages - 1) * kDecodeTileKeys; idx += kAttnThreads)
     decode_resolve(p, cta, idx / kDecodeTileKeys, idx % kDecodeTileKeys, idx / kDecodeTileKeys,
                    idx / kDecodeTileKeys);  // t < vsets
+  __syncthreads();  // the prologue's offsets (and the warps' |q| maxima) are ready
+  float q_down = 1.f;  // 2^-e of the CTA's Q scale (kQToFp16)
+  if constexpr (kQToFp16) q_down = decode_q_to_f16(qv, q_max_s);
   decode_store_q<T, D, kFp8>(qv, q_s);
-  __syncthreads();  // the prologue's offsets and q_s are ready
   for (int t = 0; t < stages - 1; ++t) decode_issue_tile<KV, D>(p, cta, t < cta.ntiles, t, t);
-  __syncthreads();  // tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
+  __syncthreads();  // q_s is stored; tile 0's V offsets are read before loop trip 0 resolves tile stages - 1 over them
   // A fragments of Q (lane: rows g and g + 8, columns 2 t4 + {0, 1, 8, 9} of each k-step), from ldmatrix.x4: lane l
   // addresses row l % 16 at column 8 (l / 16).
   uint32_t qf[kQInRegs ? kKSteps : 1][4];
-  const T* q_lane = q_s + (lane % 16) * LD + (lane / 16) * 8;
+  const MmaT* q_lane = reinterpret_cast<const MmaT*>(q_s) + (lane % 16) * LD + (lane / 16) * 8;
   if constexpr (kQInRegs) {
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) dev::ldmatrix_x4(qf[ks], q_lane + ks * 16);
@@ -868,8 +981,13 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
 #pragma unroll
     for (int x = 0; x < 4; ++x) o[nb][x] = 0.f;
   // fp8: key = stored * k_scale, so the scores of the stored keys take scale * k_scale; value = stored * v_scale.
+  // The scores' factor (decode_scores): the scale (times k_scale and the Q scale's 2^-e) times log2(e), or with softcap
+  // over the softcap, the division folded in once per CTA.
   const float k_scale = kFp8 ? dev::ld_global(p.k_scale) : 1.f, v_scale = kFp8 ? dev::ld_global(p.v_scale) : 1.f;
-  const float qk_scale = p.softcap > 0.f ? p.scale * k_scale : p.scale * k_scale * kLog2e;
+  // FAULT(decode_q_down)
+  const float qk_scale = p.scale * k_scale * q_down;
+  const float cap = p.softcap > 0.f ? p.softcap * kLog2e : 0.f;
+  const float score_mul = p.softcap > 0.f ? qk_scale / p.softcap : qk_scale * kLog2e;
   // ldmatrix lane addressing inside a warp's 16 keys: K (non-trans): matrix l / 8 = (key half, column half) ->
   // key (l / 16) * 8 + l % 8, column ((l / 8) % 2) * 8; V (.trans): matrix l / 8 = (column half, key half) ->
   // key ((l / 8) % 2) * 8 + l % 8, column (l / 16) * 8.
@@ -893,13 +1011,13 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
     const KV* k_s = reinterpret_cast<const KV*>(smem + st * lay.stage);
     const KV* v_s = k_s + kDecodeTileKeys * SLD;
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    decode_qk<T, KV, D>(s, qf, q_lane, k_s, k_row, k_col, v_row, f_col);
+    decode_qk<MmaT, KV, D>(s, qf, q_lane, k_s, k_row, k_col, v_row, f_col);
     uint32_t pa[4];
-    decode_online_softmax<T, kMulti>(p, s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16,
-                             t * kDecodeTileKeys + warp * 16, cta, qk_scale, pa);
+    decode_online_softmax<MmaT, kMulti>(s, o, m_run, l_run, cta.koff_s + st * kDecodeTileKeys + warp * 16,
+                                        t * kDecodeTileKeys + warp * 16, cta, score_mul, cap, pa);
     cp_async_wait_n(2 * stages - 2);  // V of tile t landed
     __syncthreads();
-    decode_pv<T, KV, D>(o, pa, v_s, v_row, v_col, f_col);
+    decode_pv<MmaT, KV, D>(o, pa, v_s, v_row, v_col, f_col);
     st = st + 1 == stages ? 0 : st + 1;
     // FAULT(decode_ring_advance)
     st_new = st_new + 1 == stages ? 0 : st_new + 1;

@@ -18,10 +18,14 @@ the SASS instructions that show the design:
           griddepcontrol.wait (ACQBULK) and T launch_dependents (PREEXIT), W, T >= 1, and no global (or generic)
           memory access above its first wait in the code; "-" in older cubins, which must have neither; else "BAD"
           (fails: every kernel here is launched with PDL on sm_90).
+  FENCE   decode kernels: where their device-scope fences run (fence_scope): "1T xN" (N MEMBAR, each behind a
+          branch some threads take, none MEMBAR.SC: one thread's release / acquire), "SC" or "ALL" (fails: a
+          MEMBAR.SC, or a MEMBAR every thread reaching it runs), "-" none or other kernels.
 Then, per prefill kernel, the key loop's dynamic SASS per warp and key tile (tile_paths): the unmasked tile, the same
 with the O rescale, and a masked tile.
-Exit status: 0 clean, 1 some kernel uses local memory, a decode combine waits before issuing its loads or a kernel's
-PDL column is BAD (listed), 2 the tools or the cubins are missing.
+Exit status: 0 clean, 1 some kernel uses local memory, a decode combine waits before issuing its loads, a decode
+kernel runs a MEMBAR.SC or a fence every thread executes, or a kernel's PDL column is BAD (listed), 2 the tools or the
+cubins are missing.
 
 Tools: cuobjdump and nvdisasm from $CUOBJDUMP (its folder must hold nvdisasm too), else Triton's wheel
 (triton/backends/nvidia/bin: the CUDA toolkit on our machines lacks both), else PATH / $CUDA_HOME/bin.
@@ -346,6 +350,29 @@ def pdl_order(ops: list[str], arch: str) -> str:
     return "BAD" if any(n in _GLOBAL_ACCESS for n in names[:first]) else "ok"
 
 
+# The decode kernel's split-KV publication (window_attention_decode.cuh, combine_arrive): after the CTA barrier one
+# thread's release add (MEMBAR.ALL.GPU + ATOMG) and, in the last CTA, that thread's acquire (MEMBAR.ALL.GPU +
+# CCTL.IVALL), instead of MEMBAR.SC.GPU by all 128 threads twice (issue 34).
+def fence_scope(insns: list[tuple]) -> str:
+    """insns: (pc, predicate or None, opcode, operands) of one kernel. '-' without MEMBAR; 'SC' with a MEMBAR.SC;
+    'ALL' when some MEMBAR has no predicated branch over it between it and the barrier (BAR.SYNC) before it, i.e.
+    every thread that passed the barrier runs it; else '1T xN' (N MEMBAR, each skipped by some threads)."""
+    fences = [i for i, (_, _, op, _) in enumerate(insns) if op.startswith("MEMBAR")]
+    if not fences:
+        return "-"
+    if any(insns[i][2].startswith("MEMBAR.SC") for i in fences):
+        return "SC"
+    for i in fences:
+        start = next((j for j in range(i - 1, -1, -1) if insns[j][2].startswith("BAR.")), -1)
+        guarded = False
+        for pc, pred, op, operands in insns[start + 1:i]:
+            target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" and pred else None
+            guarded = guarded or (target is not None and int(target.group(1), 16) > insns[i][0])
+        if not guarded:
+            return "ALL"
+    return f"1T x{len(fences)}"
+
+
 # The prefill kernel's key loop (window_attention_prefill.cuh), per warp and key tile in steady state (the next tile's
 # cp.async issued), as dynamic SASS: the loop body is a DAG of forward branches once its inner loops (the rolled
 # QK^T k-steps; fp8: the conversion passes) are counted as their instructions times their trips, and each variant is a
@@ -458,8 +485,9 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
             if m:
                 counts = out.setdefault((arch, m.group(1)), dict.fromkeys(SASS_KEYS, 0))
                 ops = counts.setdefault("ops", [])
+                decode = "window_attention_decode_kernel" in m.group(1)
                 shape = prefill_shape(m.group(1))
-                insns = counts.setdefault("insns_full", []) if shape else None
+                insns = counts.setdefault("insns_full", []) if shape or decode else None
                 continue
             if counts is None:
                 continue
@@ -483,7 +511,8 @@ def parse_sass(text: str) -> dict[tuple[str, str], dict[str, int]]:
         counts["tail"] = combine_order(ops) if "window_attention_decode_kernel" in fn else "-"
         counts["pdl"] = pdl_order(ops, arch)
         insns = counts.pop("insns_full", None)
-        if insns is not None:
+        counts["fence"] = fence_scope(insns) if "window_attention_decode_kernel" in fn and insns is not None else "-"
+        if insns is not None and prefill_shape(fn):
             counts["tile"] = tile_paths(insns, prefill_shape(fn)) or "?"
     return out
 
@@ -550,6 +579,7 @@ def build_rows(res: dict, max_threads: dict, reserved_archs: set, sass: dict, na
             **{k.lower(): counts.get(k, 0) for k in SASS_KEYS},
             "tail": counts.get("tail", "-"),
             "pdl": counts.get("pdl", "-"),
+            "fence": counts.get("fence", "-"),
             "tile": counts.get("tile", "-"),
         }
         spec = GPU_SPECS.get(arch.rstrip("a"))
@@ -588,6 +618,7 @@ COLUMNS = [  # (header, width, row -> text)
     ("LDL", 3, lambda r: str(r["ldl"])),
     ("TAIL", 4, lambda r: r["tail"]),
     ("PDL", 6, lambda r: r["pdl"] if r["pdl"] == "-" else f"{r['acqbulk']}/{r['preexit']} {r['pdl']}"),
+    ("FENCE", 5, lambda r: r["fence"]),
 ]
 
 
@@ -700,6 +731,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad_pdl:
         print(f"FAIL PDL: {r['arch']} {r['kernel']}: ACQBULK {r['acqbulk']}, PREEXIT {r['preexit']}: sm_90 cubins need "
               "both, with no global access above the first ACQBULK; older cubins neither (csrc/pdl.cuh)")
+    bad_fence = [r for r in rows if r["fence"] in ("SC", "ALL")]
+    for r in bad_fence:
+        print(f"FAIL decode fences: {r['arch']} {r['kernel']}: "
+              + ("a MEMBAR.SC" if r["fence"] == "SC" else "a MEMBAR every thread executes")
+              + " (the split-KV combine publishes with one thread's release / acquire)")
     for r in bad:
         print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']} ({r['stl_bytes']} B), "
               f"LDL {r['ldl']} ({r['ldl_bytes']} B), stack {r['stack']} B, local {r['local']} B")
@@ -709,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
           f"HMMA in {sum(1 for r in rows if r['hmma'])}, LDGSTS in {sum(1 for r in rows if r['ldgsts'])}, "
           f"LDSM in {sum(1 for r in rows if r['ldsm'])}, HGMMA in {sum(1 for r in rows if r['hgmma'])}, "
           f"PDL ok in {sum(1 for r in rows if r['pdl'] == 'ok')}, BAD in {len(bad_pdl)}")
-    return 1 if bad or bad_tail or bad_pdl else 0
+    return 1 if bad or bad_tail or bad_pdl or bad_fence else 0
 
 
 if __name__ == "__main__":

@@ -192,7 +192,9 @@ _SINK_FAULTS = [
 _TAIL_TESTS = ("test_window_attention_decode_tail.py", "test_window_attention.py")
 _TAIL = "aborted_launch and last or combine_reads and 64 or split_combine and 0-simt"
 _LAUNCH = "window_attention_launch.h"
-_ARRIVE = ("  dev::atomic_max(counter, base);\n  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;\n")
+_RETURN = "  return dev::atomic_add_release(counter, 1ull) == base + p.num_splits - 1;"
+_ARRIVE = "  dev::atomic_max(counter, base);\n  // FAULT(split_release)\n" + _RETURN + "\n"
+_ACQUIRE = "    if (last) dev::fence_acq_rel();  // the acquire: the partials every release before the count published\n"
 
 
 def _tail_fault(what: str, file: str, site: str, find: str, replace: str) -> Fault:
@@ -203,15 +205,25 @@ def _tail_fault(what: str, file: str, site: str, find: str, replace: str) -> Fau
 _TAIL_FAULTS = [
     # (a base shifted by a whole epoch, (epoch - 1) * kMaxSplits, is the same protocol relabelled: not a fault)
     _tail_fault("last-CTA compare off by one (the next-to-last arrival combines)", _DECODE_FILE,
-                "split_arrive", "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
-                "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 2;"),
+                "split_release", _RETURN, _RETURN.replace("num_splits - 1;", "num_splits - 2;")),
     _tail_fault("epoch not advanced per launch", _LAUNCH,
                 "split_epoch", "out.epoch = ++e.epoch;", "out.epoch = e.epoch + 1;"),
     # the protocol before epochs: plain counts from 0, reset by the last CTA; only an aborted launch shows it
     _tail_fault("counters reset by their last CTA instead of an epoch (an aborted launch poisons the next)",
                 _DECODE_FILE, "split_arrive", _ARRIVE,
-                "  (void)base;\n  const bool last = dev::atomic_add(counter, 1ull) == p.num_splits - 1;\n"
+                "  (void)base;\n  const bool last = dev::atomic_add_release(counter, 1ull) == p.num_splits - 1;\n"
                 "  if (last) dev::atomic_add(counter, 0ull - p.num_splits);\n  return last;\n"),
+    # issue 34: one thread's release / acquire instead of every thread's fence.sc; the emulator takes back the
+    # partials no release published (the last CTA reads poison) and reports a load of another CTA's published
+    # partials that no acquire ordered (this replaces the safety entry "__threadfence before the split counter
+    # removed": the fence is gone)
+    _tail_fault("the count's release dropped (a relaxed add publishes no partial)", _DECODE_FILE,
+                "split_release", "dev::atomic_add_release(counter, 1ull)", "dev::atomic_add(counter, 1ull)"),
+    _tail_fault("the last CTA's acquire dropped", _DECODE_FILE, "split_acquire", _ACQUIRE, ""),
+    _tail_fault("the barrier before the release removed (thread 0 releases only its own partials)", _DECODE_FILE,
+                "split_fence",
+                "  __syncthreads();  // every thread's partials are stored (and the merge's shared-memory reads are over)\n",
+                ""),
     _tail_fault("combine: a split's partial skipped (the last of each round)", _DECODE_FILE,
                 "combine_splits", "        for (int s = 0; s < n; ++s) {", "        for (int s = 0; s + 1 < n; ++s) {"),
     _tail_fault("combine: weights of split s taken from split s + 1", _DECODE_FILE,
@@ -248,8 +260,15 @@ FAULTS += [
                   "decode_fp8_o_dims", "const int d0 = fp8_o_dim(nb, 2 * t4), d1 = fp8_o_dim(nb, 2 * t4 + 1);",
                   "const int d0 = nb * 8 + 2 * t4, d1 = d0 + 1;"),
     _decode_fault("split-KV: the highest split index taken to be the last CTA",
-                  "split_arrive", "  return dev::atomic_add(counter, 1ull) == base + p.num_splits - 1;",
-                  "  return (dev::atomic_add(counter, 1ull), int(blockIdx.x) == p.num_splits - 1);"),
+                  "split_release", _RETURN,
+                  "  return (dev::atomic_add_release(counter, 1ull), int(blockIdx.x) == p.num_splits - 1);"),
+    _decode_fault("QK^T: the odd k-steps' chain never added (4 chains, issue 34)",
+                  "decode_qk_chains", "      s[nb][x] += s1[nb][x];\n", "      (void)s1;\n"),
+    _decode_fault("softcap variant never taken (uniform branch, issue 34)",
+                  "decode_softcap", "  if (cap > 0.f) {", "  if (false) {"),
+    _decode_fault("fp8 under bf16 queries: the Q scale's 2^-e not folded into the score scale (issue 34)",
+                  "decode_q_down", "const float qk_scale = p.scale * k_scale * q_down;",
+                  "const float qk_scale = p.scale * k_scale;"),
     *_TAIL_FAULTS,
     Fault("prefill: window off by one (W + 1 keys)", _MASK, "window_lo", _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
           run=_kernel_run(_PREFILL)),
@@ -311,10 +330,6 @@ FAULTS += [
                   "gather_offset", "dev::ld_global(k_cache + blk * cache_s0 + off * cache_s1 + h * cache_s2 + u)",
                   "dev::ld_global(k_cache + int32_t(blk * cache_s0 + off * cache_s1 + h * cache_s2 + u))",
                   "test_paged_kv_gather_offsets_past_2_31_elements[simt]"),
-    _safety_fault("decode: __threadfence before the split counter removed", _DECODE_FILE,
-                  "split_fence",
-                  "  dev::threadfence();  // this thread's partials are visible device-wide before the CTA counts "
-                  "itself done\n", "", "test_window_attention_decode_split_combine[simt]"),
     _safety_fault("decode: V offsets computed from K's strides", _DECODE_FILE,
                   "decode_kv_offsets",
                   "vo = blk * p.s.v0 + jo * p.s.v1 + kvh * p.s.v2;", "vo = blk * p.s.k0 + jo * p.s.k1 + kvh * p.s.k2;",
@@ -553,8 +568,8 @@ FAULTS += [
               "DecodeRow row = decode_row<kMulti>(p, rows, r);\n      row.t = (rows.m0 + r) % rows.qlen;\n"
               "      row.head = rows.kvh * p.group + (rows.m0 + r) / rows.qlen;"),
     _mq_fault("the combine reads a split's rows as contiguous from the first row (decode's layout)", "mq_combine_rows",
-              "part_out + ((s0 + s) * stride + oh_s[r]) * D + 4 * (c - r * (D / 4)),\n                       16);",
-              "part_out + ((s0 + s) * stride + oh_s[0]) * D + 4 * c, 16);"),
+              "(slot < row4 ? oh_s[r] * D + 4 * (slot - r * (D / 4)) : 0);",
+              "(slot < row4 ? oh_s[0] * D + 4 * slot : 0);"),
     _mq_fault("no extra passes when a sequence has more rows than max_q_len (check=False)", "mq_passes",
               "m0 < packed;", "m0 < packed && m0 < int64_t(p.head_chunks) * kDecodeRows;"),
     _mq_fault("rows no sequence owns left unwritten", "mq_unowned_rows",

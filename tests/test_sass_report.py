@@ -325,6 +325,29 @@ def test_combine_order():
     assert sr.combine_order(head + lse + ["STS", "DEPBAR.LE"]) == "BAD"  # no cp.async at all
 
 
+def test_fence_scope():
+    """Decode's split-KV publication: one thread's fences (each MEMBAR behind a branch some threads take after the
+    CTA barrier) pass; a MEMBAR.SC, or a MEMBAR that every thread past the barrier runs, fails (issue 34)."""
+    def insn(pc, op, pred=None, operands=""):
+        return (pc, pred, op, operands)
+    one_thread = [insn(0x10, "BAR.SYNC.DEFER_BLOCKING"), insn(0x20, "ISETP.NE.AND"),
+                  insn(0x30, "BRA", "@P0", " 0x90"), insn(0x40, "ATOMG.E.MAX.64.STRONG.GPU"),
+                  insn(0x50, "MEMBAR.ALL.GPU"), insn(0x60, "ATOMG.E.ADD.64.STRONG.GPU"),
+                  insn(0x70, "BRA", "@P1", " 0x90"), insn(0x80, "MEMBAR.ALL.GPU"), insn(0x88, "CCTL.IVALL"),
+                  insn(0x90, "BAR.SYNC.DEFER_BLOCKING")]
+    assert sr.fence_scope(one_thread) == "1T x2"
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC"), insn(0x20, "LDS")]) == "-"
+    every = [insn(0x10, "STG.E"), insn(0x20, "MEMBAR.SC.GPU"), insn(0x30, "CCTL.IVALL"), insn(0x40, "BAR.SYNC")]
+    assert sr.fence_scope(every) == "SC"
+    # a MEMBAR.ALL with no branch over it since the barrier, or only a backward branch: every thread runs it
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC"), insn(0x20, "MEMBAR.ALL.GPU")]) == "ALL"
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC"), insn(0x20, "BRA", "@P0", " 0x10"),
+                           insn(0x30, "MEMBAR.ALL.GPU")]) == "ALL"
+    # a branch before the barrier does not guard a fence after it
+    assert sr.fence_scope([insn(0x10, "BRA", "@P0", " 0x90"), insn(0x20, "BAR.SYNC"),
+                           insn(0x30, "MEMBAR.ALL.GPU")]) == "ALL"
+
+
 
 def test_pdl_order():
     """sm_90: a wait (ACQBULK) above every global access and a trigger (PREEXIT); sm_80: neither instruction."""

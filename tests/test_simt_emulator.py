@@ -1,8 +1,9 @@
 """The emulator's own model: what it must see that a sequential CPU run would hide.
 
-- Memory visibility between blocks: a block's global stores reach the blocks that run after it only through
-  __threadfence (csrc/simt/simt.h, g_visibility), so the publish / fence / count / last-block-reads protocol of
-  decode's split-KV combine is wrong without the fence.
+- Memory visibility between blocks: a block's global stores reach the blocks that run after it only through a
+  release (__threadfence, or one thread's release after a __syncthreads: csrc/simt/simt.h, g_visibility), and a
+  load of another block's published bytes is reported unless an acquire orders it, so the publish / release /
+  count / acquire / last-block-reads protocol of decode's split-KV combine is wrong without either half.
 - Poisoned allocations: what an op allocates (outputs, scratch) is NaN until written.
 - Programmatic dependent launch (csrc/pdl.cuh): on sm_90 a kernel's launch may overlap the one before it, so a global
   access before griddepcontrol.wait, or a thread that exits without one, is reported; on sm_80 launches are plain.
@@ -49,6 +50,56 @@ def test_unfenced_stores_are_invisible_to_other_blocks_until_the_launch_ends(dev
         with arkernels.simt.emulate(visibility=False):  # the old model: every store at once, the bug hidden
             total, _ = _fence_probe(blocks, False)
         assert float(total) == 32.0 * sum(range(1, blocks + 1))
+
+
+def _release_probe(blocks, mode):
+    import arkernels.simt
+
+    arkernels.simt.load()
+    return torch.ops.arkernels_simt.release_probe(blocks, mode)
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("block_order", [0, 5])
+def test_one_threads_release_after_the_barrier_publishes_the_whole_block(device, block_order):
+    """__syncthreads, then thread 0's release add; the last block's thread 0 acquires, then __syncthreads: every
+    lane of the last block sees every block's stores (a release is cumulative through the barrier)."""
+    import arkernels.simt
+
+    blocks = 6
+    with arkernels.simt.emulate(block_order=block_order):
+        sums, slots = _release_probe(blocks, 0)
+    assert torch.equal(sums, torch.full((32,), float(sum(range(1, blocks + 1)))))
+    assert torch.equal(slots, torch.arange(1, blocks + 1).float().repeat_interleave(32))
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("mode", [1, 3], ids=["relaxed_count", "release_before_the_barrier"])
+def test_stores_no_release_ordered_stay_invisible(device, mode):
+    """A relaxed count publishes nothing; a release before the barrier publishes only the releasing thread's own
+    stores: the last block then sums its own slot (and, mode 3, lane 0 every block's)."""
+    import arkernels.simt
+
+    blocks = 6
+    with arkernels.simt.emulate(block_order=5):
+        sums, slots = _release_probe(blocks, mode)
+    full = float(sum(range(1, blocks + 1)))
+    lanes = sums[1:] if mode == 3 else sums
+    assert all(float(x) in {float(k) for k in range(1, blocks + 1)} for x in lanes)
+    if mode == 3:
+        assert float(sums[0]) == full
+    assert torch.equal(slots, torch.arange(1, blocks + 1).float().repeat_interleave(32))  # landed at the end
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+def test_a_load_of_published_data_without_an_acquire_is_reported(device):
+    import arkernels.simt
+
+    with arkernels.simt.emulate(block_order=5):
+        with pytest.raises(RuntimeError, match="no acquire after the count"):
+            _release_probe(6, 2)
+        sums, _ = _release_probe(6, 0)  # and the error does not stick to the next launch
+    assert float(sums[0]) == 21.0
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)

@@ -257,6 +257,41 @@ at::Tensor pdl_probe(int64_t order) {
     return dst;
   });
 }
+// The same protocol with one thread's release / acquire (decode's split-KV combine, CUTLASS's GenericBarrier): every
+// thread stores, then `mode` 0: __syncthreads, thread 0's release add (dev::atomic_add_release), the last block's
+// thread 0 acquires (dev::fence_acq_rel), __syncthreads, every thread of the last block sums the slots of its lane;
+// 1: the add relaxed (no release); 2: no acquire; 3: the release before the __syncthreads (it orders only thread 0's
+// own stores). The counter is 64-bit (the release add's type).
+__global__ void release_probe_kernel(float* slot, unsigned long long* counter, float* out, int mode) {
+  AK_SHARED(4, int, last, [1]);
+  const int tid = threadIdx.x;
+  dev::st_global(slot + blockIdx.x * 32 + tid, float(blockIdx.x + 1));
+  if (mode != 3) __syncthreads();
+  if (tid == 0) {
+    const unsigned long long n = mode == 1 ? dev::atomic_add(counter, 1ull) : dev::atomic_add_release(counter, 1ull);
+    last[0] = n == gridDim.x - 1;
+    if (last[0] && mode != 2) dev::fence_acq_rel();
+  }
+  __syncthreads();
+  if (!last[0]) return;
+  float sum = 0.f;
+  for (unsigned b = 0; b < gridDim.x; ++b) sum += dev::ld_global_cg(slot + b * 32 + tid);
+  dev::st_global(out + tid, sum);
+}
+// -> (each lane's sum in the last block [32], the slots after the launch)
+std::tuple<at::Tensor, at::Tensor> release_probe(int64_t blocks, int64_t mode) {
+  TORCH_CHECK(blocks >= 1 && blocks <= 64, "blocks: 1..64");
+  TORCH_CHECK(mode >= 0 && mode <= 3, "mode: 0..3");
+  return emulated("release_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor slot = at::zeros({blocks * 32}, at::kFloat), out = at::zeros({32}, at::kFloat);
+    at::Tensor counter = at::zeros({1}, at::kLong);
+    ::simt::launch(dim3(unsigned(blocks)), dim3(32), 0, release_probe_kernel, slot.data_ptr<float>(),
+                   reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>()), out.data_ptr<float>(),
+                   int(mode));
+    return std::make_tuple(out, slot);
+  });
+}
 // An fp32 [n] tensor allocated inside an emulated call and never written: what an unwritten output holds.
 at::Tensor alloc_probe(int64_t n) {
   return emulated("alloc_probe", [&] { return at::empty({n}, at::kFloat); });
@@ -341,6 +376,7 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("get_visibility() -> bool", &arkernels::get_visibility);
   m.def("abort_block_of_next_launch(int block) -> ()", &arkernels::abort_block_of_next_launch);
   m.def("fence_probe(int blocks, bool fence) -> (Tensor, Tensor)", &arkernels::fence_probe);
+  m.def("release_probe(int blocks, int mode) -> (Tensor, Tensor)", &arkernels::release_probe);
   m.def("alloc_probe(int n) -> Tensor", &arkernels::alloc_probe);
   m.def("set_pdl(bool on) -> ()", &arkernels::set_pdl);
   m.def("get_pdl() -> bool", &arkernels::get_pdl);
