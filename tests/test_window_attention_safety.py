@@ -118,6 +118,11 @@ _HOSTILE = [
     ("cu_seqlens_q_starts_late", True, dict(cu=[2, 5, 8], rows=8), r"cu_seqlens_q must run from 0", "cpu_refuses"),
     ("cu_seqlens_q_negative_first", True, dict(cu=[-5, 4, 8], rows=8), r"cu_seqlens_q must run from 0",
      "cpu_refuses"),
+    # the same with a sequence of more than 8 query rows: the prefill kernel, not the multi-query decode path
+    ("cu_seqlens_q_ends_short_long", True, dict(cu=[0, 12, 12], rows=20),
+     r"cu_seqlens_q must run from 0 to num_queries = 20", "cpu_refuses"),
+    ("cu_seqlens_q_starts_late_long", True, dict(cu=[3, 15, 20], rows=20), r"cu_seqlens_q must run from 0",
+     "cpu_refuses"),
     ("kv_start_past_seq_len", False, dict(kv_start=[50, 0]), r"kv_start\[0\] = 50 is outside \[0, seq_lens\[0\] = 40\]",
      "defined"),
     ("kv_start_negative", True, dict(kv_start=[0, -1]), r"kv_start\[1\] = -1 is outside", "defined"),
@@ -175,6 +180,7 @@ def test_window_attention_hostile_input(device, case):
     if case == "seq_len_int32_min":  # sequence 0's queries see no key
         assert bool((out[:5] == 0).all()) and bool(torch.isneginf(lse[:5]).all())
     if case.startswith("cu_seqlens_q"):  # rows no sequence owns: zeros, lse -inf
-        cu = [min(max(x, 0), 8) for x in o["cu"]]
-        for lo, hi in ((0, cu[0]), (cu[-1], 8)):
+        n = o["rows"]
+        cu = [min(max(x, 0), n) for x in o["cu"]]
+        for lo, hi in ((0, cu[0]), (cu[-1], n)):
             assert bool((out[lo:hi] == 0).all()) and bool(torch.isneginf(lse[lo:hi]).all()), (lo, hi)
