@@ -106,7 +106,7 @@ def _kernel_run(select: str, tsan: bool = False, tests: tuple = _KERNEL_TESTS) -
 
 _DECODE_FILE = "window_attention_decode.cuh"
 _DECODE = ("decode_grid and 13-16 or decode_long_context or decode_traffic and heads1 or stages_and_groups and 128 "
-           "or fp8_cache and False or split_combine")
+           "or fp8_cache and False or split_combine or q_scale_spans_warps")
 _PREFILL = ("prefill_grid and gqa1-128 or prefill_grid and gqa0-64 or 99kb or prefill_traffic and 24-heads1 "
             "or prefill_fp8 and 80-sm_90 or prefill_fp8 and 256-sm_89 or invalid_blocks and True-True "
             "or invalid_blocks and True-False")
@@ -269,6 +269,8 @@ FAULTS += [
     _decode_fault("fp8 under bf16 queries: the Q scale's 2^-e not folded into the score scale (issue 34)",
                   "decode_q_down", "const float qk_scale = p.scale * k_scale * q_down;",
                   "const float qk_scale = p.scale * k_scale;"),
+    _decode_fault("fp8 under bf16 queries: the Q scale from warp 0's |q| only (issue 34)",
+                  "decode_q_cta_max", "  for (int w = 1; w < kDecodeWarps; ++w) mx = max(mx, max_s[w]);\n", ""),
     *_TAIL_FAULTS,
     Fault("prefill: window off by one (W + 1 keys)", _MASK, "window_lo", _WINDOW_LO, _WINDOW_LO_OFF, build=KERNEL_BUILD,
           run=_kernel_run(_PREFILL)),

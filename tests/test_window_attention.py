@@ -597,6 +597,28 @@ def test_window_attention_fp8_cache(device, head_dim, prefill):
     _check(out, lse, query, kd, vd, table, lens, cu, window, head_dim ** -0.5, softcap)
 
 
+@pytest.mark.parametrize("device", CUDA_KERNEL_DEVICES)
+def test_window_attention_fp8_cache_bf16_q_scale_spans_warps(device):
+    """fp8 caches under bf16 queries: the decode kernel runs its MMAs in fp16 with Q scaled by one power of two per
+    CTA, from the largest |q| of every warp's share of the tile. Here one head of each group (row 7 of the 8, loaded
+    by the last warp) is 2^11 times the others: a scale taken from one warp's share would push it past fp16's range
+    (inf, then NaN)."""
+    hq, hkv, head_dim = 16, 2, 128
+    gen = torch.Generator().manual_seed(211)
+    lens = [37, 150]
+    k, v, table = _paged(lens, 16, hkv, head_dim, torch.float32, "cpu", gen)
+    k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 8).to(torch.float8_e4m3fn)
+    kd, vd = (k8.to(torch.bfloat16) * 0.25).to(device), (v8.to(torch.bfloat16) * 0.125).to(device)  # exact
+    query = torch.randn(len(lens), hq, head_dim, generator=gen)
+    query[:, 7::8] *= 2.0 ** 11
+    query = query.to(torch.bfloat16).to(device)
+    out, lse = window_attention(query, k8.to(device), v8.to(device), table.to(device),
+                                torch.tensor(lens, dtype=torch.int32, device=device),
+                                k_scale=torch.tensor([0.25], device=device), v_scale=torch.tensor([0.125], device=device),
+                                return_lse=True)
+    _check(out, lse, query, kd, vd, table, lens, None, 0, head_dim ** -0.5, 0.0)
+
+
 def _prefill_smem(d, bn, stages, fp8=False):
     """Dynamic shared memory of a prefill CTA (csrc/window_attention_prefill.cuh, prefill_smem): the Q tile of 128
     packed rows (64 at head_dim 256) of d + 8 16-bit elements, and the ring of `stages` K/V tile pairs of `bn` keys:
