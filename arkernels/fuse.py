@@ -273,13 +273,18 @@ def fused_for_call(model: nn.Module, fuse, compiled: bool, op: str = "generate")
     compiled step traced on the fused model is reused by the next call's new fused modules (dynamo guards on their
     types and attributes, not their identity: tests/test_fuse.py counts the graphs)."""
     on = wants_fusion(model, fuse, compiled, op) and getattr(model, _FUSE_ATTR, None) is None
-    # outside inference mode (generate runs under it): the concatenations and undo's copies would otherwise be
-    # inference tensors, and the caller's parameters would come back unusable by autograd
-    with torch.inference_mode(False):
-        handle = fuse_projections(model) if on else None
+    handle = fuse_in_generate(model) if on else None
     try:
         yield handle
     finally:
         if handle is not None:
             with torch.inference_mode(False):
                 handle.undo()
+
+
+def fuse_in_generate(model: nn.Module) -> FuseHandle:
+    """:func:`fuse_projections` from inside a ``generate`` call (which runs under inference mode): the fusion runs
+    outside it, as must the handle's ``undo``, or the concatenations and undo's copies would be inference tensors
+    and the caller's parameters would come back unusable by autograd."""
+    with torch.inference_mode(False):
+        return fuse_projections(model)

@@ -2,7 +2,8 @@
 fused model equal the unfused one (model.generate, arkernels.generate, with arkernels.patch), one fused call per group
 per forward, undo restores the original module and parameter objects; Int8Linear parts (w8a16, w8a8) fused equal
 unfused; groups that cannot be fused are left alone with a reason. The default (fuse="auto": on for the compiled /
-captured decode steps): every family the capability check accepts gives the unfused tokens, the model unchanged."""
+captured decode steps, and under patch's tiered compile from its first compiled call): every family the capability
+check accepts gives the unfused tokens, the model unchanged."""
 import pytest
 import torch
 from torch import nn
@@ -384,6 +385,68 @@ def test_fuse_default_with_patch():
     with pytest.raises(ValueError, match="arkernels.patch: fuse must be 'auto', True or False"):
         arkernels.patch(model, fuse="always")
     assert model.model.layers[0].self_attn.q_proj is q and "generate" not in model.__dict__
+
+
+def _eager_compile_config(model):
+    """The compile config the patch's "auto" rule picks, on dynamo's "eager" backend (Inductor's C++ codegen takes
+    minutes on 2 cores)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="eager", fullgraph=True)
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.mark.parametrize("fuse", ["auto", False])
+def test_fuse_auto_with_tiered_compile(monkeypatch, fuse):
+    """patch(compile="auto") with fuse="auto": the eager calls before the tier is due run unfused; the first call that
+    compiles fuses (before its prefill and the trace: one graph, no graph break) and the model stays fused until
+    undo, which restores the original modules and parameter objects; stock's tokens throughout. fuse=False never
+    fuses, on the same compiled path."""
+    from torch._dynamo.utils import counters
+
+    from arkernels.hf import cache_hook
+
+    monkeypatch.setattr(cache_hook, "_default_compile_config", _eager_compile_config)
+    cache_hook._warned.discard("tier")
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama")
+    ref = _greedy(model)
+    attn = model.model.layers[0].self_attn
+    q, params = attn.q_proj, dict(model.named_parameters())
+    steps = NEW_TOKENS - 1  # one-token forwards of a call
+    fused = lambda: isinstance(attn.q_proj, ProjectionSlice)  # noqa: E731
+    with arkernels.patch(model, block_size=4, compile_after=steps, fuse=fuse):
+        assert torch.equal(_greedy(model), ref) and not fused()  # eager: steps 0 .. steps - 1
+        assert counters["stats"]["unique_graphs"] == 0
+        with pytest.warns(UserWarning, match="compiling this model's decode step"):
+            assert torch.equal(_greedy(model), ref)
+        assert counters["stats"]["unique_graphs"] == 1
+        assert fused() == (fuse == "auto")
+        assert torch.equal(_greedy(model), ref) and fused() == (fuse == "auto")
+        assert counters["stats"]["unique_graphs"] == 1  # the fused graph reused, not retraced
+    assert not counters["graph_break"]
+    assert attn.q_proj is q and not hasattr(attn, "qkv_proj")
+    assert all(p is params[n] for n, p in model.named_parameters())
+    torch._dynamo.reset()
+
+
+def test_fuse_auto_skips_a_stock_call_that_compiles():
+    """A call the patch serves as stock (output_attentions=True) that transformers compiles (its static cache, an
+    explicit compile_config) stays unfused, as unpatched; the same call without output_attentions is patched and its
+    compile fuses."""
+    torch._dynamo.reset()
+    model = tiny_model("llama").eval()
+    model.config._attn_implementation_internal = "eager"  # output_attentions needs an implementation that has them
+    attn = model.model.layers[0].self_attn
+    kw = dict(cache_implementation="static", compile_config=_eager_compile_config(model), return_dict_in_generate=True)
+    with arkernels.patch(model, block_size=4, compile_after=None):
+        _greedy(model, output_attentions=True, **kw)
+        assert not isinstance(attn.q_proj, ProjectionSlice)
+        _greedy(model, **kw)
+        assert isinstance(attn.q_proj, ProjectionSlice)
+    torch._dynamo.reset()
 
 
 def test_fused_modules_take_the_models_mode():

@@ -243,16 +243,19 @@ def wrap_masks(model):
     return create_masks_for_generate
 
 
-def wrap_compiled_call(model, original, tier: Tier):
+def wrap_compiled_call(model, original, tier: Tier, before_compile=None):
     """``get_compiled_call`` (what generate uses for every forward after the prefill when the cache is compileable):
     the compiled forward, preceded by the paged cache's host half of the step (its traced ``update`` does only device
-    work). A forward the fixed-shape cache cannot serve (it then leaves fixed shapes) runs eagerly: that call's
+    work). ``before_compile()``, when given, runs each time generate asks for the compiled call, before the prefill
+    and the trace (patch: ``fuse="auto"`` fuses the projections there). A forward the fixed-shape cache cannot serve (it then leaves fixed shapes) runs eagerly: that call's
     decode is eager from there on, with one warning. When the "auto" rule asked for this compile (``tier``), a
     compile that raises (no C++ compiler for Inductor, an unsupported op) warns once and the model decodes eagerly
     from then on: the compile of a forward's first graph happens before any of it runs, so the cache is untouched."""
     from arkernels.hf.cache import PagedCache
 
     def get_compiled_call(compile_config):
+        if before_compile is not None:
+            before_compile()
         compiled = original(compile_config)
 
         def forward(*args, **kwargs):

@@ -33,7 +33,7 @@ class PatchHandle:
         self._saved_attn = saved_attn
         self._attrs = attrs
         self._shadowed = shadowed or {}  # instance attributes a hook replaced (accelerate's forward): put back
-        self._fuse = fuse_handle  # arkernels.fuse.FuseHandle when patch(fuse=True)
+        self._fuse = fuse_handle  # arkernels.fuse.FuseHandle while the patch holds the projections fused
         self._spec_hook = "_get_logits_processor" in attrs  # the sampler's pieces hold spec_hook's module attribute
         self.active = True
 
@@ -56,6 +56,15 @@ class PatchHandle:
             self._fuse.undo()
         model.__dict__.pop(_PATCH_ATTR, None)
         self.active = False
+
+    def fuse_when_compiled(self) -> None:
+        """``fuse="auto"`` where the patch did not fuse up front (``compile="auto"``): called whenever a call is about
+        to compile its decode step, the first such call fuses the projections (what ``compile=True`` does at patch
+        time), kept until ``undo()``; a model fused by its caller or tensor-parallel is left as it is."""
+        from arkernels.fuse import fuse_in_generate, wants_fusion
+
+        if self.active and self._fuse is None and wants_fusion(self.model, "auto", True, "arkernels.patch"):
+            self._fuse = fuse_in_generate(self.model)
 
     def __enter__(self):
         return self
@@ -140,9 +149,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
             tokens at stock's cost. True: the fused draw for every call it can serve exactly, greedy ones with token rules
             included, on every device (arkernels' seeded draws everywhere). False: never.
         fuse: also merge q/k/v and gate/up into one layer each (``arkernels.fuse_projections``, undone with the
-            rest). "auto" (default): with ``compile=True`` and the cache (greedy / sampling calls compiled from the first), not
-            with the tiered "auto" or False, nor on a model already fused or tensor-parallel; True: always; False:
-            never. While fused, ``model.state_dict()`` holds ``qkv_proj`` / ``gate_up_proj``: undo before saving.
+            rest). "auto" (default): where the decode step compiles: with ``compile=True`` and the cache from the
+            patch on (greedy / sampling calls compile from the first), with ``compile="auto"`` from the first call
+            that compiles (the tier's, or one with ``compile_config``; kept fused from then on, eager calls
+            included), never with ``compile=False``, nor on a model already fused or tensor-parallel; True: always;
+            False: never. While fused, ``model.state_dict()`` holds ``qkv_proj`` / ``gate_up_proj``: undo before
+            saving.
         kv_cache_dtype: the ``PagedCache``'s storage: "auto" (the model's dtype) or "fp8" (float8_e4m3fn with a K
             and a V scale per layer, vLLM's convention), read by the CPU and the CUDA attention kernels.
         k_scale, v_scale: fp8 only: a float, one float per layer, or None (default): calibrated per layer on each
@@ -188,7 +200,12 @@ def patch(model, attention: bool = True, cache: bool = True, sampler: bool | str
                                                          state, swap=cache, cache_kwargs=cache_kwargs, compile=compile)
         attrs.append("_prepare_cache_for_generation")
     if cache and compile is not False:
-        model.get_compiled_call = wrap_compiled_call(model, model.get_compiled_call, state["tier"])
+        def late_fuse():  # fuse="auto": the first patched call that compiles fuses (``handle`` is made below)
+            if not state["stock"]:
+                handle.fuse_when_compiled()
+
+        model.get_compiled_call = wrap_compiled_call(model, model.get_compiled_call, state["tier"],
+                                                     late_fuse if fuse == "auto" else None)
         model.create_masks_for_generate = wrap_masks(model)
         model._valid_auto_compile_criteria = wrap_compile_criteria(model._valid_auto_compile_criteria)
         attrs += ["get_compiled_call", "create_masks_for_generate", "_valid_auto_compile_criteria"]
