@@ -36,16 +36,19 @@ class SpecStep(StaticDecode):
 
     def __init__(self, model, cache, cache_kw: str, batch: int, seeds: list[int], k: int, draw,
                  capture: bool = False, compile: bool = False, accept: bool = True, rules: dict | None = None):
+        self.q = k + 1  # before the parent's init: allocate_host reads it
         super().__init__(model, cache, cache_kw, batch, seeds, draw, capture=capture, compile=compile)
         self.rules = rules  # token_rules' tensors (per cache row) or None
-        self.q = k + 1
         self.accept = accept  # draw and accept in the step; False: return the logits (Leviathan / Chen on the host)
-        self.width = self.q * (1 + self.num_groups) + _ROW_FIELDS
-        pin = self.device.type == "cuda"
-        self.plans = [torch.empty(self.width * batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.plans_np = [p.numpy() for p in self.plans]
         self.offsets = torch.arange(self.q, device=self.device)
         self.cu: dict[int, torch.Tensor] = {}  # bucket -> int32 [b + 1]: 0, q, 2q, ...
+
+    def allocate_host(self, batch: int, pin: bool) -> None:
+        """One int64 plan ``[batch, width]`` (flat), two alternated, pinned on CUDA; the results come back through
+        ``verify``'s one read, so no id buffers."""
+        self.width = self.q * (1 + self.num_groups) + _ROW_FIELDS
+        self.plans = [torch.empty(self.width * batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.ids = self.events = None
 
     def verify(self, rows: list[int], last: list[int], drafts: list[list[int]], lengths: list[int],
                steps: list[int]) -> torch.Tensor:

@@ -46,12 +46,8 @@ class DecodeStep:
         self.run = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.device = next(model.parameters()).device
         self.num_groups = len(cache.groups)
-        self.rows_per_step = 7 + self.num_groups
-        pin = self.device.type == "cuda"
-        self.plans = [torch.empty(self.rows_per_step * batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.allocate_host(batch, pin=self.device.type == "cuda")
         self.plans_np = [p.numpy() for p in self.plans]  # the host writes the plan through these views
-        self.ids = [torch.empty(batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.events = [torch.cuda.Event() for _ in range(2)] if pin else None
         self.plan_tick = self.id_tick = 0
         self.buffers: dict[int, torch.Tensor] = {}  # bucket -> int64 [7 + groups, bucket]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, token ids [b])
@@ -61,6 +57,15 @@ class DecodeStep:
         # the token rules' history, counted after each step outside the captured / compiled region: warm-up runs and
         # replays of a freshly captured graph recompute a step, and must not count its token twice
         self.token_state = token_state
+
+    def allocate_host(self, batch: int, pin: bool) -> None:
+        """The host buffers of the step, two of each (alternated: one may still be copying while the host fills the
+        other), pinned on CUDA: ``plans`` (int64 ``[7 + groups, batch]`` flat, the step's inputs) and ``ids`` (the
+        fetched token ids) with their ``events``. A subclass with another plan overrides this."""
+        self.rows_per_step = 7 + self.num_groups
+        self.plans = [torch.empty(self.rows_per_step * batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.ids = [torch.empty(batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if pin else None
 
     def step(self, rows: list[int], src: list[int], positions: list[int], steps: list[int]) -> torch.Tensor:
         """One token for each of ``rows`` (cache rows) at ``positions``, fed the ids at ``src`` of the last fetched
