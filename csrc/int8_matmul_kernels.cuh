@@ -284,6 +284,7 @@ __device__ __forceinline__ void frag_epilogue(const FragParams& p, const float (
       for (int e = 0; e < 4; ++e) {
         const int m = g + 8 * (e / 2);
         const int64_t n = int64_t(grp0 + G) * 16 + 8 * j + 2 * t + e % 2;
+        // FAULT(frag_store_mask)
         if (m >= p.M || n >= p.N) continue;
         float v = acc[G][j][e] * dev::ld_global(p.scale + n);
         if (p.bias_kind == kFragBiasF32) v += dev::ld_global(static_cast<const float*>(p.bias) + n);

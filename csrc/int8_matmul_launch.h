@@ -69,6 +69,7 @@ inline cudaError_t w8a16_fragment_matmul_launch(const at::Tensor& x_in, const at
   const int64_t M = x_in.size(0), N = w.size(0), K = x_in.size(1);
   y = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return cudaSuccess;
+  AK_TRACK_SCRATCH("y", y.data_ptr(), size_t(y.numel()) * y.element_size());
   if (K == 0) {
     y.zero_();
     if (bias.has_value()) y.add_(bias->to(dt));
@@ -113,6 +114,7 @@ inline cudaError_t w8a16_fragment_matmul_launch(const at::Tensor& x_in, const at
     p.M = int(std::min<int64_t>(16, M - m0));
     p.x = static_cast<const char*>(x.data_ptr()) + m0 * x.stride(0) * x.element_size();
     p.y = static_cast<char*>(y.data_ptr()) + m0 * N * y.element_size();
+    // FAULT(frag_slice_epoch)
     p.epoch = counters.epoch + static_cast<unsigned long long>(m0 / 16);  // one epoch per launch
     auto launch = [&](auto tag) {
       using T = decltype(tag);

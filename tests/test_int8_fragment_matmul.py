@@ -198,3 +198,22 @@ def test_w8a16_fragment_matmul_opcheck():
     op = torch.ops.arkernels.w8a16_fragment_matmul.default
     torch.library.opcheck(op, (x, wf, scale, bias))
     torch.library.opcheck(op, (x[:1], wf[:32], scale[:32], None))
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("M,N,K", [(1, 272, 1040), (3, 37, 528), (15, 4021, 2064)])
+def test_w8a16_fragment_touches_only_its_rows(device, M, N, K):
+    """x is the first M rows of a 16-row buffer: rows M.. are never read; every output byte is written once; nothing
+    outside the named buffers (x, w, w_scale, bias, y, the split workspace and counters) is touched."""
+    import arkernels.simt as simt
+
+    x, w, wf, scale, bias = make_inputs(16, N, K, torch.float16, device, seed=10)
+    y = w8a16_fragment_matmul(x[:M], wf, scale, bias)
+    x_reads, _ = simt.traffic_map("x")
+    row_bytes = K * 2
+    assert int(x_reads[M * row_bytes:].sum()) == 0, "rows past M read"
+    assert int(x_reads[:M * row_bytes].min()) >= 1
+    _, y_writes = simt.traffic_map("y")
+    assert torch.equal(y_writes, torch.ones_like(y_writes))
+    assert simt.traffic()["other"] == (0, 0)
+    assert_close_to_ref(y, x[:M], w, scale, bias)
