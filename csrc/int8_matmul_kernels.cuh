@@ -141,7 +141,8 @@ template <>
 __device__ __forceinline__ void frag_dequant<__nv_bfloat16>(uint32_t v, uint32_t (&b)[2]) {
   const uint32_t u = v ^ 0x80808080u;
   float f[4];
-  for (int i = 0; i < 4; ++i) f[i] = frag_bits_float(0x4B000000u | ((u >> (8 * i)) & 0xffu)) - 8388736.f;
+  // one PRMT per value builds the fp32 word [byte i, 0, 0, 0x4B]
+  for (int i = 0; i < 4; ++i) f[i] = frag_bits_float(__byte_perm(u, 0x4B000000u, 0x7440u + i)) - 8388736.f;
   for (int r = 0; r < 2; ++r)
     b[r] = __byte_perm(frag_float_bits(f[2 * r]), frag_float_bits(f[2 * r + 1]), 0x7632u);
 }
@@ -153,14 +154,15 @@ __device__ __forceinline__ uint32_t frag_plain_word(const int8_t* row_ptr, int64
   return uint32_t(lo) | uint32_t(hi) << 16;
 }
 
-// Lane (g, t)'s 16 bytes of unit u of group `grp` (zeros past N): one LDG.128 in a whole group; 16-bit loads of the
-// plain rows in the short last group.
+// Lane (g, t)'s 16 bytes of unit u of group `grp`: one LDG.128. kEdge (the CTA column holding the short last group
+// or a missing one): zeros past the groups, 16-bit loads of the plain rows in the short last group.
+template <bool kEdge>
 __device__ __forceinline__ uint4 frag_load_unit(const FragParams& p, int grp, int u, int lane) {
   uint4 r = make_uint4(0u, 0u, 0u, 0u);
-  if (grp >= p.groups) return r;
+  if (kEdge && grp >= p.groups) return r;
   const int8_t* gb = p.w + int64_t(grp) * 16 * p.K;
   const int rows = p.N - grp * 16;
-  if (rows >= 16) {
+  if (!kEdge || rows >= 16) {
     // FAULT(frag_lane_offset)
     return dev::ld_global(reinterpret_cast<const uint4*>(gb + int64_t(u) * kFragUnitBytes + lane * 16));
   }
@@ -209,29 +211,30 @@ struct FragStep {
   uint32_t a[kFragUnits][2][4];
 };
 
-// Issues every load of warp `warp`'s share of step `step` (units at or past `u_end` are skipped: a warp-uniform test).
-template <typename T>
+// Issues every load of warp `warp`'s share of step `step`. kEdge: units at or past `u_end` are skipped (a
+// warp-uniform test) and groups may be short or missing; otherwise every unit and group of the step is whole.
+template <typename T, bool kEdge>
 __device__ __forceinline__ void frag_load_step(const FragParams& p, FragStep& st, int u_begin, int u_end, int step,
                                                int warp, int lane, int grp0) {
 #pragma unroll
   for (int q = 0; q < kFragUnits; ++q) {
     const int u = u_begin + step * kFragWarps * kFragUnits + warp * kFragUnits + q;
-    if (u >= u_end) continue;
+    if (kEdge && u >= u_end) continue;
 #pragma unroll
-    for (int G = 0; G < kFragGroups; ++G) st.w[q][G] = frag_load_unit(p, grp0 + G, u, lane);
+    for (int G = 0; G < kFragGroups; ++G) st.w[q][G] = frag_load_unit<kEdge>(p, grp0 + G, u, lane);
 #pragma unroll
     for (int s = 0; s < 2; ++s) frag_load_a<T>(p, int64_t(u) * kFragUnitK + 16 * s, lane, st.a[q][s]);
   }
 }
 
 // The MMAs of a loaded step: acc[G][j] += A(s) B(G, j, s) over its units and k16 steps.
-template <typename T>
+template <typename T, bool kEdge>
 __device__ __forceinline__ void frag_mma_step(const FragStep& st, float (&acc)[kFragGroups][2][4], int u_begin,
                                               int u_end, int step, int warp) {
 #pragma unroll
   for (int q = 0; q < kFragUnits; ++q) {
     const int u = u_begin + step * kFragWarps * kFragUnits + warp * kFragUnits + q;
-    if (u >= u_end) continue;
+    if (kEdge && u >= u_end) continue;
 #pragma unroll
     for (int G = 0; G < kFragGroups; ++G) {
       const uint32_t words[4] = {st.w[q][G].x, st.w[q][G].y, st.w[q][G].z, st.w[q][G].w};
@@ -244,6 +247,23 @@ __device__ __forceinline__ void frag_mma_step(const FragStep& st, float (&acc)[k
           frag_dequant<T>(words[2 * s + j], b);
           dev::mma_m16n8k16<T>(acc[G][j], st.a[q][s], b, acc[G][j]);
         }
+    }
+  }
+}
+
+// Steps [first, last) of the split's K range on two register buffers: step i + 1's loads are all issued before step
+// i's first HMMA.
+template <typename T, bool kEdge>
+__device__ __forceinline__ void frag_k_loop(const FragParams& p, float (&acc)[kFragGroups][2][4], int u_begin,
+                                            int u_end, int first, int last, int warp, int lane, int grp0) {
+  FragStep buf0, buf1;
+  if (first < last) frag_load_step<T, kEdge>(p, buf0, u_begin, u_end, first, warp, lane, grp0);
+  for (int i = first; i < last; i += 2) {
+    if (i + 1 < last) frag_load_step<T, kEdge>(p, buf1, u_begin, u_end, i + 1, warp, lane, grp0);
+    frag_mma_step<T, kEdge>(buf0, acc, u_begin, u_end, i, warp);
+    if (i + 1 < last) {
+      if (i + 2 < last) frag_load_step<T, kEdge>(p, buf0, u_begin, u_end, i + 2, warp, lane, grp0);
+      frag_mma_step<T, kEdge>(buf1, acc, u_begin, u_end, i + 1, warp);
     }
   }
 }
@@ -309,7 +329,13 @@ __global__ void __launch_bounds__(kFragThreads, kFragMinBlocks) w8a16_fragment_k
   const int grp0 = blockIdx.x * kFragGroups, split = blockIdx.y;
   const int u_begin = split * p.split_units;
   const int u_end = split == p.splits - 1 ? p.units : u_begin + p.split_units;
-  const int steps = (u_end - u_begin + kFragWarps * kFragUnits - 1) / (kFragWarps * kFragUnits);
+  constexpr int kStep = kFragWarps * kFragUnits;
+  const int steps = (u_end - u_begin + kStep - 1) / kStep;
+  // The checked loop runs in the column holding the short last group (or a missing one) and in a split whose K range
+  // ends in a partial step (the last split, where units is not a multiple of its length: none on the Llama shapes);
+  // every other CTA runs the unchecked one (no per-unit or per-group tests).
+  // FAULT(frag_partial_step)
+  const bool edge = grp0 + kFragGroups > p.groups || (grp0 + kFragGroups) * 16 > p.N || (u_end - u_begin) % kStep;
 
   float acc[kFragGroups][2][4];
 #pragma unroll
@@ -319,16 +345,10 @@ __global__ void __launch_bounds__(kFragThreads, kFragMinBlocks) w8a16_fragment_k
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[G][j][e] = 0.f;
 
-  // Two register buffers: step i + 1's loads are all issued before step i's first HMMA.
-  FragStep buf0, buf1;
-  if (steps > 0) frag_load_step<T>(p, buf0, u_begin, u_end, 0, warp, lane, grp0);
-  for (int i = 0; i < steps; i += 2) {
-    if (i + 1 < steps) frag_load_step<T>(p, buf1, u_begin, u_end, i + 1, warp, lane, grp0);
-    frag_mma_step<T>(buf0, acc, u_begin, u_end, i, warp);
-    if (i + 1 < steps) {
-      if (i + 2 < steps) frag_load_step<T>(p, buf0, u_begin, u_end, i + 2, warp, lane, grp0);
-      frag_mma_step<T>(buf1, acc, u_begin, u_end, i + 1, warp);
-    }
+  if (edge) {
+    frag_k_loop<T, true>(p, acc, u_begin, u_end, 0, steps, warp, lane, grp0);
+  } else {
+    frag_k_loop<T, false>(p, acc, u_begin, u_end, 0, steps, warp, lane, grp0);
   }
   // The 16-column K tail, in the last split, by the last warp (the one with the least of the last step's units).
   // FAULT(frag_k_tail)

@@ -640,6 +640,8 @@ FAULTS += [
     _frag_fault("M mask of the A loads off by one (row M read)", _FRAG, "frag_m_mask", "m < p.M", "m <= p.M"),
     _frag_fault("M mask of the stores off by one (row M written)", _FRAG, "frag_store_mask", "m >= p.M", "m > p.M"),
     _frag_fault("K tail dropped", _FRAG, "frag_k_tail", "if (p.tail && ", "if (false && p.tail && "),
+    _frag_fault("a partial last K step run unchecked (units past the split read)", _FRAG, "frag_partial_step",
+                " || (u_end - u_begin) % kStep;", ";"),
     _frag_fault("split-K: the barrier before the release dropped", _FRAG, "frag_split_fence", "  __syncthreads();\n",
                 ""),
     _frag_fault("split-K: release dropped (relaxed add)", _FRAG, "frag_split_release",

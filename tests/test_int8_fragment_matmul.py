@@ -13,8 +13,10 @@ from conftest import CUDA_KERNEL_DEVICES, DEVICES, SIMT_DEVICES, runs_cuda_kerne
 DTYPES = [torch.float16, torch.bfloat16]
 # (M, N, K): decode rows 1 / 3 / 16; N with a short last group (4016 + 5), an odd column count (272 = 17 groups: the
 # last CTA column holds one group), a K tail (K % 32 == 16), K of a tail only, and shapes that split K (272 x 1040:
-# 2 splits on both devices; 4021 x 2064: 4 splits on sm_90, 3 on sm_80) or not (32 x 64).
-SHAPES = [(1, 272, 1040), (3, 4021, 2064), (16, 272, 1040), (1, 32, 64), (3, 17, 48), (16, 37, 16), (5, 100, 528)]
+# 2 splits on both devices; 4021 x 2064: 4 splits on sm_90, 3 on sm_80) or not (32 x 64), and a K range of 20 units
+# (64 x 656: 2 whole steps of 8 units and a partial one, in columns with no short or missing group: the checked loop).
+SHAPES = [(1, 272, 1040), (3, 4021, 2064), (16, 272, 1040), (1, 32, 64), (3, 17, 48), (16, 37, 16), (5, 100, 528),
+          (4, 64, 656)]
 # fp32 accumulation of K products: |error| <= ~K 2^-24 sum |x w|; then one rounding to the output dtype.
 OUT_EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
