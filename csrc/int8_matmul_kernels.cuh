@@ -23,6 +23,22 @@
 // whatever order the CTAs finish in. No fp32 atomics on the output.
 // PDL (pdl.cuh): every thread waits (griddepcontrol.wait) before its first global access; launch_dependents after the
 // K loop. Offsets into w, x, y and the workspace are int64.
+//
+// Arithmetic (nvcc 13.0 SASS, scripts/sass_report.py; estimate, no GPU). sm_90: 125 registers (sm_80: 128, at the
+// __launch_bounds__ cap: another toolkit may spill), no local memory, 6 KB static shared, 4 CTAs (16 warps) per SM
+// by registers. The unchecked K loop (every CTA but the edge column's and a ragged last split's): per 2 steps of a
+// warp (4 KB of weight) 319 SASS in fp16 / 511 in bf16 (8 LDG.128, 32 LDG.32 of x, 32 HMMA; dequant per 4 bytes:
+// fp16 1 LOP3 + 2 PRMT + 2 HADD2, bf16 1 LOP3 + 6 PRMT + 4 FADD): 0.078 / 0.125 warp-instructions per weight byte,
+// 33% / 52% of the ~0.24 an H200 SM can issue per byte of its HBM share. In SASS each step's 4 LDG.128 (and x's
+// loads) are issued before the 16 HMMA of the step before, with no barrier in the loop. Bytes in flight: one step
+// per warp (8 KB per CTA), 24-32 KB per SM at 3-4 CTAs, against ~23 KB for the SM's share of HBM (Little's law).
+// Llama-3-8B, M = 1, 132 SMs: gate/up 14336x4096 and the fused 28672x4096 run unsplit (448 / 896 CTAs, 128 KB of
+// weight each, one launch, no workspace): the round trip before the first MMA and the CTA-barrier reduction are ~1 us
+// on ~14 / ~27 us, est. 80-88% of copy bandwidth (the review's 88% target at the top of the range; the Triton GEMV
+// 70-80%); q/o 4096x4096 (4 splits, 512 CTAs of 32 KB, one wave) and k/v 1024x4096 (8 splits, 256 CTAs) are ~4 us and
+// ~1 us kernels where the first round trip and the split tail (workspace store, release / acquire ticket, the last
+// CTA's 2 KB per split read back) weigh ~1-1.5 us: est. 60-75%. M = 16 reads x's 16 rows from L2 (8 KB per CTA step,
+// as many bytes as the weight: L2, not HBM). Only bench_int8_fragment.py on a GPU can confirm any of this.
 #pragma once
 
 #include <algorithm>
