@@ -197,7 +197,8 @@ __device__ __forceinline__ uint2 frag_load_tail(const FragParams& p, int grp, in
   if (grp >= p.groups) return r;
   const int8_t* gb = p.w + int64_t(grp) * 16 * p.K;
   const int rows = p.N - grp * 16;
-  if (rows >= 16) return dev::ld_global(reinterpret_cast<const uint2*>(gb + int64_t(p.units) * kFragUnitBytes + lane * 8));
+  if (rows >= 16)
+    return dev::ld_global(reinterpret_cast<const uint2*>(gb + int64_t(p.units) * kFragUnitBytes + lane * 8));
   const int g = lane / 4, t = lane % 4;
   const int64_t k0 = int64_t(p.units) * kFragUnitK;
   if (g < rows) r.x = frag_plain_word(gb + int64_t(g) * p.K, k0, t);

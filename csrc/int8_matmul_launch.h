@@ -46,7 +46,8 @@ inline void frag_counters(const at::Tensor& like, int64_t n, int64_t launches, c
   static auto* cache = new std::map<std::tuple<int, int, const void*>, Entry>();  // never destroyed (CUDA tensors)
   out.lock = std::unique_lock<std::mutex>(mu);
   Entry& e = (*cache)[{int(like.device().type()), int(like.device().index()), stream}];
-  if (!e.t.defined() || e.t.numel() < n) e.t = at::zeros({std::max<int64_t>(n, e.t.defined() ? 2 * e.t.numel() : 0)}, opts);
+  if (!e.t.defined() || e.t.numel() < n)  // a fresh buffer: zeros are below every epoch's values
+    e.t = at::zeros({std::max<int64_t>(n, e.t.defined() ? 2 * e.t.numel() : 0)}, opts);
   out.hold = e.t;
   out.ptr = reinterpret_cast<unsigned long long*>(e.t.data_ptr<int64_t>());
   // FAULT(frag_epoch)

@@ -705,5 +705,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
