@@ -16,6 +16,7 @@ OPS = (
     "quantize_rowwise",
     "int8_matmul",
     "w8a16_matmul",
+    "w8a16_fragment_matmul",
 )
 
 

@@ -34,7 +34,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from arkernels.ops.int8_matmul_layout import PACK_ROWS, is_packed
+from arkernels.ops.int8_matmul_layout import PACK_ROWS
 from arkernels.quant import Int8Linear
 
 # (parts, fused child name): the parent holds each part as an attribute; the fused layer is added under the name
@@ -107,8 +107,8 @@ def _fusable(mods: list[nn.Module]) -> str | None:
         return "different int8 modes"
     if isinstance(mods[0], Int8Linear) and len({m.weight.dim() for m in mods}) != 1:
         return "int8 weights in different layouts"
-    if any(is_packed(m.weight) and m.out_features % PACK_ROWS for m in mods[:-1]):
-        # packed rows concatenate in whole row groups only (arkernels/ops/int8_matmul_layout.py)
+    if any(m.weight.dim() > 2 and m.out_features % PACK_ROWS for m in mods[:-1]):
+        # packed and fragment rows concatenate in whole row groups only (arkernels/ops/int8_matmul_layout.py)
         return f"packed int8 parts whose out_features is not a multiple of {PACK_ROWS} (all but the last)"
     if any(hasattr(m, "_hf_hook") or m._forward_hooks or m._forward_pre_hooks for m in mods):
         return "hooks on a part (accelerate offload or user hooks would be bypassed)"

@@ -36,7 +36,7 @@ from arkernels import _library  # noqa: F401  (defines the arkernels:: schemas w
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 # The hand-written CUDA ops the emulator runs (Triton ops run under TRITON_INTERPRET instead).
-OPS = ("paged_kv_append", "paged_kv_gather", "window_attention")
+OPS = ("paged_kv_append", "paged_kv_gather", "window_attention", "w8a16_fragment_matmul")
 NAMESPACE = "arkernels_simt"
 LIB_NAME = "arkernels_simt.so"
 

@@ -229,6 +229,11 @@ for batch, fp8 in ((1, False), (1, True), (32, True)):
   # weight prefetch with the previous one's tail)
   step bench_int8_gemv_plan 60 $PY benchmarks/bench_int8_matmul.py --shapes 128256x4096 28672x4096 --ms 1 4 \
     --out "$LOG/bench_gemv_plan"
+  # w8a16 decode GEMV, issue 34 item 1's hand-written CUDA kernel on the fragment layout (w8a16_fragment_matmul) against
+  # the Triton w8a16 kernels on the packed layout and bf16 F.linear: the Llama-3-8B projection shapes, M = 1, 4, 16
+  # (rows cuda-fragment / triton-packed; the target is >= 88% of copy bandwidth at M = 1). Int8Linear's
+  # layout="fragment" becomes the default only once these rows say so.
+  step bench_int8_fragment 60 $PY benchmarks/bench_int8_fragment.py --out "$LOG/bench_fragment"
   for b in paged_kv window_attention sampling int8_matmul cb decode spec_sampling spec; do
     [ -f "benchmarks/bench_$b.py" ] || { say "[bench_$b] missing"; continue; }
     # shellcheck disable=SC2086

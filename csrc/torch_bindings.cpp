@@ -73,6 +73,10 @@ TORCH_LIBRARY(arkernels, m) {
   // x fp16|bf16 [M, K], w int8 [N, K] (plain) or [N, K / 16, 16] (packed: tile order, ops/int8_matmul_layout.py),
   // w_scale fp32 [N], bias [N]? -> [M, N] in x's dtype; weights dequantised in registers.
   m.def("w8a16_matmul(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
+  // The hand-written decode GEMV (csrc/int8_matmul.cu): x [M, K] fp16|bf16 (fp32: CPU only; M <= 16 is its case,
+  // larger M runs as 16-row slices), w int8 [N, K / 16, 4, 4] (the fragment layout: mma B-fragment order,
+  // ops/int8_matmul_layout.py), w_scale fp32 [N], bias [N]? fp32|fp16|bf16 -> [M, N] in x's dtype; deterministic.
+  m.def("w8a16_fragment_matmul(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 
 // `import arkernels._C` loads this library (and so registers the ops); the module itself is empty.

@@ -618,6 +618,44 @@ FAULTS += [
 ]
 
 
+# ---- the w8a16 fragment GEMV (issue 34 item 1: csrc/int8_matmul_kernels.cuh + int8_matmul_launch.h), against the
+# emulated cases of tests/test_int8_fragment_matmul.py (the float64 reference, weight / x / y traffic per byte, the
+# plan per device, determinism under permuted CTA orders, the 64-bit x offsets).
+_FRAG = "int8_matmul_kernels.cuh"
+_FRAG_LAUNCH = "int8_matmul_launch.h"
+_FRAG_RUN = _kernel_run("", tests=("test_int8_fragment_matmul.py",))
+
+
+def _frag_fault(what: str, file: str, site: str, find: str, replace: str) -> Fault:
+    return Fault(f"w8a16 fragment: {what}", file, site, find, replace, build=KERNEL_BUILD, run=_FRAG_RUN)
+
+
+FAULTS += [
+    _frag_fault("lane's 16 bytes off by one lane (fragment index + 1)", _FRAG, "frag_lane_offset",
+                "kFragUnitBytes + lane * 16", "kFragUnitBytes + ((lane + 1) % 32) * 16"),
+    _frag_fault("fragment words of (s, j) taken as (j, s)", _FRAG, "frag_word_index",
+                "words[2 * s + j]", "words[2 * j + s]"),
+    _frag_fault("dequant: b1's bytes from b0's pair", _FRAG, "frag_dequant_select",
+                "r == 0 ? 0x4140u : 0x4342u", "r == 0 ? 0x4140u : 0x4140u"),
+    _frag_fault("M mask of the A loads off by one (row M read)", _FRAG, "frag_m_mask", "m < p.M", "m <= p.M"),
+    _frag_fault("M mask of the stores off by one (row M written)", _FRAG, "frag_store_mask", "m >= p.M", "m > p.M"),
+    _frag_fault("K tail dropped", _FRAG, "frag_k_tail", "if (p.tail && ", "if (false && p.tail && "),
+    _frag_fault("a partial last K step run unchecked (units past the split read)", _FRAG, "frag_partial_step",
+                " || (u_end - u_begin) % kStep;", ";"),
+    _frag_fault("split-K: the barrier before the release dropped", _FRAG, "frag_split_fence", "  __syncthreads();\n",
+                ""),
+    _frag_fault("split-K: release dropped (relaxed add)", _FRAG, "frag_split_release",
+                "dev::atomic_add_release(counter, 1ull)", "dev::atomic_add(counter, 1ull)"),
+    _frag_fault("split-K: acquire dropped", _FRAG, "frag_split_acquire", "if (last) dev::fence_acq_rel();", ""),
+    _frag_fault("plan: split count not capped by K (splits of less than 2 steps)", _FRAG, "frag_plan_cap",
+                "std::max<int64_t>(1, units / kFragMinSplitUnits), ", ""),
+    _frag_fault("split-K counters: epoch not advanced between calls", _FRAG_LAUNCH, "frag_epoch",
+                "  e.epoch += static_cast<unsigned long long>(launches);\n", ""),
+    _frag_fault("split-K counters: one epoch for every 16-row slice of a call", _FRAG_LAUNCH, "frag_slice_epoch",
+                "counters.epoch + static_cast<unsigned long long>(m0 / 16)", "counters.epoch"),
+]
+
+
 def main() -> int:
     global CSRC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -667,4 +705,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

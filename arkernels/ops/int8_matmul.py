@@ -111,6 +111,25 @@ def _check_w8a16_matmul(x, w, w_scale, bias):
         _check_vector(op, "bias", bias, w.shape[0], "N", FLOAT_DTYPES)
 
 
+def _check_w8a16_fragment(x, w, w_scale, bias):
+    """The fake's checks: the C++ kernels run check_w8a16_fragment_matmul (csrc/int8_matmul.h), the same rules."""
+    op = "w8a16_fragment_matmul"
+    _check_2d(op, "x", x)
+    if x.dtype not in FLOAT_DTYPES:
+        _fail(op, f"x must be float16 or bfloat16 (float32 on the CPU), got {x.dtype}", TypeError)
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or tuple(w.shape[2:]) != (4, 4):
+        _fail(op, f"w must be the fragment layout [N, K / 16, 4, 4], contiguous (fragment_weight), got "
+                  f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if w.dtype != torch.int8:
+        _fail(op, f"w must be int8, got {w.dtype}", TypeError)
+    if x.shape[1] != w.shape[1] * 16:
+        _fail(op, f"K mismatch: x is [M, K] = {tuple(x.shape)} and w holds [N, K] = {(w.shape[0], w.shape[1] * 16)}")
+    _check_same_device(op, "x", x.device, w=w, w_scale=w_scale, bias=bias)
+    _check_vector(op, "w_scale", w_scale, w.shape[0], "N", (torch.float32,))
+    if bias is not None:
+        _check_vector(op, "bias", bias, w.shape[0], "N", FLOAT_DTYPES)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Public wrappers, each with its fake right under it.
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,6 +233,41 @@ def w8a16_matmul(
 @torch.library.register_fake("arkernels::w8a16_matmul")
 def _(x, w, w_scale, bias):
     _check_w8a16_matmul(x, w, w_scale, bias)
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def w8a16_fragment_matmul(
+    x: torch.Tensor,
+    w_frag: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-only int8 matmul on the fragment layout, the hand-written CUDA decode kernel (csrc/int8_matmul.cu):
+    ``x @ (w * w_scale[:, None]).T + bias`` with ``w`` in mma B-fragment order, so its bytes go global -> registers
+    -> fp16/bf16 -> tensor cores with no shared memory. Built for decode, M = prod(x.shape[:-1]) <= 16 (larger M runs
+    as 16-row slices, each reading the whole weight: use :func:`w8a16_matmul` for prefill). Split-K partial sums are
+    added in split order by the last CTA of each column (same launch): equal inputs give equal bits. Not yet measured
+    on a GPU.
+
+    Args:
+        x: ``[..., K]`` float16 or bfloat16 (float32: the CPU kernel only; the CUDA kernel refuses it).
+        w_frag: the fragment layout ``[N, K // 16, 4, 4]`` of
+            :func:`arkernels.ops.int8_matmul_layout.fragment_weight`, contiguous.
+        w_scale: float32 ``[N]``.
+        bias: ``[N]`` float or None.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype.
+    """
+    expect(isinstance(x, torch.Tensor) and x.dim() >= 1, "w8a16_fragment_matmul", "x must be a tensor [..., K]")
+    lead, K = x.shape[:-1], x.shape[-1]
+    out = _ops.w8a16_fragment_matmul(x.reshape(lead.numel(), K), w_frag, w_scale, bias)
+    return out.view(*lead, out.shape[-1])
+
+
+@torch.library.register_fake("arkernels::w8a16_fragment_matmul")
+def _(x, w, w_scale, bias):
+    _check_w8a16_fragment(x, w, w_scale, bias)
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

@@ -13,6 +13,7 @@
 
 #include <atomic>
 
+#include "../int8_matmul_launch.h"
 #include "../paged_kv_launch.h"
 #include "../window_attention_launch.h"
 
@@ -148,6 +149,23 @@ std::tuple<at::Tensor, at::Tensor> window_attention_simt(const at::Tensor& query
                                                     lse);
     TORCH_CHECK(err == cudaSuccess, "window_attention (SIMT emulator): launch failed");
     return std::make_tuple(out, lse);
+  });
+}
+
+at::Tensor w8a16_fragment_matmul_simt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                                      const std::optional<at::Tensor>& bias) {
+  check_w8a16_fragment_matmul(x, w, w_scale, bias);
+  return emulated("w8a16_fragment_matmul", [&] {
+    ::simt::reset_traffic();
+    track("x", x);
+    track("w", w);
+    track("w_scale", w_scale);
+    if (bias) track("bias", *bias);
+    at::Tensor y;
+    const cudaError_t err = w8a16_fragment_matmul_launch(x, w, w_scale, bias, emulated_device_props(), nullptr,
+                                                         /*capturing=*/false, y);
+    TORCH_CHECK(err == cudaSuccess, "w8a16_fragment_matmul (SIMT emulator): launch failed");
+    return y;
   });
 }
 
@@ -389,4 +407,5 @@ TORCH_LIBRARY_IMPL(arkernels_simt, CPU, m) {
   m.impl("paged_kv_append", &arkernels::paged_kv_append_simt);
   m.impl("paged_kv_gather", &arkernels::paged_kv_gather_simt);
   m.impl("window_attention", &arkernels::window_attention_simt);
+  m.impl("w8a16_fragment_matmul", &arkernels::w8a16_fragment_matmul_simt);
 }
