@@ -12,7 +12,7 @@
 //   AK_TRACK_SCRATCH(name, ptr, bytes)                      names a launch's own scratch buffer for the emulator's
 //                                                          traffic meter (nothing on the GPU)
 //   dev::warp_all / dev::warp_any                           warp votes (__all_sync / __any_sync)
-//   dev::cluster_ctarank, cluster_sync, ld_dsmem, st_dsmem  thread-block clusters and distributed shared memory (sm_90)
+//   dev::cluster_ctarank, cluster_sync[_relaxed], ld_dsmem, st_dsmem  thread-block clusters, distributed shared memory
 //   DeviceProps + cuda_device_props()                       what launch planning may ask of a device
 // Fast-math intrinsics (__expf, __logf, __int_as_float) and fp16/bf16 conversions are the CUDA headers' own on the
 // GPU; the emulator supplies host versions.
@@ -125,6 +125,10 @@ __device__ __forceinline__ void fence_acq_rel() {
 //   memory before it is visible to every thread of the cluster after it. A block must pass one after its last
 //   distributed-shared-memory access and after the last access other blocks make to its shared memory, before it
 //   exits (an exited block's shared memory is gone).
+// - cluster_sync_relaxed: barrier.cluster.arrive.relaxed + barrier.cluster.wait: the same rendezvous without the
+//   arrival's release (which ptxas emits as a MEMBAR.ALL.GPU: every thread waits for its global stores to be
+//   acknowledged): for a barrier that publishes nothing, e.g. the one that keeps shared memory alive until the other
+//   blocks' DSMEM loads of it, whose values their threads consumed before arriving, have completed.
 // - ld_dsmem / st_dsmem: a load / store at the address `p` of the caller's dynamic shared memory maps to in block
 //   `rank`'s (mapa.shared::cluster, then ld / st.shared::cluster): float, float2, float4.
 // The emulator (csrc/simt/simt_cluster.h) runs a cluster's blocks at once and reports accesses no cluster barrier
@@ -137,7 +141,10 @@ __device__ __forceinline__ void fence_acq_rel() {
 #if defined(ARKERNELS_SIMT)
 __device__ __forceinline__ unsigned cluster_ctarank() { return ::simt::cluster_ctarank(); }
 __device__ __forceinline__ unsigned cluster_nctarank() { return ::simt::cluster_nctarank(); }
-__device__ __forceinline__ void cluster_sync(int line = __builtin_LINE()) { ::simt::cluster_sync(line); }
+__device__ __forceinline__ void cluster_sync(int line = __builtin_LINE()) { ::simt::cluster_sync(line, true); }
+__device__ __forceinline__ void cluster_sync_relaxed(int line = __builtin_LINE()) {
+  ::simt::cluster_sync(line, false);
+}
 template <typename T>
 __device__ __forceinline__ T ld_dsmem(const T* p, unsigned rank) {
   return ::simt::ld_dsmem(p, rank);
@@ -164,6 +171,13 @@ __device__ __forceinline__ unsigned cluster_nctarank() {
 __device__ __forceinline__ void cluster_sync() {
 #if AK_CLUSTER_CODE
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_sync_relaxed() {
+#if AK_CLUSTER_CODE
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif

@@ -17,7 +17,7 @@
 //   4 warps' O at (r, x) and writes the partial there (no other thread touches (r, x)); the row's lse (log2) goes to
 //   the row's padding column D, which nothing else writes;
 // - warp 1's plane (free once every thread passed the first cluster barrier) holds the combine's header: the splits'
-//   weights [16][16], each row's head [16] and lse [16].
+//   weights [16][16] and each row's lse [16].
 // Ownership: the [hc][D] output is hc D / 4 slots of 4 dims (16 bytes of fp32 partial); slot k is rank k % ns's. A
 // CTA's 128 threads take its slots G at a time (G = ns rounded up to a power of two: thread (slot j, split s) =
 // (tid / G, tid % G)); each loads split s's 16 bytes of its slot through DSMEM, weights them, and the G lanes sum by
@@ -42,9 +42,37 @@ inline int decode_cluster_splits(int64_t columns, int splits, const DeviceProps&
   return 0;
 }
 
+// Each row's split weights w_s [split][16] = 2^(lse_s - lse) and its lse (log2, the attention sink's term
+// included) into lse_s [16]: one warp per row, lane s holding split s's lse (one DSMEM load from its CTA's padding
+// column D): <= 16 splits fit a warp, so no loop over splits (combine_weights' loops for up to 64 cost ~80 LDS and
+// ~40 MUFU static here).
+template <int D>
+__device__ __forceinline__ void decode_cluster_weights(const AttnParams& p, const DecodeRows& rows,
+                                                       const float* part_s, float* w_s, float* lse_s, int ns) {
+  constexpr int MLD = kDecodeMergeLd<D>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows.hc; r += kDecodeWarps) {  // uniform per warp
+    // FAULT(cluster_lse_rank)
+    const float ls = lane < ns ? dev::ld_dsmem(part_s + r * MLD + D, unsigned(lane)) : neg_inf();
+    float m = ls;
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));  // lanes 0-15: the splits
+    // FAULT(cluster_sink)
+    const float sink2 = p.sinks ? dev::ld_global(p.sinks + decode_row<false>(p, rows, r).head) * kLog2e : neg_inf();
+    m = fmaxf(m, sink2);
+    float sum = m != neg_inf() && ls != neg_inf() ? exp2f(ls - m) : 0.f;
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (sink2 != neg_inf()) sum += exp2f(sink2 - m);  // once: every lane holds the sum already
+    const float lse = sum > 0.f ? m + log2f(sum) : neg_inf();
+    if (lane < ns) w_s[lane * kDecodeRows + r] = sum > 0.f && ls != neg_inf() ? exp2f(ls - lse) : 0.f;
+    if (lane == 0) lse_s[r] = lse;
+  }
+}
+
 // The combine of one cluster (every thread of every CTA calls it after decode_write_out wrote the CTA's partial into
-// its shared memory; see the header). Two cluster barriers: before the first DSMEM load (every partial written) and
-// before exit (no CTA's shared memory goes away while another still reads it).
+// its shared memory; see the header). Two cluster barriers: before the first DSMEM load (every partial written: a
+// release / acquire) and before exit (no CTA's shared memory goes away while another still reads it).
 template <typename T, int D>
 __device__ __forceinline__ void decode_cluster_combine(const AttnParams& p, const DecodeRows& rows,
                                                        unsigned char* smem) {
@@ -52,22 +80,13 @@ __device__ __forceinline__ void decode_cluster_combine(const AttnParams& p, cons
   constexpr int MLD = kDecodeMergeLd<D>;
   constexpr int kSlotsPerRow = D / 4;
   const float* part_s = reinterpret_cast<const float*>(smem);       // [16][MLD]: partial O, lse (log2) at column D
-  float* w_s = reinterpret_cast<float*>(smem) + kDecodeRows * MLD;  // [16][16] the splits' lse, then their weights
-  int* head_s = reinterpret_cast<int*>(w_s + kClusterMax * kDecodeRows);  // [16] each row's query head
-  float* lse_s = reinterpret_cast<float*>(head_s + kDecodeRows);          // [16] each row's lse, log2 units
+  float* w_s = reinterpret_cast<float*>(smem) + kDecodeRows * MLD;  // [16][16] the splits' weights (warp 1's plane)
+  float* lse_s = w_s + kClusterMax * kDecodeRows;                   // [16] each row's lse, log2 units
   const int tid = threadIdx.x, hc = rows.hc;
   const int ns = int(dev::cluster_nctarank()), rank = int(dev::cluster_ctarank());
   // FAULT(cluster_first_sync)
-  dev::cluster_sync();  // every CTA's partial and lse are in its shared memory
-  // The splits' lse of the CTA's rows: thread (split tid / 16 + 8 k, row tid % 16).
-  const int lr = tid % kDecodeRows;
-  if (lr < hc)
-    for (int s = tid / kDecodeRows; s < ns; s += kAttnThreads / kDecodeRows)
-      // FAULT(cluster_lse_rank)
-      w_s[s * kDecodeRows + lr] = dev::ld_dsmem(part_s + lr * MLD + D, unsigned(s));
-  if (tid < hc) head_s[tid] = decode_row<false>(p, rows, tid).head;
-  __syncthreads();
-  combine_weights(p, hc, ns, w_s, head_s, lse_s);
+  dev::cluster_sync();  // every CTA's partial and lse are in its shared memory (a release / acquire)
+  decode_cluster_weights<D>(p, rows, part_s, w_s, lse_s, ns);
   __syncthreads();  // the weights and the rows' lse
   const int g = ns <= 2 ? 2 : ns <= 4 ? 4 : ns <= 8 ? 8 : 16;  // lanes per slot: a power of two >= ns
   const int s = tid % g;                                        // the split this thread loads
@@ -99,8 +118,12 @@ __device__ __forceinline__ void decode_cluster_combine(const AttnParams& p, cons
       if (c4 == 0) dev::st_global(p.lse + oh, lse_s[r] / kLog2e);  // natural log (-inf stays -inf)
     }
   }
+  // No CTA exits while another may still read its shared memory. Relaxed: this barrier publishes nothing (nothing is
+  // read after it); every DSMEM load above has completed before its thread arrives (its value was consumed by the
+  // shuffles), and a release here would make every thread wait for its output stores' acknowledgement first (the
+  // release is a MEMBAR.ALL.GPU in the SASS: ~one L2 round trip of tail).
   // FAULT(cluster_last_sync)
-  dev::cluster_sync();  // no CTA exits while another may still read its shared memory
+  dev::cluster_sync_relaxed();
 #else
   (void)p, (void)rows, (void)smem;
 #endif

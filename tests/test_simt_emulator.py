@@ -186,10 +186,11 @@ def test_cluster_blocks_read_each_other_through_dsmem(device, blocks, cluster, b
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("mode, what", [(1, "no cluster barrier between the store and the load"),
                                         (2, "may still access its shared memory"),
-                                        (3, "rank 4 in a cluster of 4 blocks")])
+                                        (3, "rank 4 in a cluster of 4 blocks"),
+                                        (5, "no cluster barrier between the store and the load")])
 def test_cluster_access_no_barrier_orders_is_reported(device, mode, what):
     """A load of another block's bytes written after the loader's last cluster barrier (mode 1: a flag polled with no
-    barrier), a block that exits with no cluster barrier after another block's last access to it (mode 2), a rank
+    barrier; mode 5: only a relaxed barrier between, which publishes nothing), a block that exits with no cluster barrier after another block's last access to it (mode 2), a rank
     outside the cluster (mode 3): each reported, whatever the threads' timing (decided from barrier counts)."""
     import arkernels.simt
 

@@ -5,7 +5,10 @@
 // clusters one after another (in the seeded block order, over clusters). What a kernel may use:
 // - cluster_ctarank / cluster_nctarank (%cluster_ctarank, %cluster_nctarank);
 // - cluster_sync (barrier.cluster.arrive.release + barrier.cluster.wait.acquire): every thread of every block of the
-//   cluster; its threads met at different source lines is reported; a thread that exited no longer takes part;
+//   cluster; its threads met at different source lines is reported; a thread that exited no longer takes part. With
+//   relaxed arrivals only (cluster_sync_relaxed) the barrier publishes nothing: DSMEM loads after it are compared with
+//   the snapshot of the last barrier a release arrived at. It still orders an access before a later exit (the
+//   accessing thread consumed the value before arriving);
 // - ld_dsmem / st_dsmem (mapa.shared::cluster + ld / st.shared::cluster): an address in the caller's dynamic shared
 //   memory, mapped to the same offset in block `rank`'s.
 // Reported (emulator reports, the run continues):
@@ -38,6 +41,7 @@ struct ClusterBarrier {
   std::mutex mu;
   std::condition_variable cv;
   long expected, count, phase = 0;
+  bool released = false;  // some thread arrived with a release in the running phase
   std::vector<int> line;  // [thread of the cluster] the source line of its arrival in the running phase (-1: none)
   std::function<void()> on_complete;
   explicit ClusterBarrier(long n) : expected(n), count(n), line(size_t(n), -1) {}
@@ -50,13 +54,15 @@ struct ClusterBarrier {
       l = -1;
     }
     if (on_complete) on_complete();
+    released = false;
     count = expected;
     ++phase;
     cv.notify_all();
   }
-  void arrive_and_wait(int gtid, int at) {
+  void arrive_and_wait(int gtid, int at, bool release) {
     std::unique_lock<std::mutex> l(mu);
     line[gtid] = at;
+    released = released || release;
     const long p = phase;
     if (--count == 0)
       complete();
@@ -93,7 +99,13 @@ inline void cluster_begin(const std::vector<long>& ids) {
   g_cl.snaps.clear();
   g_cl.bar->on_complete = [] {  // every running thread has arrived: shared memory is what the phase left
     std::vector<std::vector<unsigned char>> s(size_t(g_cl.size));
-    for (int r = 0; r < g_cl.size; ++r) s[r].assign(g_cl.dyn[r], g_cl.dyn[r] + g_cl.smem);
+    if (!g_cl.bar->released) {  // relaxed arrivals only: what the last release published, or the launch's poison
+      for (int r = 0; r < g_cl.size; ++r)
+        s[r] = g_cl.snaps.empty() ? std::vector<unsigned char>(g_cl.smem, (unsigned char)(g_poison))
+                                  : g_cl.snaps.back()[r];
+    } else {
+      for (int r = 0; r < g_cl.size; ++r) s[r].assign(g_cl.dyn[r], g_cl.dyn[r] + g_cl.smem);
+    }
     g_cl.snaps.push_back(std::move(s));
   };
   g_cl.exited_threads.reset(new std::atomic<int>[n]);
@@ -135,9 +147,9 @@ inline unsigned cluster_ctarank() { return unsigned(t_rank); }
 inline unsigned cluster_nctarank() { return unsigned(g_cl.size); }
 inline dim3 cluster_dim() { return g_cl.dims; }
 
-inline void cluster_sync(int line) {
+inline void cluster_sync(int line, bool release) {
   ++t_cl_arrived;
-  g_cl.bar->arrive_and_wait(t_gtid, line);
+  g_cl.bar->arrive_and_wait(t_gtid, line, release);
   ++t_cl_waited;
 }
 

@@ -308,6 +308,8 @@ std::tuple<at::Tensor, at::Tensor> release_probe(int64_t blocks, int64_t mode) {
 // 3: as 0 with rank n (outside the cluster).
 // 4: stores v to smem[32 + tid] of rank (rank + 1) % n through DSMEM; cluster barrier; out[block][tid] = own
 //    smem[32 + tid] (the value of rank (rank - 1) % n); cluster barrier.
+// 5: as 0 with a relaxed first barrier (it publishes nothing: the load is a race) and a relaxed last one (enough to
+//    order the load before the neighbour's exit).
 // info[block] = rank + 100 * nctarank.
 __global__ void cluster_probe_kernel(float* out, int* info, int mode) {
   AK_DYNAMIC_SHARED(float, smem);
@@ -321,16 +323,19 @@ __global__ void cluster_probe_kernel(float* out, int* info, int mode) {
   if (mode == 1) {
     float seen = dev::ld_dsmem(smem + tid, next);
     while (std::isnan(seen)) seen = dev::ld_dsmem(smem + tid, next);
+  } else if (mode == 5) {
+    dev::cluster_sync_relaxed();
   } else {
     dev::cluster_sync();
   }
   out[blockIdx.x * 32 + tid] = mode == 4 ? smem[32 + tid] : dev::ld_dsmem(smem + tid, next);
-  if (mode != 2) dev::cluster_sync();
+  if (mode == 5) dev::cluster_sync_relaxed();
+  if (mode != 2 && mode != 5) dev::cluster_sync();
 }
 // -> (out [blocks, 32], info [blocks]); `nonportable`: the kernel's NonPortableClusterSizeAllowed attribute.
 std::tuple<at::Tensor, at::Tensor> cluster_probe(int64_t blocks, int64_t cluster, int64_t mode, bool nonportable) {
   TORCH_CHECK(blocks >= 1 && blocks <= 64 && cluster >= 1, "blocks: 1..64, cluster >= 1");
-  TORCH_CHECK(mode >= 0 && mode <= 4, "mode: 0..4");
+  TORCH_CHECK(mode >= 0 && mode <= 5, "mode: 0..5");
   return emulated("cluster_probe", [&] {
     ::simt::reset_traffic();
     at::Tensor out = at::zeros({blocks, 32}, at::kFloat), info = at::zeros({blocks}, at::kInt);
