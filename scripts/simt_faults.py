@@ -623,6 +623,14 @@ FAULTS += [
 # each CTA owning slots rank, rank + ns, ... of the output. Caught by tests/test_window_attention_cluster.py (the
 # emulator's cluster model: a DSMEM load no barrier orders, an exit before another block's load, wrong output,
 # the launch log, the traffic meter).
+# sm_90 (the emulator's default device) now takes the cluster combine wherever it applies, so the faults of the global
+# combine (counters, release / acquire, its loads, weights and sink) run their slices with ARKERNELS_CLUSTER=0: the
+# global path, on the emulated H200 as on sm_80 (the slices' split-KV cases would otherwise never reach it).
+_GLOBAL_COMBINE_SITES = {"split_arrive", "split_release", "split_fence", "split_acquire", "split_epoch",
+                         "combine_splits", "combine_weights", "combine_sink", "combine_sink_head"}
+FAULTS[:] = [dataclasses.replace(f, run="ARKERNELS_CLUSTER=0 " + f.run) if f.site in _GLOBAL_COMBINE_SITES else f
+             for f in FAULTS]
+
 _CLUSTER_FILE = "window_attention_decode_cluster.cuh"
 _CLUSTER = ("cluster_grid and (s5-b3 or s8-b1 or s16-b3) or cluster_ran and 3-simt or global_path or capped_plan "
             "or cluster_aborted")
