@@ -201,7 +201,7 @@ for batch, fp8 in ((1, False), (1, True)) + (() if b1_only else ((32, True),)):
   # issue 34 item 3: the split-KV combine of a thread-block cluster (sm_90: the split CTAs of a column combine through
   # distributed shared memory; B=1 8k plans 16 splits in clusters of 16) against the global combine (33 splits,
   # partials through L2), B=1 8k bf16 and fp8, each in its own process (ARKERNELS_CLUSTER is read once per process).
-  # Estimate, no GPU: the cluster row 0.5-1.5 us under the other (docs/kernels.md "Decode after issue 34"); a cluster
+  # Estimate, no GPU: the cluster row 0.5-1 us under the other (docs/kernels.md "Decode after issue 34"); a cluster
   # row slower than the global one points at cluster placement (cudaOccupancyMaxActiveClusters) or the longer splits.
   ARKERNELS_CLUSTER=1 DECODE_CASES=b1 step decode_cluster_on 30 $PY -c "$DECODE_TAIL"
   ARKERNELS_CLUSTER=0 DECODE_CASES=b1 step decode_cluster_off 30 $PY -c "$DECODE_TAIL"

@@ -15,7 +15,8 @@
 // partials, no counters).
 // fp8 caches are staged as stored and converted in the MMA operand registers, into fp16 (bf16 queries: times a power
 // of two per CTA, folded into the score scale). The issue-34 arithmetic (SASS counts, estimates, no GPU):
-// docs/kernels.md, "Decode after issue 34": B = 1, 8k, 32/8 heads, D 128, bf16 est. 11-13.5 us (58-70% of copy).
+// docs/kernels.md, "Decode after issue 34": B = 1, 8k, 32/8 heads, D 128, bf16 est. 11-13.5 us (58-70% of copy)
+// with the global combine; with the sm_90 cluster combine (16 splits) est. 10.3-12.8 us (61-76%), estimate, no GPU.
 // Multi-query decode (cu_seqlens_q given, 1 <= max_q_len <= kDecodeMaxQueries: speculative verification): the same
 // kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the
 // k + 1 query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks =
