@@ -69,10 +69,10 @@ struct ClusterBarrier {
     else
       cv.wait(l, [&] { return phase != p; });
   }
-  void drop() {  // an exited thread
+  void drop() {  // an exited thread (the last one completes nothing: nobody waits, and no snapshot is needed)
     std::unique_lock<std::mutex> l(mu);
     --expected;
-    if (--count == 0) complete();
+    if (--count == 0 && expected > 0) complete();
   }
 };
 
@@ -85,7 +85,7 @@ struct ClusterState {
   std::unique_ptr<ClusterBarrier> bar;
   std::vector<std::vector<std::vector<unsigned char>>> snaps;  // [phase - 1][rank] at each barrier's completion
   std::unique_ptr<std::atomic<int>[]> exited_threads, min_waited;  // [rank]
-  std::unique_ptr<std::atomic<bool>[]> exited;                      // [rank]
+  std::unique_ptr<std::atomic<bool>[]> exited, exit_reported;       // [rank]
   std::unique_ptr<std::atomic<int>[]> latest_access;  // [rank] the highest arrival count of an access to it (-1: none)
   std::vector<long> block_ids;                         // [rank] linear block ids (reports)
   std::atomic<uint64_t> dsmem_read{0}, dsmem_written{0};  // bytes moved through DSMEM, the whole launch
@@ -111,11 +111,13 @@ inline void cluster_begin(const std::vector<long>& ids) {
   g_cl.exited_threads.reset(new std::atomic<int>[n]);
   g_cl.min_waited.reset(new std::atomic<int>[n]);
   g_cl.exited.reset(new std::atomic<bool>[n]);
+  g_cl.exit_reported.reset(new std::atomic<bool>[n]);
   g_cl.latest_access.reset(new std::atomic<int>[n]);
   for (int r = 0; r < n; ++r) {
     g_cl.exited_threads[r] = 0;
     g_cl.min_waited[r] = std::numeric_limits<int>::max();
     g_cl.exited[r] = false;
+    g_cl.exit_reported[r] = false;
     g_cl.latest_access[r] = -1;
   }
   g_cl.block_ids = ids;
@@ -167,7 +169,7 @@ inline unsigned char* dsmem_map(const void* p, unsigned rank, size_t bytes, cons
            long(a - base), long(g_cl.smem));
     return nullptr;
   }
-  if (g_cl.exited[rank].load())
+  if (g_cl.exited[rank].load() && !g_cl.exit_reported[rank].exchange(true))  // once per block: the report log
     report("cluster: a DSMEM %s of block %ld, which has exited (thread %ld)", what, g_cl.block_ids[rank], t_tid);
   if (int(rank) != t_rank) {  // its own block's accesses need no barrier before its exit
     std::atomic<int>& latest = g_cl.latest_access[rank];
