@@ -148,7 +148,7 @@ class _Emulate(TorchDispatchMode):
 
 @contextlib.contextmanager
 def emulate(device: str | None = None, block_order: int | None = None, visibility: bool | None = None,
-            pdl: bool | None = None):
+            pdl: bool | None = None, cluster: bool | None = None):
     """Within the block, arkernels' CUDA ops called on CPU tensors run their CUDA source in the emulator.
 
     ``device``: "sm_80", "sm_89" or "sm_90" (default: the current one, initially sm_90): the SM count and shared
@@ -161,12 +161,15 @@ def emulate(device: str | None = None, block_order: int | None = None, visibilit
     ``pdl``: True (the initial setting) makes the kernels' launches programmatic dependent launches on an sm_90 device
     (csrc/pdl.cuh), in which a thread's global access before its ``griddepcontrol.wait``, or a thread that exits
     without one, is reported; False: plain launches (ARKERNELS_PDL=0 at process start does the same).
+    ``cluster``: True (the initial setting) lets launch planning take thread-block clusters on an sm_90 device
+    (csrc/cluster.cuh: decode's split-KV combine through distributed shared memory); False: none (ARKERNELS_CLUSTER=0
+    at process start does the same).
     Every tensor an emulated op allocates (outputs, scratch) starts out poisoned (0xFF bytes: NaN).
     """
     load()
     ns = getattr(torch.ops, NAMESPACE)
     previous, previous_order, previous_vis = ns.get_device(), ns.get_block_order(), ns.get_visibility()
-    previous_pdl = ns.get_pdl()
+    previous_pdl, previous_cluster = ns.get_pdl(), ns.get_cluster()
     if device is not None:
         ns.set_device(device)
     if block_order is not None:
@@ -175,6 +178,8 @@ def emulate(device: str | None = None, block_order: int | None = None, visibilit
         ns.set_visibility(visibility)
     if pdl is not None:
         ns.set_pdl(pdl)
+    if cluster is not None:
+        ns.set_cluster(cluster)
     try:
         with _Emulate():
             yield
@@ -183,6 +188,7 @@ def emulate(device: str | None = None, block_order: int | None = None, visibilit
         ns.set_block_order(previous_order)
         ns.set_visibility(previous_vis)
         ns.set_pdl(previous_pdl)
+        ns.set_cluster(previous_cluster)
 
 
 def mma_probe(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -222,10 +228,11 @@ def traffic_map(name: str) -> tuple[torch.Tensor, torch.Tensor]:
 def launches() -> list[dict[str, object]]:
     """The kernel launches of the last emulated op call, in order: ``{"grid": (x, y, z), "threads": n, "smem": dynamic
     shared-memory bytes, "pdl": a programmatic dependent launch (csrc/pdl.cuh), "triggered": CTAs that executed
-    griddepcontrol.launch_dependents}`` each (what tests check the launch planning against)."""
+    griddepcontrol.launch_dependents, "cluster": blocks per thread-block cluster (1: none), "dsmem": bytes loaded and
+    stored through distributed shared memory}`` each (what tests check the launch planning against)."""
     flat = getattr(torch.ops, NAMESPACE).launch_log()
     return [{"grid": tuple(flat[i:i + 3]), "threads": flat[i + 3], "smem": flat[i + 4], "pdl": bool(flat[i + 5]),
-             "triggered": flat[i + 6]} for i in range(0, len(flat), 7)]
+             "triggered": flat[i + 6], "cluster": flat[i + 7], "dsmem": flat[i + 8]} for i in range(0, len(flat), 9)]
 
 
 def _main(argv=None) -> int:

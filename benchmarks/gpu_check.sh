@@ -155,10 +155,13 @@ print(f"ARKERNELS_PDL={pdl}: append + decode (B=1, 4k keys, 8/32 heads, D 128) "
   # est. 80-86%; was 72-82%). GQA 32/8, D 128, block size 16. Estimates, no GPU: docs/kernels.md "Decode after
   # issue 34".
   DECODE_TAIL='
-import subprocess, sys, torch, arkernels
-rep = subprocess.run([sys.executable, "scripts/sass_report.py", "--arch", "sm_90"], capture_output=True, text=True)
-rows = [l for l in rep.stdout.splitlines() if "decode_kernel" in l or "FAIL" in l or "TAIL" in l]
-print("\n".join(rows) or rep.stdout[-2000:] + rep.stderr[-2000:])
+import os, subprocess, sys, torch, arkernels
+b1_only = os.environ.get("DECODE_CASES") == "b1"  # the cluster on / off pair: B=1 only, no SASS
+cluster = os.environ.get("ARKERNELS_CLUSTER", "1")
+if not b1_only:
+    rep = subprocess.run([sys.executable, "scripts/sass_report.py", "--arch", "sm_90"], capture_output=True, text=True)
+    rows = [l for l in rep.stdout.splitlines() if "decode_kernel" in l or "FAIL" in l or "TAIL" in l]
+    print("\n".join(rows) or rep.stdout[-2000:] + rep.stderr[-2000:])
 dev, hq, hkv, d, bs = "cuda", 32, 8, 128, 16
 x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
 y = torch.empty_like(x)
@@ -166,7 +169,7 @@ s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True
 y.copy_(x)
 s.record(); [y.copy_(x) for _ in range(5)]; e.record(); torch.cuda.synchronize()
 gbps_copy = 2 * 5 * x.numel() / (s.elapsed_time(e) * 1e6)
-for batch, fp8 in ((1, False), (1, True), (32, True)):
+for batch, fp8 in ((1, False), (1, True)) + (() if b1_only else ((32, True),)):
     ctx, nb = 8192, 8192 // bs
     kv_bytes = 2 * batch * ctx * hkv * d * (1 if fp8 else 2)
     rot = max(2, -(-200 << 20) // kv_bytes)
@@ -191,10 +194,17 @@ for batch, fp8 in ((1, False), (1, True), (32, True)):
     s.record(); [g.replay() for _ in range(5)]; e.record(); torch.cuda.synchronize()
     us = s.elapsed_time(e) * 1e3 / 100
     kind, gbps = "fp8/bf16q" if fp8 else "bf16", kv_bytes / us / 1e3
-    print(f"decode B={batch} 8k {kind}: {us:.2f} us/call, {gbps:.0f} GB/s, {100 * gbps / gbps_copy:.0f}% of copy "
-          f"({gbps_copy:.0f} GB/s)")
+    print(f"decode B={batch} 8k {kind} ARKERNELS_CLUSTER={cluster}: {us:.2f} us/call, "
+          f"{gbps:.0f} GB/s, {100 * gbps / gbps_copy:.0f}% of copy ({gbps_copy:.0f} GB/s)")
 '
   step decode_tail 60 $PY -c "$DECODE_TAIL"
+  # issue 34 item 3: the split-KV combine of a thread-block cluster (sm_90: the split CTAs of a column combine through
+  # distributed shared memory; B=1 8k plans 16 splits in clusters of 16) against the global combine (33 splits,
+  # partials through L2), B=1 8k bf16 and fp8, each in its own process (ARKERNELS_CLUSTER is read once per process).
+  # Estimate, no GPU: the cluster row 0.5-1 us under the other (docs/kernels.md "Decode after issue 34"); a cluster
+  # row slower than the global one points at cluster placement (cudaOccupancyMaxActiveClusters) or the longer splits.
+  ARKERNELS_CLUSTER=1 DECODE_CASES=b1 step decode_cluster_on 30 $PY -c "$DECODE_TAIL"
+  ARKERNELS_CLUSTER=0 DECODE_CASES=b1 step decode_cluster_off 30 $PY -c "$DECODE_TAIL"
 
   export ARKERNELS_BENCH_OUT="$LOG/bench"
   # int8: one Llama-8B shape and three M classes (a full sweep autotunes ~36 times, too long for the budget); its

@@ -12,6 +12,7 @@
 //   AK_TRACK_SCRATCH(name, ptr, bytes)                      names a launch's own scratch buffer for the emulator's
 //                                                          traffic meter (nothing on the GPU)
 //   dev::warp_all / dev::warp_any                           warp votes (__all_sync / __any_sync)
+//   dev::cluster_ctarank, cluster_sync[_relaxed], ld_dsmem, st_dsmem  thread-block clusters, distributed shared memory
 //   DeviceProps + cuda_device_props()                       what launch planning may ask of a device
 // Fast-math intrinsics (__expf, __logf, __int_as_float) and fp16/bf16 conversions are the CUDA headers' own on the
 // GPU; the emulator supplies host versions.
@@ -19,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "int_math.h"
 
@@ -113,6 +115,119 @@ __device__ __forceinline__ void fence_acq_rel() {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 #endif
 }
+
+// Thread-block clusters (sm_90; launched by csrc/cluster.cuh's launch_cluster). AK_CLUSTER_CODE is 1 where the
+// instructions exist (sm_90+ device code, and the emulator): a kernel compiles its cluster path only there; elsewhere
+// these functions trap (a launcher that takes the cluster path only on sm_90 cubins never reaches them).
+// - cluster_ctarank / cluster_nctarank: the block's rank in its cluster and the cluster's block count.
+// - cluster_sync: barrier.cluster.arrive.release + barrier.cluster.wait.acquire (both .aligned: every thread of the
+//   warp executes them together): every thread of every block of the cluster arrives; what each wrote to shared
+//   memory before it is visible to every thread of the cluster after it. A block must pass one after its last
+//   distributed-shared-memory access and after the last access other blocks make to its shared memory, before it
+//   exits (an exited block's shared memory is gone).
+// - cluster_sync_relaxed: barrier.cluster.arrive.relaxed + barrier.cluster.wait: the same rendezvous without the
+//   arrival's release (which ptxas emits as a MEMBAR.ALL.GPU: every thread waits for its global stores to be
+//   acknowledged): for a barrier that publishes nothing, e.g. the one that keeps shared memory alive until the other
+//   blocks' DSMEM loads of it, whose values their threads consumed before arriving, have completed.
+// - ld_dsmem / st_dsmem: a load / store at the address `p` of the caller's dynamic shared memory maps to in block
+//   `rank`'s (mapa.shared::cluster, then ld / st.shared::cluster): float, float2, float4.
+// The emulator (csrc/simt/simt_cluster.h) runs a cluster's blocks at once and reports accesses no cluster barrier
+// orders (a load of bytes written after the loader's last barrier, a block exiting while another may access it).
+#if defined(ARKERNELS_SIMT) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+#define AK_CLUSTER_CODE 1
+#else
+#define AK_CLUSTER_CODE 0
+#endif
+#if defined(ARKERNELS_SIMT)
+__device__ __forceinline__ unsigned cluster_ctarank() { return ::simt::cluster_ctarank(); }
+__device__ __forceinline__ unsigned cluster_nctarank() { return ::simt::cluster_nctarank(); }
+__device__ __forceinline__ void cluster_sync(int line = __builtin_LINE()) { ::simt::cluster_sync(line, true); }
+__device__ __forceinline__ void cluster_sync_relaxed(int line = __builtin_LINE()) {
+  ::simt::cluster_sync(line, false);
+}
+template <typename T>
+__device__ __forceinline__ T ld_dsmem(const T* p, unsigned rank) {
+  return ::simt::ld_dsmem(p, rank);
+}
+template <typename T>
+__device__ __forceinline__ void st_dsmem(T* p, unsigned rank, const T& v) {
+  ::simt::st_dsmem(p, rank, v);
+}
+#else
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r = 0;
+#if AK_CLUSTER_CODE
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ unsigned cluster_nctarank() {
+  unsigned r = 1;
+#if AK_CLUSTER_CODE
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if AK_CLUSTER_CODE
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_sync_relaxed() {
+#if AK_CLUSTER_CODE
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+// The shared::cluster address of `p` (the caller's shared memory) in block `rank`: pure, so repeated maps fold.
+__device__ __forceinline__ uint32_t dsmem_addr(const void* p, unsigned rank) {
+  uint32_t r = 0;
+#if AK_CLUSTER_CODE
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+#endif
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ T ld_dsmem(const T* p, unsigned rank) {
+  T v{};
+#if AK_CLUSTER_CODE
+  const uint32_t a = dsmem_addr(p, rank);
+  if constexpr (std::is_same_v<T, float>) {
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  } else if constexpr (std::is_same_v<T, float2>) {
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
+  } else {
+    static_assert(std::is_same_v<T, float4>, "ld_dsmem: float, float2 or float4");
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ void st_dsmem(T* p, unsigned rank, const T& v) {
+#if AK_CLUSTER_CODE
+  const uint32_t a = dsmem_addr(p, rank);
+  if constexpr (std::is_same_v<T, float>) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(a), "f"(v) : "memory");
+  } else if constexpr (std::is_same_v<T, float2>) {
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(v.x), "f"(v.y) : "memory");
+  } else {
+    static_assert(std::is_same_v<T, float4>, "st_dsmem: float, float2 or float4");
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w) : "memory");
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+#endif
 
 // Warp votes over all 32 lanes (every lane must call; the result is the same in every lane): one VOTE on the GPU; the
 // emulator forms them from xor shuffles, which check the mask and the lanes' convergence as a vote would.

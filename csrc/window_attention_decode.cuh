@@ -9,10 +9,14 @@
 // warp owning 16 keys of a tile: S = Q K^T, online softmax and O += P V in registers; the 4 warps merge through shared
 // memory. num_splits comes from shapes only (one wave of CTAs, graph-capturable); with num_splits > 1 the last split
 // CTA of each column (an epoch-stamped counter, decode_arrive) merges the fp32 (out, lse) partials (combine_if_last),
-// published by one thread's release after the CTA barrier and acquired by the last CTA's one thread (combine_arrive).
+// published by one thread's release after the CTA barrier and acquired by the last CTA's one thread (combine_arrive);
+// on sm_90 the split CTAs of a column are instead one thread-block cluster that combines the partials from each
+// other's shared memory (decode_cluster_combine, window_attention_decode_cluster.cuh: <= 16 splits, no global
+// partials, no counters).
 // fp8 caches are staged as stored and converted in the MMA operand registers, into fp16 (bf16 queries: times a power
 // of two per CTA, folded into the score scale). The issue-34 arithmetic (SASS counts, estimates, no GPU):
-// docs/kernels.md, "Decode after issue 34": B = 1, 8k, 32/8 heads, D 128, bf16 est. 11-13.5 us (58-70% of copy).
+// docs/kernels.md, "Decode after issue 34": B = 1, 8k, 32/8 heads, D 128, bf16 est. 11-13.5 us (58-70% of copy)
+// with the global combine; with the sm_90 cluster combine (16 splits) est. 10.3-12.8 us (61-76%), estimate, no GPU.
 // Multi-query decode (cu_seqlens_q given, 1 <= max_q_len <= kDecodeMaxQueries: speculative verification): the same
 // kernel, its M = 16 rows the packed (query row t, query head of the GQA group) pairs R = t * group + head, so the
 // k + 1 query rows of a sequence share every staged K/V tile (FlashInfer's way); head_chunks =
@@ -23,6 +27,8 @@
 // Resource use: `python scripts/sass_report.py` prints the current registers, shared memory, occupancy and instruction
 // counts of every instantiation (CI fails on any spill).
 #pragma once
+
+#include "cluster.cuh"
 
 namespace arkernels {
 
@@ -398,12 +404,19 @@ __device__ __forceinline__ void combine_if_last(const AttnParams& p, int64_t b, 
   }
 }
 
+}  // namespace arkernels
+
+#include "window_attention_decode_cluster.cuh"
+
+namespace arkernels {
+
 // ------------------------------------------------------------------------------------------------ decode
 // The decode kernel's steps, in the order it runs them: decode_load_q (the query rows into registers), decode_cta (this
 // split's keys and their page math), decode_resolve + decode_issue_tile (a tile's cache offsets, then its cp.async
 // copies), decode_store_q (the query tile), then per key tile decode_qk (S = Q K^T), decode_online_softmax (S -> P,
 // running max and sum, O rescaled) and decode_pv (O += P V); decode_merge_warps + decode_write_out merge the 4 warps
-// and write the output (or the split's partial), and combine_if_last merges the splits.
+// and write the output (or the split's partial), and combine_if_last (decode_cluster_combine in a cluster) merges the
+// splits.
 
 // Q's A fragments stay in registers for the whole key loop up to D = 128 (D = 256: 64 more registers would spill).
 template <int D>
@@ -880,12 +893,14 @@ __device__ __forceinline__ void decode_merge_warps(unsigned char* smem, const fl
 
 // The second half of the merge, for the CTA's hc rows from decode_merge_warps' buffers: M = max m_w,
 // L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L (times v_scale), written as the output and its lse (one split)
-// or as this split's fp32 partial, lse in log2 units (combine_if_last merges them).
+// or as this split's fp32 partial, lse in log2 units (combine_if_last merges them): to global memory, or in a cluster
+// into warp 0's plane of the merge buffer, in place, with the lse at the row's padding column D
+// (decode_cluster_combine reads them there).
 template <typename T, int D, bool kMulti>
-__device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsigned char* smem,
-                                                 const DecodeRows& rows, int split, int nsplits, float v_scale) {
+__device__ __forceinline__ void decode_write_out(const AttnParams& p, unsigned char* smem, const DecodeRows& rows,
+                                                 int split, int nsplits, bool cluster, float v_scale) {
   constexpr int MLD = kDecodeMergeLd<D>;
-  const float* mo_s = reinterpret_cast<const float*>(smem);                   // [4][16][MLD]
+  float* mo_s = reinterpret_cast<float*>(smem);                               // [4][16][MLD]
   const float* ml_s = mo_s + kDecodeWarps * kDecodeRows * MLD;                // [4][16] m, then [4][16] l
   const int tid = threadIdx.x;
   for (int idx = tid; idx < rows.hc * D; idx += kAttnThreads) {
@@ -919,6 +934,9 @@ __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsi
       // FAULT(decode_out_scale)
       dev::st_global(static_cast<T*>(p.out) + oh * D + x, Conv<T>::from_float(acc * inv * v_scale));
       if (x == 0) dev::st_global(p.lse + oh, lse2 / kLog2e);  // natural log (partials: log2)
+    } else if (cluster) {  // (r, x) of warp 0's plane: only this thread read it (above)
+      mo_s[r * MLD + x] = acc * inv * v_scale;
+      if (x == 0) mo_s[r * MLD + D] = lse2;
     } else {
       dev::st_global(p.part_out + (split * p.rows * p.hq + oh) * D + x, acc * inv * v_scale);
       if (x == 0) dev::st_global(p.part_lse + split * p.rows * p.hq + oh, lse2);
@@ -927,10 +945,11 @@ __device__ __forceinline__ void decode_write_out(const AttnParams& p, const unsi
 }
 
 // One pass of a decode CTA: rows of sequence b against split `split` of `nsplits` of their keys, written as the output
-// (nsplits = 1) or as the split's partial, merged by the column's last split CTA.
+// (nsplits = 1) or as the split's partial, merged by the column's last split CTA, or (cluster: the column's split CTAs
+// are one thread-block cluster) by the cluster together.
 template <typename T, typename KV, int D, bool kMulti>
 __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char* smem, const int stages, int64_t b,
-                                              const DecodeRows& rows, int split, int nsplits) {
+                                              const DecodeRows& rows, int split, int nsplits, bool cluster) {
   constexpr bool kFp8 = sizeof(KV) == 1;
   // The MMA operands' type: fp8 caches run in fp16 whatever T (e4m3 -> f16x2 is one cvt per pair, into bf16 four;
   // P in fp16 is finer than in bf16), bf16 queries scaled into fp16 (decode_q_to_f16), as prefill does.
@@ -1028,8 +1047,12 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
   dev::pdl_launch_dependents();
 
   decode_merge_warps<D, kFp8>(smem, o, m_run, l_run);
-  decode_write_out<T, D, kMulti>(p, smem, rows, split, nsplits, v_scale);
-  if (nsplits > 1) combine_if_last<T, D, kMulti>(p, b, rows, smem, lay.smem);
+  decode_write_out<T, D, kMulti>(p, smem, rows, split, nsplits, cluster, v_scale);
+  if (nsplits == 1) return;
+  if constexpr (!kMulti) {
+    if (cluster) return decode_cluster_combine<T, D>(p, rows, smem);
+  }
+  combine_if_last<T, D, kMulti>(p, b, rows, smem, lay.smem);
 }
 
 // KV: the cache's element type, T (fp16/bf16) or uint8_t (float8_e4m3fn: staged as stored, converted to T in the
@@ -1041,9 +1064,12 @@ __device__ __forceinline__ void decode_attend(const AttnParams& p, unsigned char
 // kMulti: the multi-query instantiation (cu_seqlens_q given: use_multiquery_decode), its own so that decode's code
 // keeps none of its row bookkeeping (the per-row masks, the cu_seqlens_q rows, the extra passes: 23..35 more registers
 // per thread at D 64..128 when one kernel did both; the figures: docs/kernels.md).
+// cluster: launched in clusters of num_splits blocks along x (launch_cluster; decode only, never kMulti): the split-KV
+// combine through distributed shared memory (decode_cluster_combine) instead of global partials and counters.
 template <typename T, typename KV, int D, bool kMulti>
 __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kernel(const AttnParams p,
-                                                                                  const int stages) {
+                                                                                  const int stages,
+                                                                                  const bool cluster) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   AK_DYNAMIC_SHARED(unsigned char, smem);
   const int split = blockIdx.x;
@@ -1055,7 +1081,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
   dev::pdl_wait();
   if constexpr (!kMulti) {  // query row b, packed rows = the group's heads h0 .. h0 + hc - 1
     const DecodeRows rows{b, 1, kvh, chunk * kDecodeRows, min(kDecodeRows, p.group - chunk * kDecodeRows)};
-    decode_attend<T, KV, D, false>(p, smem, stages, b, rows, split, p.num_splits);
+    decode_attend<T, KV, D, false>(p, smem, stages, b, rows, split, p.num_splits, cluster);
   } else {  // sequence b's rows as cu_seqlens_q gives them
     DecodeRows rows{prefill_first_row(p, b), prefill_q_len(p, b), kvh, 0, 0};
     // FAULT(mq_unowned_rows)
@@ -1073,7 +1099,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) window_attention_decode_kerne
       if (!first) __syncthreads();  // the previous pass's reads of shared memory are over
       rows.m0 = int(m0);
       rows.hc = int(min64(kDecodeRows, packed - m0));
-      decode_attend<T, KV, D, true>(p, smem, stages, b, rows, split, nsplits);
+      decode_attend<T, KV, D, true>(p, smem, stages, b, rows, split, nsplits, false);
     }
   }
 }
@@ -1120,10 +1146,14 @@ struct DecodePlan {
   bool multi = false;      // the multi-query instantiation (cu_seqlens_q given)
   int head_chunks = 1;     // CTAs per KV head (ceil(q_len x group / kDecodeRows), q_len: queries per sequence)
   int num_splits = 1;      // split-KV partitions (> 1: fp32 partials, merged by the last CTA of each column)
+  int cluster = 0;         // > 0: blocks per thread-block cluster (= num_splits: the combine through DSMEM, no partials
+                           // or counters in global memory); 0: the global combine
   int stages = 0;          // cp.async ring depth; 0: refused (the device's shared memory is too small)
   size_t smem = 0;         // dynamic shared memory, bytes
   dim3 grid;
-  int64_t counters() const { return num_splits > 1 ? int64_t(grid.y) * grid.z : 0; }  // AttnParams::counters
+  int64_t counters() const {  // AttnParams::counters
+    return num_splits > 1 && cluster == 0 ? int64_t(grid.y) * grid.z : 0;
+  }
 };
 
 // batch sequences of q_len query rows at most (decode: 1; multi: the multi-query instantiation, cu_seqlens_q given);
@@ -1145,8 +1175,26 @@ inline DecodePlan plan_decode(int64_t batch, int64_t q_len, bool multi, int64_t 
   const int64_t wave = int64_t(decode_ctas_per_sm(plan.smem, props, multi)) * props.sm_count;
   plan.multi = multi;
   plan.num_splits = decode_splits(batch * hkv * plan.head_chunks, max_keys, wave);
+  if (!multi && cluster_plannable(props)) {  // sm_90: the split CTAs of a column as one cluster, where that pays
+    plan.cluster = decode_cluster_splits(batch * hkv * plan.head_chunks, plan.num_splits, props);
+    if (plan.cluster > 0) plan.num_splits = plan.cluster;
+  }
   plan.grid = dim3(plan.num_splits, static_cast<unsigned>(hkv * plan.head_chunks), static_cast<unsigned>(batch));
   return plan;
+}
+
+// Whether the planned cluster launch (plan.cluster > 0) can run on this device (csrc/cluster.cuh, cluster_usable: the
+// cubin has the cluster path, every cluster resident at once); the caller takes the global path where not, before it
+// allocates the global path's partials and counters.
+template <typename T, typename KV, int D>
+cudaError_t decode_cluster_usable(const DecodePlan& plan, bool& usable) {
+  usable = false;
+  if (plan.cluster == 0 || plan.stages == 0) return cudaSuccess;
+  auto decode = window_attention_decode_kernel<T, KV, D, false>;
+  const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
+  if (err != cudaSuccess) return err;
+  return cluster_usable(reinterpret_cast<const void*>(decode), plan.grid, dim3(kAttnThreads), plan.smem,
+                        unsigned(plan.cluster), usable);
 }
 
 // The launch of one decode call (the split-KV combine is fused into it); returns the launch error.
@@ -1157,7 +1205,11 @@ cudaError_t run_decode(const AttnParams& p, const DecodePlan& plan, cudaStream_t
     auto decode = window_attention_decode_kernel<T, KV, D, decltype(multi)::value>;
     const cudaError_t err = AK_SET_MAX_DYNAMIC_SMEM(decode, plan.smem);
     if (err != cudaSuccess) return err;
-    return launch_pdl(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages);
+    // FAULT(cluster_launch)
+    if (plan.cluster > 0)
+      return launch_cluster(decode, plan.grid, kAttnThreads, plan.smem, stream, unsigned(plan.cluster), p,
+                            plan.stages, true);
+    return launch_pdl(decode, plan.grid, kAttnThreads, plan.smem, stream, p, plan.stages, false);
   };
   if (!plan.multi) return go(std::false_type{});
   if constexpr (D <= kDecodeMaxQueryHeadDim) return go(std::true_type{});

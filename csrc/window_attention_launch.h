@@ -158,7 +158,7 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     return cudaSuccess;
   }
 
-  const WindowAttentionPlan plan = plan_window_attention(cu_seqlens_q.has_value(), batch, rows, hq, hkv, d, fp8,
+  WindowAttentionPlan plan = plan_window_attention(cu_seqlens_q.has_value(), batch, rows, hq, hkv, d, fp8,
                                                          p.max_blocks, p.block_size, window, chunk_size, max_q_len,
                                                          apply_smem_knob(props));
   p.head_chunks = plan.decode.head_chunks;
@@ -176,7 +176,23 @@ inline cudaError_t window_attention_launch(const at::Tensor& query, const at::Te
     AK_CHECK("window_attention", plan.decode.stages > 0, "decode with head_dim ", d, " needs ",
              decode_layout(int(d), 1, fp8).smem, " bytes of shared memory per block but this GPU allows ",
              apply_smem_knob(props).smem_optin);
-    if (plan.decode.num_splits > 1) {
+    if (plan.decode.cluster > 0) {  // the planned cluster launch, unless this device cannot run it (the global path)
+      bool usable = false;
+      cudaError_t err = cudaSuccess;
+      dispatch_head_dim(d, [&](auto dc) {
+        constexpr int D = decltype(dc)::value;
+        if (dt == at::kHalf) {
+          err = fp8 ? decode_cluster_usable<__half, uint8_t, D>(plan.decode, usable)
+                    : decode_cluster_usable<__half, __half, D>(plan.decode, usable);
+        } else {
+          err = fp8 ? decode_cluster_usable<__nv_bfloat16, uint8_t, D>(plan.decode, usable)
+                    : decode_cluster_usable<__nv_bfloat16, __nv_bfloat16, D>(plan.decode, usable);
+        }
+      });
+      if (err != cudaSuccess) return err;
+      if (!usable) plan.decode.cluster = 0;
+    }
+    if (plan.decode.num_splits > 1 && plan.decode.cluster == 0) {
       part_out = at::empty({plan.decode.num_splits, rows, hq, d}, query.options().dtype(at::kFloat));
       part_lse = at::empty({plan.decode.num_splits, rows, hq}, query.options().dtype(at::kFloat));
       p.part_out = part_out.data_ptr<float>();

@@ -20,7 +20,9 @@ the SASS instructions that show the design:
           (fails: every kernel here is launched with PDL on sm_90).
   FENCE   decode kernels: where their device-scope fences run (fence_scope): "1T xN" (N MEMBAR, each behind a
           branch some threads take, none MEMBAR.SC: one thread's release / acquire), "SC" or "ALL" (fails: a
-          MEMBAR.SC, or a MEMBAR every thread reaching it runs), "-" none or other kernels.
+          MEMBAR.SC, or a MEMBAR every thread reaching it runs), "-" none or other kernels; " CBR x1": the sm_90
+          cluster combine's one cluster-barrier release (MEMBAR.ALL.GPU before UCGABAR_ARV), counted apart; "CBR"
+          (fails): more than one.
 Then, per prefill kernel, the key loop's dynamic SASS per warp and key tile (tile_paths): the unmasked tile, the same
 with the O rescale, and a masked tile.
 Exit status: 0 clean, 1 some kernel uses local memory, a decode combine waits before issuing its loads, a decode
@@ -353,15 +355,32 @@ def pdl_order(ops: list[str], arch: str) -> str:
 # The decode kernel's split-KV publication (window_attention_decode.cuh, combine_arrive): after the CTA barrier one
 # thread's release add (MEMBAR.ALL.GPU + ATOMG) and, in the last CTA, that thread's acquire (MEMBAR.ALL.GPU +
 # CCTL.IVALL), instead of MEMBAR.SC.GPU by all 128 threads twice (issue 34).
+# On sm_90 the decode kernel's cluster combine (window_attention_decode_cluster.cuh) publishes through a cluster
+# barrier instead: barrier.cluster.arrive.release is MEMBAR.ALL.GPU + CGAERRBAR + UCGABAR_ARV in the SASS, run by every
+# thread of the cluster path. That MEMBAR is the cluster barrier's release, not a split-KV fence: it is counted apart
+# ("CBR xN") and the split-KV rules apply to the other MEMBARs. One is the design (the first barrier, with no global
+# store pending: the partials are in shared memory); a second (the exit barrier made a release: every thread would
+# wait for its output stores' acknowledgement) fails as "CBR", as does a MEMBAR.SC at a cluster barrier.
+def _cluster_release(insns: list[tuple], i: int) -> bool:
+    return any(op.startswith("UCGABAR_ARV") for _, _, op, _ in insns[i + 1:i + 4])
+
+
 def fence_scope(insns: list[tuple]) -> str:
     """insns: (pc, predicate or None, opcode, operands) of one kernel. '-' without MEMBAR; 'SC' with a MEMBAR.SC;
     'ALL' when some MEMBAR has no predicated branch over it between it and the barrier (BAR.SYNC) before it, i.e.
-    every thread that passed the barrier runs it; else '1T xN' (N MEMBAR, each skipped by some threads)."""
-    fences = [i for i, (_, _, op, _) in enumerate(insns) if op.startswith("MEMBAR")]
-    if not fences:
-        return "-"
-    if any(insns[i][2].startswith("MEMBAR.SC") for i in fences):
+    every thread that passed the barrier runs it; else '1T xN' (N MEMBAR, each skipped by some threads). Cluster
+    barrier releases (a MEMBAR right before UCGABAR_ARV) are not counted there: ' CBR x1' is appended for one, and
+    more than one is 'CBR'."""
+    membars = [i for i, (_, _, op, _) in enumerate(insns) if op.startswith("MEMBAR")]
+    if any(insns[i][2].startswith("MEMBAR.SC") for i in membars):
         return "SC"
+    cbr = [i for i in membars if _cluster_release(insns, i)]
+    if len(cbr) > 1:
+        return "CBR"
+    fences = [i for i in membars if i not in cbr]
+    tag = f" CBR x{len(cbr)}" if cbr else ""
+    if not fences:
+        return tag.strip() or "-"
     for i in fences:
         start = next((j for j in range(i - 1, -1, -1) if insns[j][2].startswith("BAR.")), -1)
         guarded = False
@@ -370,7 +389,7 @@ def fence_scope(insns: list[tuple]) -> str:
             guarded = guarded or (target is not None and int(target.group(1), 16) > insns[i][0])
         if not guarded:
             return "ALL"
-    return f"1T x{len(fences)}"
+    return f"1T x{len(fences)}" + tag
 
 
 # The prefill kernel's key loop (window_attention_prefill.cuh), per warp and key tile in steady state (the next tile's
@@ -731,11 +750,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad_pdl:
         print(f"FAIL PDL: {r['arch']} {r['kernel']}: ACQBULK {r['acqbulk']}, PREEXIT {r['preexit']}: sm_90 cubins need "
               "both, with no global access above the first ACQBULK; older cubins neither (csrc/pdl.cuh)")
-    bad_fence = [r for r in rows if r["fence"] in ("SC", "ALL")]
+    bad_fence = [r for r in rows if r["fence"] in ("SC", "ALL", "CBR")]
     for r in bad_fence:
-        print(f"FAIL decode fences: {r['arch']} {r['kernel']}: "
-              + ("a MEMBAR.SC" if r["fence"] == "SC" else "a MEMBAR every thread executes")
-              + " (the split-KV combine publishes with one thread's release / acquire)")
+        what = {"SC": "a MEMBAR.SC", "ALL": "a MEMBAR every thread executes",
+                "CBR": "more than one cluster barrier with a release (the exit barrier is relaxed)"}[r["fence"]]
+        print(f"FAIL decode fences: {r['arch']} {r['kernel']}: {what} (the split-KV combine publishes with one "
+              "thread's release / acquire, the cluster combine with one cluster barrier's release)")
     for r in bad:
         print(f"FAIL local memory: {r['arch']} {r['kernel']}: STL {r['stl']} ({r['stl_bytes']} B), "
               f"LDL {r['ldl']} ({r['ldl_bytes']} B), stack {r['stack']} B, local {r['local']} B")

@@ -656,6 +656,57 @@ FAULTS += [
 ]
 
 
+# The decode split-KV combine of a thread-block cluster (issue 34, item 3; csrc/window_attention_decode_cluster.cuh):
+# the split CTAs of a column combine their partials from each other's shared memory between two cluster barriers,
+# each CTA owning slots rank, rank + ns, ... of the output. Caught by tests/test_window_attention_cluster.py (the
+# emulator's cluster model: a DSMEM load no barrier orders, an exit before another block's load, wrong output,
+# the launch log, the traffic meter).
+# sm_90 (the emulator's default device) now takes the cluster combine wherever it applies, so the faults of the global
+# combine (counters, release / acquire, its loads, weights and sink) run their slices with ARKERNELS_CLUSTER=0: the
+# global path, on the emulated H200 as on sm_80 (the slices' split-KV cases would otherwise never reach it).
+_GLOBAL_COMBINE_SITES = {"split_arrive", "split_release", "split_fence", "split_acquire", "split_epoch",
+                         "combine_splits", "combine_weights", "combine_sink", "combine_sink_head"}
+FAULTS[:] = [dataclasses.replace(f, run="ARKERNELS_CLUSTER=0 " + f.run) if f.site in _GLOBAL_COMBINE_SITES else f
+             for f in FAULTS]
+
+_CLUSTER_FILE = "window_attention_decode_cluster.cuh"
+_CLUSTER = ("cluster_grid and (s5-b3 or s8-b1 or s16-b3) or cluster_ran and 3-simt or global_path or capped_plan "
+            "or cluster_aborted")
+_CLUSTER_SINKS = "sinks_decode_splits and 0-simt"
+
+
+def _cluster_fault(what: str, site: str, find: str, replace: str, file: str = _CLUSTER_FILE,
+                   select: str = _CLUSTER, tests: tuple = ("test_window_attention_cluster.py",)) -> Fault:
+    return Fault(f"decode cluster: {what}", file, site, find, replace, build=KERNEL_BUILD,
+                 run=_kernel_run(select, tests=tests))
+
+
+FAULTS += [
+    _cluster_fault("the first cluster barrier dropped (partials read before they are written)", "cluster_first_sync",
+                   "  dev::cluster_sync();  // every CTA's partial and lse are in its shared memory (a release / acquire)\n",
+                   ""),
+    _cluster_fault("the first cluster barrier relaxed (it publishes no partial)", "cluster_first_sync",
+                   "  dev::cluster_sync();  // every CTA's", "  dev::cluster_sync_relaxed();  // every CTA's"),
+    _cluster_fault("the last cluster barrier dropped (a CTA exits while others read its shared memory)",
+                   "cluster_last_sync", "  dev::cluster_sync_relaxed();\n", ""),
+    _cluster_fault("a CTA's slot count off by one (its last slot never written)", "cluster_owner",
+                   "const int mine = (nslots - rank + ns - 1) / ns;", "const int mine = (nslots - rank + ns - 2) / ns;"),
+    _cluster_fault("a split's partial read from the next rank", "cluster_part_rank",
+                   "unsigned(s));", "unsigned((s + 1) % ns));"),
+    _cluster_fault("a split's lse read from the next rank", "cluster_lse_rank",
+                   "unsigned(lane)) : neg_inf();", "unsigned((lane + 1) % ns)) : neg_inf();"),
+    _cluster_fault("the attention sink dropped", "cluster_sink",
+                   "const float sink2 = p.sinks ?", "const float sink2 = false ?",
+                   select=_CLUSTER_SINKS, tests=("test_window_attention_sinks.py",)),
+    _cluster_fault("splits capped at 16 whatever the columns (SMs left idle)", "cluster_plan_fill",
+                   "  if (columns * kClusterMax * 10 >= int64_t(props.sm_count) * 9) return kClusterMax;\n",
+                   "  return kClusterMax;\n"),
+    _cluster_fault("launched in clusters of half the splits (each combines half the partials)", "cluster_launch",
+                   "unsigned(plan.cluster), p,", "unsigned(plan.cluster / 2 > 0 ? plan.cluster / 2 : 1), p,",
+                   file=_DECODE_FILE),
+]
+
+
 def main() -> int:
     global CSRC
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -349,6 +349,26 @@ def test_fence_scope():
 
 
 
+def test_fence_scope_cluster_barrier():
+    """The sm_90 cluster combine's barrier release (MEMBAR.ALL.GPU, CGAERRBAR, UCGABAR_ARV: every thread of the cluster
+    path) is counted apart from the split-KV fences: one passes beside them or alone; two fail (the exit barrier must
+    stay relaxed); a MEMBAR.SC there fails; a MEMBAR.ALL every thread runs that is no cluster barrier still fails."""
+    def insn(pc, op, pred=None, operands=""):
+        return (pc, pred, op, operands)
+    cbr = [insn(0x100, "MEMBAR.ALL.GPU"), insn(0x108, "CGAERRBAR"), insn(0x110, "UCGABAR_ARV"),
+           insn(0x118, "UCGABAR_WAIT"), insn(0x120, "CCTL.IVALL")]
+    relaxed = [insn(0x200, "UCGABAR_ARV"), insn(0x208, "UCGABAR_WAIT")]
+    one_thread = [insn(0x10, "BAR.SYNC"), insn(0x30, "BRA", "@P0", " 0x90"), insn(0x50, "MEMBAR.ALL.GPU"),
+                  insn(0x60, "ATOMG.E.ADD.64.STRONG.GPU"), insn(0x70, "BRA", "@P1", " 0x90"),
+                  insn(0x80, "MEMBAR.ALL.GPU"), insn(0x90, "BAR.SYNC")]
+    assert sr.fence_scope(one_thread + cbr + relaxed) == "1T x2 CBR x1"
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC")] + cbr + relaxed) == "CBR x1"
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC")] + cbr + [insn(0x1f0, "STG.E")] + cbr) == "CBR"
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC"), insn(0x20, "MEMBAR.SC.GPU"), insn(0x28, "UCGABAR_ARV")]) == "SC"
+    assert sr.fence_scope([insn(0x10, "BAR.SYNC")] + cbr + [insn(0x130, "BAR.SYNC"),
+                                                           insn(0x140, "MEMBAR.ALL.GPU")]) == "ALL"
+
+
 def test_pdl_order():
     """sm_90: a wait (ACQBULK) above every global access and a trigger (PREEXIT); sm_80: neither instruction."""
     good = ["S2R", "LDC.64", "ULDC.64", "ACQBULK", "LDG.E.CONSTANT", "STG.E", "PREEXIT", "LDGSTS.E.BYPASS.128", "EXIT"]

@@ -7,6 +7,10 @@
 - Poisoned allocations: what an op allocates (outputs, scratch) is NaN until written.
 - Programmatic dependent launch (csrc/pdl.cuh): on sm_90 a kernel's launch may overlap the one before it, so a global
   access before griddepcontrol.wait, or a thread that exits without one, is reported; on sm_80 launches are plain.
+- Thread-block clusters (csrc/simt/simt_cluster.h): a cluster's blocks run at once, each with its own shared memory,
+  read and written by the others through DSMEM between cluster barriers; an access no barrier orders, an access to an
+  exited block (or an exit before another block's access), a rank outside the cluster are reported, and launches a
+  GPU refuses are refused.
 """
 import pytest
 import torch
@@ -143,4 +147,71 @@ def test_pdl_wait_first_is_clean_and_the_trigger_counted(device):
     with arkernels.simt.emulate(device="sm_90"):
         assert torch.equal(_pdl_probe(0), torch.arange(1, 33).float())
         assert arkernels.simt.launches() == [{"grid": (1, 1, 1), "threads": 32, "smem": 0, "pdl": True,
-                                              "triggered": 1}]
+                                              "triggered": 1, "cluster": 1, "dsmem": 0}]
+
+
+def _cluster_probe(blocks, cluster, mode, nonportable=False):
+    import arkernels.simt
+
+    arkernels.simt.load()
+    return torch.ops.arkernels_simt.cluster_probe(blocks, cluster, mode, nonportable)
+
+
+def _probe_values(blocks):
+    return (100 * torch.arange(blocks).float()[:, None] + torch.arange(32).float()[None, :])
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("blocks, cluster, block_order", [(8, 4, 0), (8, 4, 3), (12, 3, 0), (16, 16, 0), (6, 1, 0)])
+def test_cluster_blocks_read_each_other_through_dsmem(device, blocks, cluster, block_order):
+    """Each block of a cluster loads its neighbour's shared memory (rank + 1) after a cluster barrier, and stores into
+    it (mode 4): the values are the neighbour's, in every block order; ranks and cluster sizes are reported right,
+    and the launch log counts the cluster and the DSMEM bytes."""
+    import arkernels.simt
+
+    want = _probe_values(blocks)
+    nb = torch.arange(blocks)
+    nxt = (nb // cluster) * cluster + (nb % cluster + 1) % cluster
+    prv = (nb // cluster) * cluster + (nb % cluster - 1) % cluster
+    with arkernels.simt.emulate(device="sm_90", block_order=block_order):
+        out, info = _cluster_probe(blocks, cluster, 0, nonportable=cluster > 8)
+        assert torch.equal(out, want[nxt])
+        assert torch.equal(info, (nb % cluster + 100 * cluster).int())
+        launch, = arkernels.simt.launches()
+        assert (launch["cluster"], launch["dsmem"]) == (cluster, blocks * 32 * 4)
+        out, _ = _cluster_probe(blocks, cluster, 4, nonportable=cluster > 8)
+        assert torch.equal(out, want[prv])
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("mode, what", [(1, "no cluster barrier between the store and the load"),
+                                        (2, "may still access its shared memory"),
+                                        (3, "rank 4 in a cluster of 4 blocks"),
+                                        (5, "no cluster barrier between the store and the load")])
+def test_cluster_access_no_barrier_orders_is_reported(device, mode, what):
+    """A load of another block's bytes written after the loader's last cluster barrier (mode 1: a flag polled with no
+    barrier; mode 5: only a relaxed barrier between, which publishes nothing), a block that exits with no cluster barrier after another block's last access to it (mode 2), a rank
+    outside the cluster (mode 3): each reported, whatever the threads' timing (decided from barrier counts)."""
+    import arkernels.simt
+
+    with arkernels.simt.emulate(device="sm_90"):
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match=what):
+                _cluster_probe(8, 4, mode)
+        out, _ = _cluster_probe(8, 4, 0)  # and the error does not stick to the next launch
+    assert not bool(torch.isnan(out).any())
+
+
+@pytest.mark.parametrize("device", SIMT_DEVICES)
+@pytest.mark.parametrize("blocks, cluster, nonportable, gpu, what", [
+    (16, 16, False, "sm_90", "more than 8 blocks without cudaFuncAttributeNonPortableClusterSizeAllowed"),
+    (32, 32, True, "sm_90", "more than 16 blocks"),
+    (12, 8, True, "sm_90", "not a multiple of the cluster"),
+    (8, 4, False, "sm_80", "need sm_90"),
+])
+def test_cluster_launches_a_gpu_refuses_are_refused(device, blocks, cluster, nonportable, gpu, what):
+    import arkernels.simt
+
+    with arkernels.simt.emulate(device=gpu):
+        with pytest.raises(RuntimeError, match=what):
+            _cluster_probe(blocks, cluster, 0, nonportable)

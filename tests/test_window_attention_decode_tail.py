@@ -1,6 +1,7 @@
 """window_attention decode's split-KV tail (issue 26) in the SIMT emulator: completion counters no failed launch can
 poison (an epoch per launch), the combine's partial reads (each partial byte read exactly once), and the launch
-planner's one-wave split count."""
+planner's one-wave split count. The global combine's tests run with thread-block clusters off (on sm_90 the planner
+otherwise takes the cluster combine, tests/test_window_attention_cluster.py)."""
 import pytest
 import torch
 
@@ -34,6 +35,8 @@ def test_window_attention_decode_aborted_launch_poisons_nothing(device, aborted)
     import arkernels.simt
 
     gen = torch.Generator().manual_seed(7)
+    no_cluster = arkernels.simt.emulate(cluster=False)
+    no_cluster.__enter__()
     run, check = _decode(device, gen, [900, 700], hq=4, hkv=2)
     check(*run())
     grid = arkernels.simt.launches()[0]["grid"]
@@ -50,6 +53,8 @@ def test_window_attention_decode_aborted_launch_poisons_nothing(device, aborted)
     more, check_more = _decode(device, gen, [900, 700, 300], hq=4, hkv=2)
     check_more(*more())
     check(*run())
+    assert arkernels.simt.launches()[0]["cluster"] == 1
+    no_cluster.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
@@ -64,7 +69,8 @@ def test_window_attention_decode_combine_reads(device, heads, d):
     hq, hkv = heads
     gen = torch.Generator().manual_seed(hq + d)
     run, check = _decode(device, gen, [2000, 1300], hq=hq, hkv=hkv, d=d)
-    check(*run())
+    with arkernels.simt.emulate(cluster=False):
+        check(*run())
     (splits, cols_y, batch), = [launch["grid"] for launch in arkernels.simt.launches()]
     assert splits > 1
     for name in ("part_out", "part_lse"):
@@ -88,18 +94,21 @@ PLANS = [(1, 32, 8, 128, 8192, 0), (1, 32, 8, 128, 32768, 4096), (32, 32, 8, 128
 
 @pytest.mark.parametrize("device", SIMT_DEVICES)
 @pytest.mark.parametrize("gpu", list(GPUS))
-def test_window_attention_decode_one_wave(device, gpu):
+@pytest.mark.parametrize("cluster", [False, True])
+def test_window_attention_decode_one_wave(device, gpu, cluster):
     """The split count is sized to one wave, as FlashInfer sizes its grid (blocks per SM x SMs): CTAs per SM from the
     planned shared memory (the 1 KB per-block reservation included, at most 3: the register bound), splits =
     min(64, wave // columns, ceil(keys / 128)), 1 when the columns fill the wave alone or the table holds <= 128 keys;
     so columns x splits never exceeds the wave. The table capacity (not seq_lens) bounds the keys: the sequences here
-    are short, so the emulator runs the planned grid cheaply, and the output is checked too."""
+    are short, so the emulator runs the planned grid cheaply, and the output is checked too.
+    With clusters (sm_90 only): a plan of <= 16 splits is one cluster per column as planned; more splits are capped to
+    16 where columns x 16 still cover >= 90% of the SMs (decode_cluster_splits), else the global combine keeps them."""
     import arkernels.simt
 
     sms, optin = GPUS[gpu]
     gen = torch.Generator().manual_seed(3)
     got = {}
-    with arkernels.simt.emulate(gpu):
+    with arkernels.simt.emulate(gpu, cluster=cluster):
         for plan in PLANS:
             batch, hq, hkv, d, cap, window = plan
             block_size = 16
@@ -118,9 +127,19 @@ def test_window_attention_decode_one_wave(device, gpu):
             wave = min((optin + 1024) // (smem + 1024), 3) * sms
             keys = min(window, cap) if window else cap
             want = 1 if columns >= wave or keys <= 128 else min(64, wave // columns, -(-keys // 128))
+            want_cluster = 1
+            if cluster and gpu == "sm_90" and want > 1:
+                if want <= 16:
+                    want_cluster = want
+                elif columns * 16 * 10 >= sms * 9:
+                    want = want_cluster = 16
             assert splits == want, (gpu, batch, hq, hkv, d, cap, window, smem, splits, want)
+            assert arkernels.simt.launches()[0]["cluster"] == want_cluster
             assert splits == 1 or columns * splits <= wave
             got[plan] = splits
-    if gpu == "sm_90":  # the issue's B=1 rows: 2 CTAs per SM (108.8 KB each) x 132 SMs / 8 KV heads = 33; the
-        # 4096 window: 32 splits of 128 keys; 256 columns of B=32 fill the wave alone
+    if gpu == "sm_90" and not cluster:  # the issue's B=1 rows: 2 CTAs per SM (108.8 KB each) x 132 SMs / 8 KV heads
+        # = 33; the 4096 window: 32 splits of 128 keys; 256 columns of B=32 fill the wave alone
         assert (got[PLANS[0]], got[PLANS[1]], got[PLANS[2]]) == (33, 32, 1)
+    if gpu == "sm_90" and cluster:  # B=1, 8 KV heads: 8 x 16 = 128 CTAs on 132 SMs, clusters of 16; GQA 20/1 (2
+        # columns): 16 splits would leave 100 SMs idle, so the global combine keeps its 32 (4096 keys / 128)
+        assert (got[PLANS[0]], got[PLANS[1]], got[PLANS[2]], got[PLANS[4]]) == (16, 16, 1, 32)

@@ -36,7 +36,8 @@ struct WarpExchange {
   uint32_t regs[2][32][6];  // mma: a[0..3], b[0..1] of each lane
   const void* rows[2][32];  // ldmatrix: each lane's row address
 };
-inline WarpExchange g_exchange[32];         // one per warp of a 1024-thread block
+// One per warp of a 1024-thread block, per block of a cluster (simt_cluster.h: a cluster's blocks run at once).
+inline WarpExchange g_exchange[16][32];
 inline thread_local unsigned t_collective;  // this thread's count of collectives: selects the buffer
 
 inline float b16_to_float(uint16_t bits, bool bf16) {
@@ -64,7 +65,7 @@ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
   Group& w = my_warp();
   check_full_warp(w, "mma.sync", line);
   const int lane = lane_id();
-  auto& x = g_exchange[t_tid / 32].regs[t_collective++ & 1];
+  auto& x = g_exchange[t_rank][t_tid / 32].regs[t_collective++ & 1];
   for (int i = 0; i < 4; ++i) x[lane][i] = a[i];
   x[lane][4] = b[0];
   x[lane][5] = b[1];
@@ -104,7 +105,7 @@ void ldmatrix(uint32_t (&r)[N], const void* p, int line) {
   Group& w = my_warp();
   check_full_warp(w, "ldmatrix", line);
   const int lane = lane_id();
-  auto& rows = g_exchange[t_tid / 32].rows[t_collective++ & 1];
+  auto& rows = g_exchange[t_rank][t_tid / 32].rows[t_collective++ & 1];
   rows[lane] = p;
   if (lane < 8 * N && reinterpret_cast<uintptr_t>(p) % 16)
     report("ldmatrix%s: lane %ld gives a row address %ld bytes past a 16-byte boundary", Trans ? ".trans" : "", lane,

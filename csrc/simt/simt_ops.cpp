@@ -13,6 +13,7 @@
 
 #include <atomic>
 
+#include "../cluster.cuh"
 #include "../int8_matmul_launch.h"
 #include "../paged_kv_launch.h"
 #include "../window_attention_launch.h"
@@ -67,6 +68,7 @@ auto emulated(const char* op, F&& f) {
   std::lock_guard<std::mutex> g(mu);
   ::simt::clear_errors();
   ::simt::g_max_dynamic_smem.clear();
+  ::simt::g_nonportable_cluster.clear();
   auto result = [&] {
     const PoisonScope poison;
     return f();
@@ -198,7 +200,8 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
   return {names, reads, writes};
 }
 // The last op call's launches, flattened: (grid x, y, z, threads, dynamic smem bytes, PDL launch 0/1, CTAs that
-// executed griddepcontrol.launch_dependents) per launch.
+// executed griddepcontrol.launch_dependents, blocks per cluster, bytes moved through distributed shared memory) per
+// launch.
 std::vector<int64_t> launch_log() {
   std::vector<int64_t> out;
   for (const auto& l : ::simt::g_launches) out.insert(out.end(), l.begin(), l.end());
@@ -219,6 +222,10 @@ bool get_visibility() { return ::simt::g_visibility; }
 // True (default): launch_pdl makes PDL launches on an sm_90 device (see simt.h, g_pdl_enabled); false: plain ones.
 void set_pdl(bool on) { ::simt::g_pdl_enabled = on; }
 bool get_pdl() { return ::simt::g_pdl_enabled; }
+// True (default): launch planning may take thread-block clusters on an sm_90 device (csrc/cluster.cuh,
+// cluster_plannable); false: none (ARKERNELS_CLUSTER=0 at process start does the same).
+void set_cluster(bool on) { ::simt::g_cluster_enabled = on; }
+bool get_cluster() { return ::simt::g_cluster_enabled; }
 
 // ---- probes of the emulator's own model (tests/test_simt_emulator.py) ----
 // `blocks` blocks of 32 threads: each thread of block k stores k + 1 to slot[k * 32 + tid] and, when `fence`,
@@ -310,6 +317,53 @@ std::tuple<at::Tensor, at::Tensor> release_probe(int64_t blocks, int64_t mode) {
     return std::make_tuple(out, slot);
   });
 }
+// Thread-block clusters (csrc/simt/simt_cluster.h): blocks of 32 threads in clusters of `cluster` along x, 64 floats of
+// dynamic shared memory each. Every thread stores v(block, tid) = 100 * block + tid to its smem[tid], then by `mode`:
+// 0: cluster barrier; loads smem[tid] of rank (rank + 1) % n through DSMEM into out[block][tid]; cluster barrier.
+// 1: no barrier before the load: polls the neighbour's smem[tid] through DSMEM until it changes (a flag read with no
+//    barrier: the race the emulator reports), then as 0.
+// 2: as 0 without the barrier before exit (a block may exit while its neighbour still reads it).
+// 3: as 0 with rank n (outside the cluster).
+// 4: stores v to smem[32 + tid] of rank (rank + 1) % n through DSMEM; cluster barrier; out[block][tid] = own
+//    smem[32 + tid] (the value of rank (rank - 1) % n); cluster barrier.
+// 5: as 0 with a relaxed first barrier (it publishes nothing: the load is a race) and a relaxed last one (enough to
+//    order the load before the neighbour's exit).
+// info[block] = rank + 100 * nctarank.
+__global__ void cluster_probe_kernel(float* out, int* info, int mode) {
+  AK_DYNAMIC_SHARED(float, smem);
+  const int tid = threadIdx.x;
+  const unsigned rank = dev::cluster_ctarank(), n = dev::cluster_nctarank();
+  const unsigned next = mode == 3 ? n : (rank + 1) % n;
+  const float v = float(100 * blockIdx.x + tid);
+  smem[tid] = v;
+  if (tid == 0) info[blockIdx.x] = int(rank + 100 * n);
+  if (mode == 4) dev::st_dsmem(smem + 32 + tid, next, v);
+  if (mode == 1) {
+    float seen = dev::ld_dsmem(smem + tid, next);
+    while (std::isnan(seen)) seen = dev::ld_dsmem(smem + tid, next);
+  } else if (mode == 5) {
+    dev::cluster_sync_relaxed();
+  } else {
+    dev::cluster_sync();
+  }
+  out[blockIdx.x * 32 + tid] = mode == 4 ? smem[32 + tid] : dev::ld_dsmem(smem + tid, next);
+  if (mode == 5) dev::cluster_sync_relaxed();
+  if (mode != 2 && mode != 5) dev::cluster_sync();
+}
+// -> (out [blocks, 32], info [blocks]); `nonportable`: the kernel's NonPortableClusterSizeAllowed attribute.
+std::tuple<at::Tensor, at::Tensor> cluster_probe(int64_t blocks, int64_t cluster, int64_t mode, bool nonportable) {
+  TORCH_CHECK(blocks >= 1 && blocks <= 64 && cluster >= 1, "blocks: 1..64, cluster >= 1");
+  TORCH_CHECK(mode >= 0 && mode <= 5, "mode: 0..5");
+  return emulated("cluster_probe", [&] {
+    ::simt::reset_traffic();
+    at::Tensor out = at::zeros({blocks, 32}, at::kFloat), info = at::zeros({blocks}, at::kInt);
+    ::simt::set_nonportable_cluster(cluster_probe_kernel, nonportable);
+    ::simt::launch_cluster(false, dim3(unsigned(cluster)), dim3(unsigned(blocks)), dim3(32), 64 * 4,
+                           cluster_probe_kernel, out.data_ptr<float>(), info.data_ptr<int32_t>(), int(mode));
+    return std::make_tuple(out, info);
+  });
+}
+
 // An fp32 [n] tensor allocated inside an emulated call and never written: what an unwritten output holds.
 at::Tensor alloc_probe(int64_t n) {
   return emulated("alloc_probe", [&] { return at::empty({n}, at::kFloat); });
@@ -399,6 +453,10 @@ TORCH_LIBRARY_FRAGMENT(arkernels_simt, m) {
   m.def("set_pdl(bool on) -> ()", &arkernels::set_pdl);
   m.def("get_pdl() -> bool", &arkernels::get_pdl);
   m.def("pdl_probe(int order) -> Tensor", &arkernels::pdl_probe);
+  m.def("set_cluster(bool on) -> ()", &arkernels::set_cluster);
+  m.def("get_cluster() -> bool", &arkernels::get_cluster);
+  m.def("cluster_probe(int blocks, int cluster, int mode, bool nonportable) -> (Tensor, Tensor)",
+        &arkernels::cluster_probe);
   m.def("mma_probe(Tensor a, Tensor b, Tensor c, bool bf16) -> Tensor", &arkernels::mma_probe);
   m.def("ldmatrix_probe(Tensor tile, int n, bool trans) -> Tensor", &arkernels::ldmatrix_probe);
 }
