@@ -33,10 +33,11 @@ done
 
 # 2. Emulated kernel tests under each sanitizer: a slice that covers every kernel (append, gather, decode with
 #    split-KV and combine, prefill with 64- and 32-key tiles, head dims 64/128/256, fp16 and bf16, GQA, windows,
-#    the traffic meter, multi-query decode: fp8 at head_dim 80 with GQA 4, split-KV with sinks, unchecked rows), the
-#    hostile inputs of tests/test_window_attention_safety.py (not its 64 GB sparse views:
+#    the traffic meter, multi-query decode: fp8 at head_dim 80 with GQA 4, split-KV with sinks, unchecked rows, the
+#    sm_90 cluster combine: concurrent CTAs reading each other's shared memory; the w8a16 fragment GEMV with split-K
+#    and a partial last step), the hostile inputs of tests/test_window_attention_safety.py (not its 64 GB sparse views:
 #    nothing in a mapping that large is a heap overrun to find). halt_on_error: the first report fails the run.
-SLICE="simt and (append_grid and 13-64 or gather_grid and 13-128 or traffic or length_past or decode_long_context or decode_grid and 13-16 or prefill_grid and gqa1-128 or prefill_grid and gqa2-256 or 99kb or strided_inputs_and_kv_start or unchecked or lengths_vs or fenced or poisoned or safety and not offsets_past or multiquery_grid and True-gqa1-80 or multiquery_splits and sinks_fp8-1 or multiquery_unchecked)"
+SLICE="simt and (append_grid and 13-64 or gather_grid and 13-128 or traffic or length_past or decode_long_context or decode_grid and 13-16 or prefill_grid and gqa1-128 or prefill_grid and gqa2-256 or 99kb or strided_inputs_and_kv_start or unchecked or lengths_vs or fenced or poisoned or safety and not offsets_past or multiquery_grid and True-gqa1-80 or multiquery_splits and sinks_fp8-1 or multiquery_unchecked or cluster_grid and (s3-b2 or s16-b3) or cluster_ran and 3-simt or fragment_matmul_matches_reference and (3-4021 or 4-64-656))"
 for variant in thread address; do
   t0=$(tick)
   lib=$("$PY" -m arkernels.simt build --sanitize "$variant" | tail -1)
@@ -53,7 +54,8 @@ for variant in thread address; do
       ASAN_OPTIONS="detect_leaks=0 halt_on_error=1" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
       TRITON_INTERPRET=1 "$PY" -m pytest -s -q -p no:cacheprovider -m simt -k "$SLICE" tests/test_paged_kv.py \
       tests/test_window_attention.py tests/test_simt_emulator.py tests/test_window_attention_safety.py \
-      tests/test_window_attention_multiquery.py > "$log" 2>&1; then
+      tests/test_window_attention_multiquery.py tests/test_window_attention_cluster.py \
+      tests/test_int8_fragment_matmul.py > "$log" 2>&1; then
     tail -60 "$log"; say "emulated tests under the $variant sanitizer: FAILED"; exit 1
   fi
   say "emulated tests ($variant sanitizer): $(tail -1 "$log"); build $(( t1 - t0 )) s, run $(( $(tick) - t1 )) s"
